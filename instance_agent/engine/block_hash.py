@@ -1,0 +1,96 @@
+"""Chained block hashing: the one function that names a KV block everywhere in kvherd.
+
+Contract:
+- A block hash covers exactly one *full* block of `block_size` token ids. Partial blocks are never hashed.
+- It is chained: ``hash_block(parent, tokens, extra)`` folds in the parent block's hash, so equal hashes
+  mean equal whole prefixes, not just equal blocks.
+- Extra keys (e.g. a tenant's cache salt) are folded into the *first* block only; since every later block
+  chains on it, a salt changes every hash of the chain.
+- Hashes are 64-bit unsigned ints, stable across processes, machines and Python versions (xxh3-64 by
+  default, sha256 truncated to 64 bits when selected). Python's ``hash()`` is never used.
+
+The engine, the proxy, the scheduler's prefix index and the simulator all call this module, so a block
+hashed by any of them names the same KV block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from array import array
+from collections.abc import Sequence
+from typing import Literal
+
+import xxhash
+
+BlockHash = int
+HashAlgo = Literal["xxh3_64", "sha256"]
+
+# The parent of the first block. A fixed constant (not random) keeps hashes stable across processes.
+ROOT_PARENT_HASH: BlockHash = 0
+_U64 = struct.Struct("<Q")
+
+
+def _extra_bytes(extra_keys: Sequence[str | int | bytes] | None) -> bytes:
+    if not extra_keys:
+        return b""
+    parts: list[bytes] = []
+    for key in extra_keys:
+        if isinstance(key, bytes):
+            raw, tag = key, b"b"
+        elif isinstance(key, str):
+            raw, tag = key.encode("utf-8"), b"s"
+        elif isinstance(key, int):
+            raw, tag = str(key).encode("ascii"), b"i"
+        else:
+            raise TypeError(f"extra key must be str, int or bytes, not {type(key).__name__}")
+        # Length-prefixed so ("ab", "c") and ("a", "bc") never collide.
+        parts.append(tag + _U64.pack(len(raw)) + raw)
+    return b"x" + b"".join(parts)
+
+
+def hash_block(
+    parent_hash: BlockHash | None,
+    token_ids: Sequence[int],
+    extra_keys: Sequence[str | int | bytes] | None = None,
+    algo: HashAlgo = "xxh3_64",
+) -> BlockHash:
+    """Hash one full block given its parent's hash (None for the first block)."""
+    tokens = array("I", token_ids)  # uint32: every vocabulary fits; rejects negative ids
+    if tokens.itemsize != 4:  # pragma: no cover - platform guard
+        raise RuntimeError("array('I') must be 32-bit")
+    payload = (
+        _U64.pack(ROOT_PARENT_HASH if parent_hash is None else parent_hash)
+        + tokens.tobytes()
+        + _extra_bytes(extra_keys)
+    )
+    if algo == "xxh3_64":
+        return xxhash.xxh3_64_intdigest(payload)
+    if algo == "sha256":
+        return int.from_bytes(hashlib.sha256(payload).digest()[:8], "little")
+    raise ValueError(f"unknown hash algorithm {algo!r}; expected 'xxh3_64' or 'sha256'")
+
+
+def block_hash_chain(
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None = None,
+    algo: HashAlgo = "xxh3_64",
+    start: int = 0,
+    parent_hash: BlockHash | None = None,
+) -> list[BlockHash]:
+    """Hashes of every full block of `token_ids`, from block index `start` on.
+
+    `parent_hash` must be the hash of block `start - 1` when `start > 0` (incremental hashing as a
+    request grows). The salt only enters block 0.
+    """
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    hashes: list[BlockHash] = []
+    parent = parent_hash
+    for index in range(start, len(token_ids) // block_size):
+        block = token_ids[index * block_size : (index + 1) * block_size]
+        extra = (cache_salt,) if (index == 0 and cache_salt) else None
+        parent = hash_block(parent, block, extra, algo)
+        hashes.append(parent)
+    return hashes

@@ -1,0 +1,5 @@
+import sys
+
+from kvherd.cli import main
+
+sys.exit(main())

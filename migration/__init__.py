@@ -1,0 +1,1 @@
+"""Live migration of running requests and their KV blocks between instances."""

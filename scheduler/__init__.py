@@ -1,0 +1,1 @@
+"""Global scheduler: a pure core (cluster state, prefix index, dispatch) and the reverse proxy around it."""
