@@ -18,7 +18,10 @@ from kvherd import __version__
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("instance_agent.generate_cli", "generate text with the built-in paged engine"),
     "agent": ("instance_agent.agent_cli", "run an instance agent (OpenAI API + KV events)"),
-    "profile": ("instance_agent.profile_cli", "measure the engine's step time and fit a latency model"),
+    "profile": (
+        "instance_agent.profile_cli",
+        "measure the engine's step time and fit a latency model",
+    ),
     "serve": ("scheduler.serve_cli", "run the KV-aware reverse proxy in front of a fleet"),
     "up": ("scheduler.up_cli", "start N local agents and the proxy in one command"),
     "sim": ("simulator.sim_cli", "simulate a trace on a fleet, policies side by side"),

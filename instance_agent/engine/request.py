@@ -147,7 +147,8 @@ class Request:
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
-        self.token_ids = list(prompt_token_ids)  # prompt then output, the sequence KV is computed for
+        # Prompt then output: the sequence whose KV the engine computes.
+        self.token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.sampling_params = sampling_params
         # Unseeded requests still get a fixed seed, so their sampling state is migratable.

@@ -1,0 +1,229 @@
+"""The torch-free engine core: block manager and batch scheduler, driven without a model.
+
+A deterministic next-token function stands in for the forward pass; the block accounting, prefix
+cache, preemption and KV events under test are the real ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from instance_agent.engine.batch_scheduler import BatchScheduler, SchedulerConfig, SchedulerOutput
+from instance_agent.engine.block_manager import BlockManager
+from instance_agent.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from instance_agent.engine.request import InvalidRequestError, Request, SamplingParams
+
+BLOCK = 4
+
+
+def next_token(tokens: list[int]) -> int:
+    """A pure function of the whole sequence, like greedy decoding of a fixed model."""
+    return xxhash.xxh32_intdigest(bytes(t % 256 for t in tokens[-8:])) % 200 + 1
+
+
+def make_request(rid: str, prompt: list[int], max_tokens: int, arrival: float = 0.0) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return Request(rid, prompt, params, block_size=BLOCK, arrival_time=arrival)
+
+
+def step(sched: BatchScheduler) -> tuple[SchedulerOutput, list[Request]]:
+    out = sched.schedule()
+    sampled = {
+        s.request.request_id: next_token(s.request.token_ids) for s in out.scheduled if s.samples
+    }
+    return out, sched.update_from_output(out, sampled)
+
+
+def run_to_completion(sched: BatchScheduler, max_steps: int = 10_000) -> dict[str, list[int]]:
+    outputs: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not sched.has_unfinished():
+            return outputs
+        _, finished = step(sched)
+        for req in finished:
+            outputs[req.request_id] = req.output_token_ids
+        sched.block_manager.check_integrity()
+    raise AssertionError("scheduler did not finish")
+
+
+def replay_cached(events: list[KVEvent], state: set[int]) -> set[int]:
+    for event in events:
+        if isinstance(event, BlockStored):
+            state.update(event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            state.difference_update(event.block_hashes)
+        elif isinstance(event, AllBlocksCleared):
+            state.clear()
+    return state
+
+
+def cached_hashes(bm: BlockManager) -> set[int]:
+    return {b.block_hash for b in bm.blocks if b.block_hash is not None}
+
+
+def test_prefix_hit_skips_computed_tokens_and_keeps_output() -> None:
+    prompt = list(range(1, 23))  # 22 tokens: 5 full blocks
+    bm = BlockManager(64, BLOCK)
+    sched = BatchScheduler(SchedulerConfig(max_model_len=256), bm)
+    sched.add_request(make_request("a", prompt, 6))
+    first = run_to_completion(sched)["a"]
+    sched.add_request(make_request("b", prompt, 6))
+    out, _ = step(sched)
+    assert out.scheduled[0].num_computed_before == 20  # 5 cached blocks skipped
+    assert out.scheduled[0].num_new_tokens == 2
+    second = run_to_completion(sched)
+    assert second["b"] == first
+    assert sched.prefix_cache_hits == 20
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_fully_cached_block_aligned_prompt_still_computes_last_block() -> None:
+    prompt = list(range(1, 17))  # exactly 4 blocks
+    bm = BlockManager(32, BLOCK)
+    sched = BatchScheduler(SchedulerConfig(max_model_len=128), bm)
+    sched.add_request(make_request("a", prompt, 2))
+    run_to_completion(sched)
+    sched.add_request(make_request("b", prompt, 2))
+    out, _ = step(sched)
+    assert out.scheduled[0].num_computed_before == 12
+    assert out.scheduled[0].num_new_tokens == 4
+
+
+def test_chunked_prefill_respects_token_budget() -> None:
+    bm = BlockManager(64, BLOCK)
+    sched = BatchScheduler(SchedulerConfig(max_num_batched_tokens=8, max_model_len=128), bm)
+    sched.add_request(make_request("a", list(range(1, 21)), 3))
+    sizes = []
+    while sched.has_unfinished():
+        out, _ = step(sched)
+        sizes.append(out.num_batched_tokens)
+        assert out.num_batched_tokens <= 8
+    assert sizes[:3] == [8, 8, 4]
+
+
+def test_preemption_by_recompute_gives_identical_outputs() -> None:
+    prompts = {f"r{i}": [i + 1] * 3 + list(range(10 + i, 20 + i)) for i in range(6)}
+    big = BatchScheduler(SchedulerConfig(max_model_len=128), BlockManager(256, BLOCK))
+    small = BatchScheduler(
+        SchedulerConfig(max_model_len=128), BlockManager(14, BLOCK, watermark=0.0)
+    )
+    for sched in (big, small):
+        for i, (rid, prompt) in enumerate(prompts.items()):
+            sched.add_request(make_request(rid, prompt, 24, arrival=float(i)))
+    expected = run_to_completion(big)
+    got = run_to_completion(small)
+    assert small.num_preemptions > 0
+    assert got == expected
+    assert small.block_manager.num_free_blocks == 14
+
+
+def test_newest_request_is_preempted_first() -> None:
+    bm = BlockManager(6, BLOCK, watermark=0.0)
+    sched = BatchScheduler(SchedulerConfig(max_model_len=64), bm)
+    sched.add_request(make_request("old", [1] * 7, 12, arrival=0.0))
+    sched.add_request(make_request("new", [2] * 7, 12, arrival=1.0))
+    preempted: list[str] = []
+    while sched.has_unfinished():
+        out, _ = step(sched)
+        preempted += [r.request_id for r in out.preempted]
+    assert preempted and set(preempted) == {"new"}
+
+
+def test_priority_orders_admission() -> None:
+    bm = BlockManager(64, BLOCK)
+    sched = BatchScheduler(SchedulerConfig(max_num_seqs=1, max_model_len=64), bm)
+    low = make_request("low", [1, 2, 3], 1, arrival=0.0)
+    high = make_request("high", [4, 5, 6], 1, arrival=1.0)
+    high.priority = -1
+    sched.add_request(low)
+    sched.add_request(high)
+    out, _ = step(sched)
+    assert [s.request.request_id for s in out.scheduled] == ["high"]
+
+
+def test_refuses_before_allocating() -> None:
+    bm = BlockManager(8, BLOCK, watermark=0.0)
+    sched = BatchScheduler(SchedulerConfig(max_model_len=64), bm)
+    for prompt, max_tokens in (([1] * 64, 1), ([1] * 10, 40), ([], 1)):
+        try:
+            sched.add_request(make_request("x", prompt, max_tokens))
+        except InvalidRequestError:
+            pass
+        else:
+            raise AssertionError("expected a refusal")
+    assert bm.num_free_blocks == 8 and not sched.has_unfinished()
+
+
+def test_events_name_parent_and_tokens() -> None:
+    bm = BlockManager(16, BLOCK)
+    sched = BatchScheduler(SchedulerConfig(max_model_len=64), bm)
+    req = make_request("a", list(range(1, 10)), 1)
+    sched.add_request(req)
+    run_to_completion(sched)
+    events = bm.take_events()
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    assert stored[0].block_hashes == req.block_hashes[:2]
+    assert stored[0].parent_block_hash is None
+    assert stored[0].token_ids == list(range(1, 9))
+    assert stored[0].block_size == BLOCK
+
+
+def test_reserve_share_and_transfer_for_migration() -> None:
+    bm = BlockManager(10, BLOCK, watermark=0.2)
+    assert bm.reserve_blocks("mig", 9) is None  # would dip below the watermark
+    assert bm.num_free_blocks == 10
+    got = bm.reserve_blocks("mig", 3)
+    assert got is not None and len(got) == 3
+    bm.transfer_owner("mig", "req")
+    assert bm.block_ids("req") == got and bm.block_ids("mig") == []
+    bm.check_integrity()
+    bm.free_owner("req")
+    assert bm.num_free_blocks == 10
+    bm.check_integrity()
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 12), st.integers(0, 3)),
+        st.tuples(st.just("step"), st.integers(1, 4)),
+        st.tuples(st.just("abort"), st.integers(0, 40)),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=ops, num_blocks=st.integers(8, 40), budget=st.integers(2, 32))
+def test_random_operations_keep_integrity_and_events_replay(
+    ops: list[tuple], num_blocks: int, budget: int
+) -> None:
+    bm = BlockManager(num_blocks, BLOCK, watermark=0.0)
+    sched = BatchScheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=48), bm
+    )
+    replayed: set[int] = set()
+    added = 0
+    for op in ops:
+        if op[0] == "add":
+            _, length, max_tokens, family = op
+            prompt = [family + 1] * 5 + list(range(100, 100 + length))  # shared family prefixes
+            with contextlib.suppress(InvalidRequestError):
+                sched.add_request(make_request(f"r{added}", prompt, max_tokens, float(added)))
+            added += 1
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                step(sched)
+        else:
+            sched.abort_request(f"r{op[1]}")
+        bm.check_integrity()
+        replayed = replay_cached(bm.take_events(), replayed)
+        assert replayed == cached_hashes(bm)
+    for rid in list(sched.requests):
+        sched.abort_request(rid)
+    bm.check_integrity()
+    assert bm.num_free_blocks == num_blocks and not bm.owners()
+    assert replay_cached(bm.take_events(), replayed) == cached_hashes(bm)
