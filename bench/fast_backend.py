@@ -1,0 +1,155 @@
+"""A minimal, fast OpenAI-compatible server: the benchmark backend for bench/proxy_bench.py.
+
+Contract: answers ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON, or SSE when the
+body has ``"stream": true``) with a fixed short completion, ``GET /v1/models`` and ``GET /health``,
+over HTTP/1.1 keep-alive. It does no model work at all, so a benchmark in front of it measures the
+proxy's own cost. It is a plain asyncio protocol (uvloop when installed) rather than a web framework,
+because a framework's per-request overhead would hide the proxy's.
+
+Run: ``python bench/fast_backend.py --port 9000``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from typing import cast
+
+_COMPLETION = json.dumps(
+    {
+        "id": "cmpl-fast",
+        "object": "text_completion",
+        "created": 0,
+        "model": "tiny",
+        "choices": [{"index": 0, "text": " ok", "logprobs": None, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9},
+    },
+    separators=(",", ":"),
+).encode()
+_CHAT = json.dumps(
+    {
+        "id": "chatcmpl-fast",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "tiny",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "ok"},
+                "finish_reason": "length",
+            }
+        ],
+        "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9},
+    },
+    separators=(",", ":"),
+).encode()
+_SSE = (
+    b'data: {"id":"cmpl-fast","object":"text_completion","created":0,"model":"tiny",'
+    b'"choices":[{"index":0,"text":" ok","logprobs":null,"finish_reason":"length"}]}\n\n'
+    b"data: [DONE]\n\n"
+)
+_MODELS = json.dumps(
+    {
+        "object": "list",
+        "data": [{"id": "tiny", "object": "model", "created": 0, "owned_by": "kvherd"}],
+    }
+).encode()
+_NOT_FOUND = json.dumps(
+    {"error": {"message": "not found", "type": "not_found_error", "param": None, "code": 404}}
+).encode()
+
+
+def _response(status: bytes, body: bytes, content_type: bytes = b"application/json") -> bytes:
+    return (
+        b"HTTP/1.1 "
+        + status
+        + b"\r\ncontent-type: "
+        + content_type
+        + b"\r\ncontent-length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
+
+
+_RESPONSES = {
+    b"/v1/completions": _response(b"200 OK", _COMPLETION),
+    b"/v1/chat/completions": _response(b"200 OK", _CHAT),
+    b"/v1/models": _response(b"200 OK", _MODELS),
+    b"/health": _response(b"200 OK", b""),
+}
+_STREAM = _response(b"200 OK", _SSE, b"text/event-stream")
+_MISSING = _response(b"404 Not Found", _NOT_FOUND)
+
+
+class _HTTPProtocol(asyncio.Protocol):
+    """HTTP/1.1 with Content-Length bodies and pipelining; enough for OpenAI clients and proxies."""
+
+    __slots__ = ("_buffer", "_transport")
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(
+            asyncio.Transport, transport
+        )  # uvloop's transports are not subclasses
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        out: list[bytes] = []
+        while True:
+            head_end = self._buffer.find(b"\r\n\r\n")
+            if head_end < 0:
+                break
+            head = self._buffer[:head_end]
+            length = 0
+            lowered = head.lower()
+            cl = lowered.find(b"content-length:")
+            if cl >= 0:
+                line_end = lowered.find(b"\r\n", cl)
+                length = int(lowered[cl + 15 : line_end if line_end >= 0 else None])
+            total = head_end + 4 + length
+            if len(self._buffer) < total:
+                break
+            body = self._buffer[head_end + 4 : total]
+            self._buffer = self._buffer[total:]
+            path = head[head.find(b" ") + 1 : head.find(b" HTTP/")]
+            if b'"stream":true' in body.replace(b" ", b"") and path != b"/v1/models":
+                out.append(_STREAM)
+            else:
+                out.append(_RESPONSES.get(path.split(b"?")[0], _MISSING))
+        if out and self._transport is not None:
+            self._transport.write(b"".join(out))
+
+
+async def serve(host: str, port: int) -> None:
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(_HTTPProtocol, host, port, backlog=1024, reuse_address=True)
+    async with server:
+        await server.serve_forever()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=9000)
+    args = parser.parse_args()
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # plain asyncio still works, just slower
+        pass
+    print(
+        f"fast backend on http://{args.host}:{args.port} (started {time.strftime('%X')})",
+        flush=True,
+    )
+    asyncio.run(serve(args.host, args.port))
+
+
+if __name__ == "__main__":
+    main()
