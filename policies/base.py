@@ -1,0 +1,64 @@
+"""The two policy protocols and the helpers every built-in shares.
+
+Contract:
+- A dispatch policy has ``choose(request, cluster) -> Decision`` and picks among
+  ``cluster.dispatchable`` (healthy, not draining); it raises `NoInstanceError` when that is empty.
+- A migration policy has ``plan(cluster) -> list[MigrationOrder]``; the migration loop filters out
+  requests and instances already busy with a migration, so a plan may be naive about in-flight moves.
+- Policies are plain objects, constructed with keyword parameters (the registry passes YAML/CLI
+  parameters through). Any randomness comes from a ``random.Random(seed)`` owned by the policy, so a
+  policy is deterministic under its seed.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
+
+from policies.views import (
+    ClusterView,
+    Decision,
+    InstanceView,
+    MigrationOrder,
+    NoInstanceError,
+    RequestView,
+)
+
+
+@runtime_checkable
+class DispatchPolicy(Protocol):
+    """Chooses the instance for a new request."""
+
+    name: str
+
+    def choose(self, request: RequestView, cluster: ClusterView) -> Decision: ...
+
+
+@runtime_checkable
+class MigrationPolicy(Protocol):
+    """Proposes live migrations of running requests, once per migration-loop tick."""
+
+    name: str
+
+    def plan(self, cluster: ClusterView) -> list[MigrationOrder]: ...
+
+
+def candidates(cluster: ClusterView) -> tuple[InstanceView, ...]:
+    """The instances a dispatch policy may choose from; raises if there are none."""
+    found = cluster.dispatchable
+    if not found:
+        raise NoInstanceError(
+            f"no dispatchable instance among {len(cluster)} registered (all unhealthy or draining)"
+        )
+    return found
+
+
+def argbest(
+    items: Sequence[InstanceView], key: Callable[[InstanceView], float], rng: random.Random
+) -> InstanceView:
+    """The item with the highest key; ties broken by the seeded `rng` (never by list order)."""
+    values = [key(item) for item in items]
+    best = max(values)
+    tied = [item for item, value in zip(items, values, strict=True) if value == best]
+    return tied[0] if len(tied) == 1 else rng.choice(tied)

@@ -1,0 +1,77 @@
+"""`llumnix` migration: move short requests off overloaded instances onto the freest ones.
+
+Source: Llumnix (Sun et al., OSDI 2024) §4.4, load balancing by migration. Periodically, instances
+whose freeness is below `src_freeness` (they will run short of KV memory within a few steps), that
+preempted requests since the previous tick, or that are draining (Llumnix gives a terminating
+instance -inf freeness) become sources; dispatchable instances whose freeness is at least
+`dst_freeness` become destinations. Sources sorted from least free and destinations from most free
+are paired in order; each pair migrates the source's *shortest* running request (fewest blocks,
+so the cheapest to move and the least disruption), if it fits the destination.
+Defaults: src_freeness 3.0 blocks per request, dst_freeness 10.0, max_orders 8 per tick.
+"""
+
+from __future__ import annotations
+
+import math
+
+from policies.migrate_room import Room
+from policies.views import ClusterView, InstanceView, MigrationOrder
+
+
+class LlumnixMigration:
+    name = "llumnix"
+
+    def __init__(
+        self, src_freeness: float = 3.0, dst_freeness: float = 10.0, max_orders: int = 8
+    ) -> None:
+        self.src_freeness = src_freeness
+        self.dst_freeness = dst_freeness
+        self.max_orders = max_orders
+        self._preemptions: dict[str, int] = {}
+
+    def _source_freeness(self, inst: InstanceView) -> float:
+        """Freeness used to rank sources; -inf for draining, below threshold when preempting."""
+        preempted = inst.num_preemptions > self._preemptions.get(
+            inst.instance_id, inst.num_preemptions
+        )
+        self._preemptions[inst.instance_id] = inst.num_preemptions
+        if inst.draining:
+            return -math.inf
+        if preempted:
+            return min(inst.freeness, self.src_freeness - 1e-9)
+        return inst.freeness
+
+    def plan(self, cluster: ClusterView) -> list[MigrationOrder]:
+        ranked = {inst.instance_id: self._source_freeness(inst) for inst in cluster.instances}
+        overloaded = [
+            i
+            for i in cluster.instances
+            if i.healthy and i.running and ranked[i.instance_id] < self.src_freeness
+        ]
+        sources = sorted(
+            overloaded,
+            key=lambda i: (ranked[i.instance_id], i.instance_id),
+        )
+        dests = sorted(
+            (i for i in cluster.dispatchable if i.freeness >= self.dst_freeness),
+            key=lambda i: (-i.freeness, i.instance_id),
+        )
+        room = Room(cluster)
+        orders: list[MigrationOrder] = []
+        for src, dst in zip(sources, dests, strict=False):
+            if len(orders) >= self.max_orders or src.instance_id == dst.instance_id:
+                continue
+            shortest = min(src.running, key=lambda r: (r.num_blocks, r.request_id))
+            if room.free.get(dst.instance_id, 0) < shortest.num_blocks:
+                continue
+            room.take(dst.instance_id, shortest.num_blocks)
+            why = "draining" if src.draining else f"freeness {ranked[src.instance_id]:.2f}"
+            orders.append(
+                MigrationOrder(
+                    shortest.request_id,
+                    src.instance_id,
+                    dst.instance_id,
+                    f"{why} -> {dst.freeness:.2f}",
+                )
+            )
+        return orders

@@ -1,0 +1,1 @@
+"""Pipeline plug-ins: filters, scorers and pickers, each referred to by its llm-d-style type name."""

@@ -1,0 +1,177 @@
+"""Read-only views a policy sees, and what a policy answers.
+
+Contract:
+- Policies see the world only through these frozen objects. They never mutate them and never reach
+  into the scheduler core, so the same policy runs in the proxy (real clock) and in the simulator
+  (virtual clock), and a policy can be unit-tested by building views by hand.
+- Load figures in an `InstanceView` are the scheduler's *effective* estimate: the instance's last
+  report plus the router's own optimistic charges for requests dispatched since that report.
+- `ClusterView.prefix_match(request)` returns, per instance, how many *leading* blocks of the
+  request's block-hash chain that instance already caches. It is computed at most once per request
+  (cached on the view), so several scorers may ask for it freely.
+- `Decision` names the chosen instance and can explain itself (per-instance scores, a reason);
+  `MigrationOrder` asks for one running request to move from `src` to `dst`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    """A request about to be dispatched.
+
+    `block_hashes` is the request's chain of full-block hashes (tenant salt already folded in),
+    computed by the scheduler core; policies never hash tokens themselves.
+    """
+
+    request_id: str
+    num_tokens: int
+    block_hashes: tuple[int, ...] = ()
+    block_size: int = 16
+    tenant: str | None = None
+    priority: int = 0
+    max_tokens: int | None = None  # decode budget if the client gave one
+
+    @property
+    def num_blocks(self) -> int:
+        """KV blocks the prompt occupies once prefilled (the last partial block counts)."""
+        return -(-self.num_tokens // self.block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class RunningRequestView:
+    """A request running on an instance, as migration policies need it."""
+
+    request_id: str
+    num_tokens: int
+    num_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceView:
+    """One instance's state at decision time.
+
+    `capacity` is the total number of KV blocks (0 when unknown, e.g. a plain vLLM server that was
+    never scraped). `freeness` is Llumnix's: (free blocks - blocks the head-of-line waiting request
+    needs) / number of requests, +inf for an idle instance.
+    """
+
+    instance_id: str
+    capacity: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    free_blocks: int = 0
+    cached_blocks: int = 0
+    freeness: float = math.inf
+    # The router's own accounting (requests it dispatched that have not finished).
+    inflight: int = 0
+    pending_prefill: int = 0  # dispatched, first token not yet seen
+    pending_prefill_tokens: int = 0  # their prompt tokens not covered by a prefix hit
+    inflight_blocks: int = 0  # KV blocks the in-flight requests hold or will hold
+    # Queued prefill work as best known: reported waiting tokens + router charges since the report.
+    waiting_prefill_tokens: int = 0
+    head_waiting_blocks: int = 0  # blocks the head-of-line waiting request needs (0: none waits)
+    num_preemptions: int = 0  # cumulative, as reported
+    healthy: bool = True
+    draining: bool = False
+    has_kv_events: bool = False
+    running: tuple[RunningRequestView, ...] = ()
+
+    @property
+    def num_requests(self) -> int:
+        return self.num_running + self.num_waiting
+
+    @property
+    def dispatchable(self) -> bool:
+        """Healthy and not draining: may receive new requests."""
+        return self.healthy and not self.draining
+
+
+class NoInstanceError(RuntimeError):
+    """No instance can take the request (none registered, or all unhealthy or draining)."""
+
+
+PrefixMatcher = Callable[["RequestView"], Mapping[str, int]]
+
+
+class ClusterView:
+    """The fleet at one instant: instances, the current time, and prefix matching.
+
+    Built by the scheduler core for each decision (or by hand in tests). `instances` holds every
+    registered instance, unhealthy and draining ones included; `dispatchable` is what a dispatch
+    policy may choose from.
+    """
+
+    __slots__ = ("_by_id", "_match_cache", "_matcher", "instances", "now")
+
+    def __init__(
+        self,
+        instances: Iterable[InstanceView],
+        now: float,
+        matcher: PrefixMatcher | None = None,
+    ) -> None:
+        self.instances: tuple[InstanceView, ...] = tuple(instances)
+        self.now = now
+        self._by_id = {inst.instance_id: inst for inst in self.instances}
+        if len(self._by_id) != len(self.instances):
+            raise ValueError("instance ids must be unique")
+        self._matcher = matcher
+        self._match_cache: dict[str, Mapping[str, int]] = {}
+
+    def __getitem__(self, instance_id: str) -> InstanceView:
+        return self._by_id[instance_id]
+
+    def __contains__(self, instance_id: object) -> bool:
+        return instance_id in self._by_id
+
+    def __len__(self) -> int:
+        return len(self.instances)
+
+    @property
+    def dispatchable(self) -> tuple[InstanceView, ...]:
+        return tuple(inst for inst in self.instances if inst.dispatchable)
+
+    def prefix_match(self, request: RequestView) -> Mapping[str, int]:
+        """Leading blocks of `request` cached per instance (instances with 0 may be absent)."""
+        cached = self._match_cache.get(request.request_id)
+        if cached is None:
+            cached = (
+                {} if self._matcher is None or not request.block_hashes else self._matcher(request)
+            )
+            self._match_cache[request.request_id] = cached
+        return cached
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where a request goes, with the evidence: scores per candidate instance and a reason.
+
+    Scores are the policy's own and always higher-is-better: cost-based policies report the
+    negated cost, so `explain()` lists the best instance first for every policy.
+    """
+
+    instance_id: str
+    scores: Mapping[str, float] = field(default_factory=dict)
+    reason: str = ""
+
+    def explain(self) -> str:
+        """One line per scored instance, best first, for logs and tests."""
+        lines = [f"-> {self.instance_id}: {self.reason}"]
+        for inst, score in sorted(self.scores.items(), key=lambda kv: (-kv[1], kv[0])):
+            lines.append(f"   {inst:>16} {score:.4f}")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationOrder:
+    """Move running request `request_id` from instance `src` to instance `dst`."""
+
+    request_id: str
+    src: str
+    dst: str
+    reason: str = ""
