@@ -1,0 +1,406 @@
+"""`LLMEngine`: the built-in paged-attention engine (block manager + batch scheduler + model runner).
+
+Contract:
+- `add_request` validates everything before any block is allocated (sampling values, prompt token
+  ids in ``[0, vocab)``, non-empty prompt, prompt + max_tokens within `max_model_len` with vLLM's
+  message, capacity) and raises `InvalidRequestError` naming the problem.
+- `step()` runs one continuous-batching step and returns a `RequestOutput` for every request that
+  produced a token or finished. ``text`` is the text streamed so far and ``text_delta`` its newest
+  part; while stop strings are pending, the last ``len(longest stop) - 1`` characters are held back so
+  no stop string is ever partially streamed. A stop string ends the request with reason "stop" and the
+  text is cut before it (OpenAI's behaviour).
+- `take_kv_event_batch()` wraps the block manager's KV events in batches with increasing `seq`.
+- Migration hooks: `request_blocks`, `suspend` / `resume`, `read_kv` / `write_kv` (tensors
+  ``[layers, 2, n, block_size, kv_heads, head_dim]``), `reserve_blocks` / `free_reservation`,
+  `export_request_state` and `adopt_request`. An adopted request continues bit-identically: its
+  sampling seed and output length fix every later draw, and its detokenizer state is rebuilt from its
+  output ids.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from instance_agent.engine.batch_scheduler import BatchScheduler, SchedulerConfig
+from instance_agent.engine.block_hash import HashAlgo
+from instance_agent.engine.block_manager import BlockManager
+from instance_agent.engine.kv_events import KVEventBatch
+from instance_agent.engine.loader import load_model
+from instance_agent.engine.model import kv_bytes_per_block
+from instance_agent.engine.model_runner import ModelRunner
+from instance_agent.engine.request import (
+    InvalidRequestError,
+    Request,
+    RequestStatus,
+    SamplingParams,
+)
+from instance_agent.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str = "tiny"
+    seed: int = 0  # weights of a random-init preset
+    block_size: int = 16
+    num_gpu_blocks: int | None = None  # KV pool size in blocks; else from kv_cache_bytes
+    kv_cache_bytes: int = 256 * 1024 * 1024
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    device: str | None = None  # None: CUDA when available
+    dtype: str = "auto"
+    hash_algo: HashAlgo = "xxh3_64"
+    watermark: float = 0.01
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    output_token_ids: list[int]
+    text: str
+    text_delta: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass(slots=True)
+class _TextState:
+    """Detokenized text of one request and how much of it the client has seen."""
+
+    detokenizer: IncrementalDetokenizer
+    stop: list[str]
+    text: str = ""
+    num_emitted: int = 0  # characters of `text` already streamed
+    stopped: bool = False
+    hold: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+
+    def advance(self, token_ids: Sequence[int], finishing: bool) -> str:
+        """Add tokens; return the new streamable text. Sets `stopped` on a stop string."""
+        before = len(self.text)
+        self.text += self.detokenizer.push(token_ids)
+        if finishing:
+            self.text += self.detokenizer.flush()
+        if self.stop:
+            search_from = max(0, before - self.hold)
+            hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                self.stopped = True
+        end = (
+            len(self.text)
+            if finishing or self.stopped
+            else max(self.num_emitted, len(self.text) - self.hold)
+        )
+        delta = self.text[self.num_emitted : end]
+        self.num_emitted = end
+        return delta
+
+    @property
+    def emitted_text(self) -> str:
+        return self.text[: self.num_emitted]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = cfg = config or EngineConfig()
+        loaded = load_model(cfg.model, seed=cfg.seed, dtype=cfg.dtype, device=cfg.device)
+        self.model_config = loaded.config
+        self.tokenizer: Tokenizer = loaded.tokenizer
+        self.device = loaded.device
+        max_model_len = cfg.max_model_len or loaded.config.max_position_embeddings
+        if max_model_len > loaded.config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                f"{loaded.config.max_position_embeddings}"
+            )
+        self.max_model_len = max_model_len
+        if cfg.block_size < 1:
+            raise ValueError("block_size must be positive")
+        num_blocks = cfg.num_gpu_blocks
+        if num_blocks is None:
+            per_block = kv_bytes_per_block(loaded.config, cfg.block_size, loaded.dtype)
+            # No point in more blocks than every sequence at full length can use.
+            useful = cfg.max_num_seqs * -(-max_model_len // cfg.block_size)
+            num_blocks = max(1, min(cfg.kv_cache_bytes // per_block, useful))
+        self.block_manager = BlockManager(
+            num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.watermark
+        )
+        self.scheduler = BatchScheduler(
+            SchedulerConfig(
+                max_num_seqs=cfg.max_num_seqs,
+                max_num_batched_tokens=cfg.max_num_batched_tokens,
+                max_model_len=max_model_len,
+            ),
+            self.block_manager,
+        )
+        self.runner = ModelRunner(loaded, num_blocks, cfg.block_size)
+        # The model's eos id when it has one; else the tokenizer's.
+        self.eos_token_id = (
+            loaded.config.eos_token_id
+            if loaded.config.eos_token_id is not None
+            else self.tokenizer.eos_token_id
+        )
+        self._texts: dict[str, _TextState] = {}
+        self._event_seq = 0
+        self._auto_ids = itertools.count()
+
+    # -- requests ----------------------------------------------------------------------------
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        ids: list[Any]
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes):
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                    raise InvalidRequestError(
+                        f"prompt token id {t!r} is out of range [0, {vocab})", "prompt"
+                    )
+        else:
+            raise InvalidRequestError("prompt must be a string or a list of token ids", "prompt")
+        if not ids:
+            raise InvalidRequestError("the prompt must not be empty", "prompt")
+        return ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        params = params if params is not None else SamplingParams()
+        params.validate()
+        ids = self._prompt_ids(prompt)
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {total} tokens ({len(ids)} in the messages, {params.max_tokens} in the "
+                "completion). Please reduce the length of the messages or completion.",
+                "messages",
+                "context_length_exceeded",
+            )
+        request = Request(
+            request_id,
+            ids,
+            params,
+            self.config.block_size,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            priority=priority,
+            cache_salt=cache_salt,
+            eos_token_id=self.eos_token_id,
+            hash_algo=self.config.hash_algo,
+        )
+        self.scheduler.add_request(request)
+        self._texts[request_id] = self._new_text_state(params)
+        return request
+
+    def _new_text_state(self, params: SamplingParams) -> _TextState:
+        return _TextState(IncrementalDetokenizer(self.tokenizer), list(params.stop))
+
+    def abort(self, request_id: str) -> bool:
+        """End a request and free its blocks; False if it is unknown or already finished."""
+        self._texts.pop(request_id, None)
+        return self.scheduler.abort_request(request_id) is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- stepping ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        before = {s.request.request_id: s.request.num_output_tokens for s in plan.scheduled}
+        sampled = self.runner.execute(plan)
+        finished = {r.request_id for r in self.scheduler.update_from_output(plan, sampled)}
+        outputs = []
+        for item in plan.scheduled:
+            request = item.request
+            rid = request.request_id
+            new_ids = request.output_token_ids[before[rid] :]
+            state = self._texts.get(rid)
+            if not new_ids or state is None:
+                continue
+            done = rid in finished
+            delta = state.advance(new_ids, finishing=done)
+            if state.stopped:
+                if done:  # the stop string arrived with the last allowed token: still a stop
+                    request.status = RequestStatus.FINISHED_STOPPED
+                    request.finish_reason = RequestStatus.FINISHED_STOPPED.finish_reason
+                else:
+                    self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+                    done = True
+            if done:
+                del self._texts[rid]
+            outputs.append(
+                RequestOutput(
+                    request_id=rid,
+                    new_token_ids=list(new_ids),
+                    output_token_ids=list(request.output_token_ids),
+                    text=state.emitted_text,
+                    text_delta=delta,
+                    finished=done,
+                    finish_reason=request.finish_reason if done else None,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
+        return outputs
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; the final output of each, in order."""
+        if params is None or isinstance(params, SamplingParams):
+            params_list = [params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(params)
+        if len(params_list) != len(prompts):
+            raise ValueError("need one SamplingParams per prompt")
+        ids = [f"generate-{next(self._auto_ids)}" for _ in prompts]
+        added: list[str] = []
+        try:
+            for rid, prompt, p in zip(ids, prompts, params_list, strict=True):
+                self.add_request(rid, prompt, p)
+                added.append(rid)
+        except InvalidRequestError:
+            for rid in added:
+                self.abort(rid)
+            raise
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]
+
+    # -- KV events ---------------------------------------------------------------------------
+    def take_kv_event_batch(self) -> KVEventBatch | None:
+        events = self.block_manager.take_events()
+        if not events:
+            return None
+        batch = KVEventBatch(seq=self._event_seq, ts=time.time(), events=events)
+        self._event_seq += 1
+        return batch
+
+    # -- migration ---------------------------------------------------------------------------
+    def _request(self, request_id: str) -> Request:
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            raise KeyError(f"unknown or finished request {request_id!r}")
+        return request
+
+    def request_blocks(self, request_id: str) -> tuple[list[int], int]:
+        """A live request's block ids and how many of its tokens have KV computed."""
+        request = self._request(request_id)
+        return list(self.block_manager.block_ids(request_id)), request.num_computed_tokens
+
+    def suspend(self, request_id: str) -> None:
+        self.scheduler.suspend(request_id)
+
+    def resume(self, request_id: str) -> None:
+        self.scheduler.resume(request_id)
+
+    def read_kv(self, block_ids: Sequence[int]) -> torch.Tensor:
+        return self.runner.read_kv(list(block_ids))
+
+    def write_kv(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
+        self.runner.write_kv(list(block_ids), data)
+
+    def reserve_blocks(self, owner_id: str, num_blocks: int) -> list[int] | None:
+        """Fresh blocks for an incoming migration, held under `owner_id`; None if they do not fit."""
+        return self.block_manager.reserve_blocks(owner_id, num_blocks)
+
+    def free_reservation(self, owner_id: str) -> None:
+        self.block_manager.free_owner(owner_id)
+
+    def export_request_state(self, request_id: str) -> dict[str, Any]:
+        """Everything a destination needs to continue the request exactly (JSON-serialisable)."""
+        request = self._request(request_id)
+        state = self._texts[request_id]
+        return {
+            "request_id": request.request_id,
+            "prompt_token_ids": list(request.prompt_token_ids),
+            "output_token_ids": list(request.output_token_ids),
+            "sampling_params": asdict(request.sampling_params),
+            "sampling_seed": request.sampling_seed,
+            "num_computed_tokens": request.num_computed_tokens,
+            "num_cached_tokens": request.num_cached_tokens,
+            "priority": request.priority,
+            "cache_salt": request.cache_salt,
+            "arrival_time": request.arrival_time,
+            "eos_token_id": request.eos_token_id,
+            # Stop-string progress: the text already streamed (the rest is rebuilt from the ids).
+            "emitted_text": state.emitted_text,
+        }
+
+    def adopt_request(
+        self, state: dict[str, Any], block_ids: Sequence[int], reservation_id: str | None = None
+    ) -> Request:
+        """Join a migrated request whose KV is already written into `block_ids`.
+
+        The blocks must be held by `reservation_id` (from `reserve_blocks`, handed over here) or
+        already by the request id itself.
+        """
+        rid = state["request_id"]
+        if rid in self.scheduler.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        params = SamplingParams(**state["sampling_params"])
+        params.validate()
+        request = Request(
+            rid,
+            state["prompt_token_ids"],
+            params,
+            self.config.block_size,
+            arrival_time=state["arrival_time"],
+            priority=state["priority"],
+            cache_salt=state["cache_salt"],
+            eos_token_id=state["eos_token_id"],
+            hash_algo=self.config.hash_algo,
+        )
+        request.sampling_seed = state["sampling_seed"]
+        for token in state["output_token_ids"]:
+            request.append_output_token(token)
+        request.num_computed_tokens = state["num_computed_tokens"]
+        request.num_cached_tokens = state["num_cached_tokens"]
+        if not 0 < request.num_computed_tokens < request.num_tokens:
+            raise ValueError("num_computed_tokens must leave at least one token to compute")
+        bm = self.block_manager
+        owner = reservation_id if reservation_id is not None else rid
+        if list(bm.block_ids(owner)) != list(block_ids):
+            raise ValueError(f"blocks {list(block_ids)} are not held by {owner!r}")
+        if bm.blocks_needed(request.num_computed_tokens) > len(block_ids):
+            raise ValueError("the blocks do not cover the request's computed tokens")
+        text = self._new_text_state(params)
+        text.advance(request.output_token_ids, finishing=False)
+        emitted = state.get("emitted_text", "")
+        if not text.text.startswith(emitted):
+            raise ValueError("emitted_text does not match the request's output tokens")
+        text.num_emitted = len(emitted)
+        # Every check passed: only now do the blocks change hands (nothing leaks on refusal).
+        if reservation_id is not None:
+            bm.transfer_owner(reservation_id, rid)
+        self.scheduler.adopt(request)
+        self._texts[rid] = text
+        return request
