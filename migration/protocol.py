@@ -133,12 +133,13 @@ class MigratableEngine(Protocol):
         ...
 
     def read_kv(self, block_ids: Sequence[int]) -> Any:
-        """A contiguous tensor holding the KV of `block_ids`, in that order."""
+        """A contiguous tensor of `len(block_ids) * kv_bytes_per_block()` bytes holding the KV of
+        `block_ids` in that order, in a layout `write_kv` of the same engine build understands."""
         ...
 
     # -- destination role ------------------------------------------------------------------------
-    def kv_block_shape(self) -> tuple[tuple[int, ...], str]:
-        """(shape of the KV of one block as `read_kv` returns it for one block, dtype name)."""
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of KV one block holds (all layers, keys and values)."""
         ...
 
     def acquire_cached_prefix(self, block_hashes: Sequence[int]) -> list[int]:
@@ -155,7 +156,8 @@ class MigratableEngine(Protocol):
         ...
 
     def write_kv(self, block_ids: Sequence[int], kv: Any) -> None:
-        """Store the KV received for `block_ids` (the layout `read_kv` produced)."""
+        """Store the KV received for `block_ids`: a flat uint8 tensor with the bytes `read_kv`
+        produced on the source."""
         ...
 
     def adopt_request(self, state: RequestState, block_ids: Sequence[int]) -> None:
@@ -193,7 +195,9 @@ class TransportEndpoint:
     host: str
     port: int
     group: str  # unique per (source, destination, destination incarnation)
+    tag: int  # distinguishes concurrent migrations over the same pair group
     backend: str = "gloo"
+    chunk_bytes: int = 64 << 20  # both ends must split payloads alike: the destination decides
 
 
 @dataclass(slots=True)

@@ -46,7 +46,7 @@ def test_messages_round_trip_through_json() -> None:
     assert CommitRequest.from_json(_wire(commit.to_json())) == commit
     reserve = ReserveRequest("m1", "r1", "http://a:1", 0, 3, [1, 2**64 - 1])
     assert ReserveRequest.from_json(_wire(reserve.to_json())) == reserve
-    answer = ReserveResponse(True, [4, 5], 1, TransportEndpoint("127.0.0.1", 29500, "g"))
+    answer = ReserveResponse(True, [4, 5], 1, TransportEndpoint("127.0.0.1", 29500, "g", 7))
     assert ReserveResponse.from_json(_wire(answer.to_json())) == answer
     outcome = MigrationOutcome(
         "m1", "r1", MigrationStatus.ABORTED, AbortReason.DST_REFUSED, stages=2, downtime_s=0.01
