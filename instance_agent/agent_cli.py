@@ -1,0 +1,187 @@
+"""`kvherd agent`: run one engine instance as a fleet member (OpenAI API, metrics, KV events).
+
+Contract:
+- Serves `server.create_app` with uvicorn (uvloop, httptools) on ``--host``/``--port``.
+- ``--kv-events-endpoint tcp://*:PORT`` publishes KV events (ZMQ PUB, vLLM wire format); the replay
+  ROUTER binds ``--kv-events-replay-endpoint`` (default: the same host, PORT + 1). ``tcp://HOST:*``
+  binds ephemeral ports (reported in the log and to the scheduler).
+- ``--scheduler URL`` registers with the scheduler's admin API (see `registration`), heartbeats and
+  deregisters on shutdown; the bearer token comes from ``$KVHERD_ADMIN_TOKEN``.
+- SIGTERM drains: new requests get 503, open requests finish (aborted after ``--drain-timeout``
+  seconds), then the process exits 0. SIGINT stops at once (uvicorn's usual behaviour).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import socket
+from typing import Any
+
+log = logging.getLogger("kvherd.agent")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny", help="'tiny', 'small' or a checkpoint directory")
+    parser.add_argument("--served-model-name", default=None, help="model name clients send")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--instance-id", default=None, help="default: HOSTNAME:PORT")
+    parser.add_argument(
+        "--advertise-host", default=None, help="host the scheduler reaches this agent at"
+    )
+    parser.add_argument("--kv-events-endpoint", default=None, help="ZMQ PUB bind address")
+    parser.add_argument("--kv-events-replay-endpoint", default=None, help="ZMQ ROUTER bind address")
+    parser.add_argument("--kv-events-topic", default="", help="topic frame of every KV event batch")
+    parser.add_argument(
+        "--kv-events-buffer", type=int, default=10_000, help="batches kept for replay"
+    )
+    parser.add_argument("--scheduler", default=None, help="scheduler base URL to register with")
+    parser.add_argument("--heartbeat-interval", type=float, default=2.0)
+    parser.add_argument("--drain-timeout", type=float, default=600.0)
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--seed", type=int, default=0, help="weights seed of random-init presets")
+    engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument("--num-gpu-blocks", type=int, default=None)
+    engine.add_argument("--kv-cache-bytes", type=int, default=256 * 1024 * 1024)
+    engine.add_argument("--max-num-seqs", type=int, default=64)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument("--no-prefix-caching", action="store_true")
+    engine.add_argument("--device", default=None)
+    engine.add_argument("--dtype", default="auto")
+    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--access-log", action="store_true")
+
+
+def _replay_default(endpoint: str) -> str:
+    match = re.fullmatch(r"(.*):(\d+)", endpoint)
+    if match:
+        return f"{match.group(1)}:{int(match.group(2)) + 1}"
+    return endpoint  # a wildcard port binds another ephemeral port
+
+
+def _advertised(endpoint: str | None, host: str) -> str | None:
+    """A bound ZMQ address as a peer should connect to it (wildcard host replaced)."""
+    if endpoint is None:
+        return None
+    return re.sub(r"^tcp://(\*|0\.0\.0\.0|\[::\]|::)(?=:)", f"tcp://{host}", endpoint)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from instance_agent.engine.llm_engine import EngineConfig, LLMEngine
+    from instance_agent.engine_loop import EngineLoop
+    from instance_agent.kv_publisher import KVEventPublisher
+    from instance_agent.metrics import AgentMetrics
+    from instance_agent.registration import Registrar
+    from instance_agent.server import Agent, DrainingServer, create_app
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    wildcard = args.host in ("0.0.0.0", "::", "")
+    advertise_host = args.advertise_host or (socket.gethostname() if wildcard else args.host)
+    instance_id = args.instance_id or f"{socket.gethostname()}:{args.port}"
+    served_name = args.served_model_name or args.model
+
+    config = EngineConfig(
+        model=args.model,
+        seed=args.seed,
+        block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks,
+        kv_cache_bytes=args.kv_cache_bytes,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        device=args.device,
+        dtype=args.dtype,
+    )
+    engine = LLMEngine(config)
+    publisher = None
+    if args.kv_events_endpoint:
+        replay = args.kv_events_replay_endpoint or _replay_default(args.kv_events_endpoint)
+        publisher = KVEventPublisher(
+            args.kv_events_endpoint,
+            replay,
+            topic=args.kv_events_topic,
+            buffer_steps=args.kv_events_buffer,
+        )
+        log.info("KV events on %s (replay %s)", publisher.endpoint, publisher.replay_endpoint)
+    bm = engine.block_manager
+    metrics = AgentMetrics(
+        served_name,
+        {
+            "block_size": str(bm.block_size),
+            "num_gpu_blocks": str(bm.num_blocks),
+            "enable_prefix_caching": str(config.enable_prefix_caching),
+            "cache_dtype": str(config.dtype),
+        },
+    )
+    engine_loop = EngineLoop(engine, publisher=publisher, metrics=metrics)
+    agent = Agent(
+        engine_loop=engine_loop,
+        metrics=metrics,
+        instance_id=instance_id,
+        served_model_name=served_name,
+        model_root=args.model,
+    )
+    if args.scheduler:
+
+        async def load_summary() -> dict[str, Any]:
+            state = await agent.state()
+            return {
+                "instance_id": instance_id,
+                **{
+                    k: state[k]
+                    for k in (
+                        "num_running",
+                        "num_waiting",
+                        "kv_usage",
+                        "free_blocks",
+                        "freeness",
+                        "last_kv_event_seq",
+                        "draining",
+                    )
+                },
+            }
+
+        agent.registrar = Registrar(
+            args.scheduler,
+            {
+                "instance_id": instance_id,
+                "url": f"http://{advertise_host}:{args.port}",
+                "kv_events_endpoint": _advertised(
+                    publisher.endpoint if publisher else None, advertise_host
+                ),
+                "replay_endpoint": _advertised(
+                    publisher.replay_endpoint if publisher else None, advertise_host
+                ),
+                "model": served_name,
+                "block_size": bm.block_size,
+            },
+            load_summary,
+            heartbeat_s=args.heartbeat_interval,
+        )
+
+    app = create_app(agent)
+    uv_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        loop="uvloop",
+        http="httptools",
+        log_level=args.log_level.lower(),
+        access_log=args.access_log,
+        timeout_graceful_shutdown=5,
+    )
+    server = DrainingServer(uv_config, agent, args.drain_timeout)
+    try:
+        server.run()
+    finally:
+        if publisher is not None:
+            publisher.close()
+    return 0

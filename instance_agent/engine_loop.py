@@ -1,0 +1,362 @@
+"""The engine thread: steps the (not thread-safe) engine and feeds asyncio streams.
+
+Contract:
+- Every engine call happens on one thread. The asyncio side submits commands (add, abort, run a
+  function against the engine) through a queue; the thread runs them between steps, in order.
+- The thread steps while the engine has unfinished work and otherwise sleeps on a condition (no busy
+  spin). After each step it hands the outputs to per-request asyncio queues with a single
+  ``loop.call_soon_threadsafe`` per step, records the step latency, updates the load gauges and
+  latency histograms, and publishes the step's KV event batch.
+- `add` resolves once the engine accepted the request (or raises the engine's `InvalidRequestError`,
+  which it raises before allocating anything). The returned `RequestStream` yields the engine's
+  outputs until the one with ``finished``; closing it early (client gone, cancellation) aborts the
+  request on the engine thread, which frees its blocks. A request aborted by the agent itself (drain
+  timeout) ends its stream with `RequestAborted`.
+- If a step raises, the engine is considered dead: every open stream fails with `EngineDeadError`,
+  new requests are refused, and `/health` reports it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from instance_agent.engine.request import SamplingParams
+from instance_agent.kv_publisher import KVEventPublisher
+from instance_agent.metrics import AgentMetrics
+from instance_agent.state import StepLatencyWindow
+
+if TYPE_CHECKING:
+    from instance_agent.engine.llm_engine import LLMEngine, RequestOutput
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed; the agent can no longer serve."""
+
+
+class RequestAborted(RuntimeError):
+    """The agent aborted the request (e.g. a drain timeout)."""
+
+
+_ABORTED = object()
+
+
+@dataclass(slots=True)
+class _Timing:
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+
+
+class RequestStream:
+    """Outputs of one request, in order; iterate with ``async for``."""
+
+    def __init__(self, engine_loop: EngineLoop, request_id: str) -> None:
+        self.request_id = request_id
+        self._engine_loop = engine_loop
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.finished = False
+        self._closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if item is _ABORTED:
+            self.finished = True
+            self.close()
+            raise RequestAborted(f"request {self.request_id} was aborted by the agent")
+        if isinstance(item, BaseException):
+            self.finished = True
+            self.close()
+            raise item
+        if item.finished:
+            self.finished = True
+            self.close()
+        return item
+
+    def _put(self, item: Any) -> None:
+        self._queue.put_nowait(item)
+
+    def close(self) -> None:
+        """Stop listening; aborts the request if the engine has not finished it (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._engine_loop._stream_closed(self)
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        publisher: KVEventPublisher | None = None,
+        metrics: AgentMetrics | None = None,
+        step_latency: StepLatencyWindow | None = None,
+    ) -> None:
+        self.engine = engine
+        self.publisher = publisher
+        self.metrics = metrics
+        self.step_latency = step_latency or StepLatencyWindow()
+        self.last_kv_event_seq = -1
+        self.dead: BaseException | None = None
+        self._cond = threading.Condition()
+        self._commands: deque[Callable[[], None]] = deque()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Engine-thread state.
+        self._streams: dict[str, RequestStream] = {}
+        self._timings: dict[str, _Timing] = {}
+        self._seen_queries = 0
+        self._seen_hits = 0
+        self._seen_preemptions = 0
+        # asyncio-side state.
+        self._open: set[RequestStream] = set()
+        self._idle: asyncio.Event | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will consume the streams."""
+        self._loop = asyncio.get_running_loop()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort whatever is left, publish the last events and join the engine thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def num_open_requests(self) -> int:
+        return len(self._open)
+
+    async def wait_idle(self) -> None:
+        """Return once no request is open (used by the SIGTERM drain)."""
+        assert self._idle is not None
+        await self._idle.wait()
+
+    # -- asyncio-side API ------------------------------------------------------------------------
+    async def add(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
+        """Submit a request; raises `InvalidRequestError` if the engine refuses it."""
+        if self.dead is not None:
+            raise EngineDeadError(f"engine failed: {self.dead!r}")
+        stream = RequestStream(self, request_id)
+        loop = asyncio.get_running_loop()
+        accepted: asyncio.Future[None] = loop.create_future()
+        arrival = time.monotonic()
+
+        def command() -> None:
+            try:
+                self.engine.add_request(
+                    request_id, prompt, params, priority=priority, cache_salt=cache_salt
+                )
+            except BaseException as exc:  # handed to the caller: the engine's own refusal
+                loop.call_soon_threadsafe(_settle, accepted, exc)
+                return
+            self._streams[request_id] = stream
+            self._timings[request_id] = _Timing(arrival)
+            loop.call_soon_threadsafe(_settle, accepted, None)
+
+        self._open.add(stream)
+        assert self._idle is not None
+        self._idle.clear()
+        self._submit(command)
+        try:
+            await accepted
+        except BaseException:
+            # Refused, or the caller was cancelled while waiting: make sure nothing is left behind.
+            stream.close()
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from any thread; its stream ends with `RequestAborted`."""
+        self._submit(lambda: self._abort_on_engine(request_id, notify=True))
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run `fn(engine)` on the engine thread between steps and return its result."""
+        loop = asyncio.get_running_loop()
+        result: asyncio.Future[T] = loop.create_future()
+
+        def command() -> None:
+            try:
+                value = fn(self.engine)
+            except BaseException as exc:
+                loop.call_soon_threadsafe(_settle, result, exc)
+                return
+            loop.call_soon_threadsafe(_settle_value, result, value)
+
+        self._submit(command)
+        return await result
+
+    def _stream_closed(self, stream: RequestStream) -> None:
+        self._open.discard(stream)
+        if not self._open and self._idle is not None:
+            self._idle.set()
+        if not stream.finished:
+            rid = stream.request_id
+            self._submit(lambda: self._abort_on_engine(rid, notify=False, owner=stream))
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        with self._cond:
+            self._commands.append(command)
+            self._cond.notify()
+
+    # -- engine thread ---------------------------------------------------------------------------
+    def _abort_on_engine(
+        self, request_id: str, *, notify: bool, owner: RequestStream | None = None
+    ) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None or (owner is not None and stream is not owner):
+            return  # already finished, or the id now belongs to a newer request
+        self.engine.abort(request_id)
+        del self._streams[request_id]
+        self._timings.pop(request_id, None)
+        if self.metrics is not None:
+            self.metrics.request_finished("abort")
+        if notify:
+            self._deliver_threadsafe([(stream, _ABORTED)])
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cond:
+                while not self._commands and not self._stopping and not self._has_work():
+                    self._cond.wait()
+                commands = list(self._commands)
+                self._commands.clear()
+                stopping = self._stopping
+            for command in commands:
+                try:
+                    command()
+                except Exception:  # a command must never take the engine thread down
+                    log.exception("engine command failed")
+            if stopping:
+                for request_id in list(self._streams):
+                    self._abort_on_engine(request_id, notify=True)
+                self._after_step()
+                return
+            if self._has_work():
+                started = time.perf_counter()
+                try:
+                    outputs = engine.step()
+                except Exception as exc:
+                    log.exception("engine step failed; the engine is dead")
+                    self._fail_all(exc)
+                    continue
+                self.step_latency.record(time.perf_counter() - started)
+                self._dispatch(outputs)
+            self._after_step()
+
+    def _has_work(self) -> bool:
+        return self.dead is None and bool(self._streams) and self.engine.has_unfinished()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        self.dead = exc
+        error = EngineDeadError(f"engine failed: {exc!r}")
+        items = [(stream, error) for stream in self._streams.values()]
+        self._streams.clear()
+        self._timings.clear()
+        self._deliver_threadsafe(items)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        metrics = self.metrics
+        items: list[tuple[RequestStream, Any]] = []
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            items.append((stream, output))
+            timing = self._timings.get(output.request_id)
+            if metrics is not None and timing is not None and output.new_token_ids:
+                if timing.first_token is None:
+                    timing.first_token = now
+                    metrics.time_to_first_token.observe(now - timing.arrival)
+                    metrics.prompt_tokens.inc(output.num_prompt_tokens)
+                elif timing.last_token is not None:
+                    metrics.inter_token_latency.observe(now - timing.last_token)
+                timing.last_token = now
+                metrics.generation_tokens.inc(len(output.new_token_ids))
+            if output.finished:
+                del self._streams[output.request_id]
+                self._timings.pop(output.request_id, None)
+                if metrics is not None and timing is not None:
+                    metrics.e2e_request_latency.observe(now - timing.arrival)
+                    metrics.request_finished(output.finish_reason or "stop")
+        if items:
+            self._deliver_threadsafe(items)
+
+    def _after_step(self) -> None:
+        batch = self.engine.take_kv_event_batch()
+        if batch is not None:
+            if self.publisher is not None:
+                self.publisher.publish(batch)
+            self.last_kv_event_seq = batch.seq
+        metrics = self.metrics
+        if metrics is None:
+            return
+        scheduler = self.engine.scheduler
+        block_manager = self.engine.block_manager
+        metrics.set_load(scheduler.num_running, scheduler.num_waiting, block_manager.usage)
+        # The scheduler keeps cumulative counters; Prometheus counters take the increments.
+        metrics.prefix_cache_queries.inc(scheduler.prefix_cache_queries - self._seen_queries)
+        metrics.prefix_cache_hits.inc(scheduler.prefix_cache_hits - self._seen_hits)
+        metrics.num_preemptions.inc(scheduler.num_preemptions - self._seen_preemptions)
+        self._seen_queries = scheduler.prefix_cache_queries
+        self._seen_hits = scheduler.prefix_cache_hits
+        self._seen_preemptions = scheduler.num_preemptions
+
+    def _deliver_threadsafe(self, items: list[tuple[RequestStream, Any]]) -> None:
+        assert self._loop is not None
+        # RuntimeError: the event loop is closed, so nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(_deliver, items)
+
+
+def _deliver(items: list[tuple[RequestStream, Any]]) -> None:
+    for stream, item in items:
+        stream._put(item)
+
+
+def _settle(future: asyncio.Future[Any], exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is None:
+        future.set_result(None)
+    else:
+        future.set_exception(exc)
+
+
+def _settle_value(future: asyncio.Future[Any], value: Any) -> None:
+    if not future.done():
+        future.set_result(value)

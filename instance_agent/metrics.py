@@ -1,0 +1,104 @@
+"""Prometheus metrics of one agent, under vLLM's metric names.
+
+Contract:
+- Names, types and labels follow vLLM's V1 engine (``model_name`` and ``engine`` labels), so
+  dashboards and routers that scrape vLLM (e.g. prefix- or load-aware routers) read a kvherd agent
+  unchanged: gauges ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+  ``vllm:kv_cache_usage_perc``; counters ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits``
+  (in tokens), ``vllm:num_preemptions``, ``vllm:prompt_tokens``, ``vllm:generation_tokens``,
+  ``vllm:request_success`` (by ``finished_reason``); histograms ``vllm:time_to_first_token_seconds``,
+  ``vllm:inter_token_latency_seconds``, ``vllm:e2e_request_latency_seconds``; and the info gauge
+  ``vllm:cache_config_info``.
+- Each `AgentMetrics` owns its own `CollectorRegistry` (several agents may live in one test process).
+- Every method is thread-safe (prometheus-client's own locking); the engine thread calls them.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# vLLM's buckets, so histograms from kvherd and vLLM aggregate in one dashboard.
+_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+_ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+)  # fmt: skip
+_E2E_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+
+class AgentMetrics:
+    def __init__(self, model_name: str, cache_config: dict[str, str]) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name", "engine"]
+        values = (model_name, "0")
+        reg = self.registry
+
+        self.num_requests_running = Gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches.",
+            labels, registry=reg,
+        ).labels(*values)  # fmt: skip
+        self.num_requests_waiting = Gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+            labels, registry=reg,
+        ).labels(*values)  # fmt: skip
+        self.kv_cache_usage = Gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+            labels, registry=reg,
+        ).labels(*values)  # fmt: skip
+        self.prefix_cache_queries = Counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+            labels, registry=reg,
+        ).labels(*values)  # fmt: skip
+        self.prefix_cache_hits = Counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+            labels, registry=reg,
+        ).labels(*values)  # fmt: skip
+        self.num_preemptions = Counter(
+            "vllm:num_preemptions", "Cumulative number of preemptions from the engine.",
+            labels, registry=reg,
+        ).labels(*values)  # fmt: skip
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", labels, registry=reg
+        ).labels(*values)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", labels, registry=reg
+        ).labels(*values)
+        self._request_success = Counter(
+            "vllm:request_success", "Count of successfully processed requests.",
+            [*labels, "finished_reason"], registry=reg,
+        )  # fmt: skip
+        self._values = values
+        self.time_to_first_token = Histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+            labels, buckets=_TTFT_BUCKETS, registry=reg,
+        ).labels(*values)  # fmt: skip
+        self.inter_token_latency = Histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+            labels, buckets=_ITL_BUCKETS, registry=reg,
+        ).labels(*values)  # fmt: skip
+        self.e2e_request_latency = Histogram(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+            labels, buckets=_E2E_BUCKETS, registry=reg,
+        ).labels(*values)  # fmt: skip
+        info_labels = sorted(cache_config)
+        Gauge(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+            info_labels, registry=reg,
+        ).labels(**cache_config).set(1)  # fmt: skip
+
+    def set_load(self, running: int, waiting: int, kv_usage: float) -> None:
+        self.num_requests_running.set(running)
+        self.num_requests_waiting.set(waiting)
+        self.kv_cache_usage.set(kv_usage)
+
+    def request_finished(self, finish_reason: str) -> None:
+        self._request_success.labels(*self._values, finish_reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

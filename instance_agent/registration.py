@@ -1,0 +1,122 @@
+"""Registration of an agent with the global scheduler's admin API.
+
+The contract the scheduler implements (all bodies JSON; every call carries
+``Authorization: Bearer $KVHERD_ADMIN_TOKEN`` when that variable is set):
+
+- ``POST {scheduler}/admin/v1/instances`` with
+  ``{"instance_id", "url", "kv_events_endpoint", "replay_endpoint", "model", "block_size"}``
+  registers (or re-registers, idempotently) an instance. ``url`` is the agent's base URL (no trailing
+  slash); the two endpoints are ZMQ addresses a subscriber connects to, or null when the agent
+  publishes no KV events. Success: any 2xx.
+- ``POST {scheduler}/admin/v1/instances/{instance_id}/heartbeat`` every `heartbeat_s` seconds
+  (default 2) with a load summary ``{"instance_id", "num_running", "num_waiting", "kv_usage",
+  "free_blocks", "freeness", "last_kv_event_seq", "draining"}`` the scheduler may use or ignore.
+  A 404 means the scheduler forgot the instance (it restarted): the agent registers again.
+- ``DELETE {scheduler}/admin/v1/instances/{instance_id}`` on shutdown (best effort, once).
+
+Failures (connection refused, timeouts, 5xx, 401) are logged and retried with capped exponential
+backoff; they never stop the agent from serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+ADMIN_TOKEN_ENV = "KVHERD_ADMIN_TOKEN"
+
+
+class Registrar:
+    def __init__(
+        self,
+        scheduler_url: str,
+        registration: dict[str, Any],
+        load_summary: Callable[[], Awaitable[dict[str, Any]]],
+        *,
+        heartbeat_s: float = 2.0,
+        max_backoff_s: float = 30.0,
+        token: str | None = None,
+    ) -> None:
+        self.base = scheduler_url.rstrip("/")
+        self.registration = registration
+        self.instance_id = str(registration["instance_id"])
+        self._load_summary = load_summary
+        self.heartbeat_s = heartbeat_s
+        self.max_backoff_s = max_backoff_s
+        token = token if token is not None else os.environ.get(ADMIN_TOKEN_ENV)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._client = httpx.AsyncClient(headers=headers, timeout=5.0)
+        self._task: asyncio.Task[None] | None = None
+        self.registered = False
+
+    @property
+    def _instances_url(self) -> str:
+        return f"{self.base}/admin/v1/instances"
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="kvherd-registration")
+
+    async def _register(self) -> bool:
+        response = await self._client.post(self._instances_url, json=self.registration)
+        if response.is_success:
+            log.info("registered with scheduler %s as %s", self.base, self.instance_id)
+            return True
+        log.warning("scheduler refused registration: %s %s", response.status_code, response.text)
+        return False
+
+    async def _heartbeat(self) -> bool:
+        url = f"{self._instances_url}/{self.instance_id}/heartbeat"
+        response = await self._client.post(url, json=await self._load_summary())
+        if response.status_code == 404:
+            log.warning("scheduler does not know %s any more; registering again", self.instance_id)
+            self.registered = False
+            return False
+        if not response.is_success:
+            log.warning("heartbeat refused: %s %s", response.status_code, response.text)
+            return False
+        return True
+
+    async def _run(self) -> None:
+        backoff = self.heartbeat_s
+        while True:
+            try:
+                if not self.registered:
+                    self.registered = await self._register()
+                ok = self.registered and await self._heartbeat()
+            except httpx.HTTPError as exc:
+                log.warning("scheduler %s unreachable: %s", self.base, exc)
+                ok = False
+            except Exception:  # never let registration take the agent down
+                log.exception("registration loop error")
+                ok = False
+            if ok:
+                backoff = self.heartbeat_s
+                await asyncio.sleep(self.heartbeat_s)
+            else:
+                await asyncio.sleep(backoff)
+                backoff = min(self.max_backoff_s, backoff * 2)
+
+    async def close(self) -> None:
+        """Stop heartbeating and deregister (best effort)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        try:
+            response = await self._client.delete(f"{self._instances_url}/{self.instance_id}")
+            if response.is_success:
+                log.info("deregistered %s from %s", self.instance_id, self.base)
+            else:
+                log.warning("deregistration refused: %s", response.status_code)
+        except httpx.HTTPError as exc:
+            log.warning("deregistration failed: %s", exc)
+        finally:
+            await self._client.aclose()

@@ -1,0 +1,503 @@
+"""The agent's HTTP API: OpenAI-compatible endpoints plus what the kvherd scheduler reads.
+
+Contract (`create_app(agent)` returns the FastAPI app):
+- ``POST /v1/completions`` (prompt as text or token ids), ``POST /v1/chat/completions``,
+  ``GET /v1/models``: OpenAI/vLLM JSON and SSE (``data: {json}\\n\\n`` frames ending with
+  ``data: [DONE]\\n\\n``; ``stream_options.include_usage`` adds a final usage chunk).
+- ``X-Request-Id`` is the engine request id when given (else a fresh one) and is echoed on every
+  response. A client that disconnects, streamed or not, aborts its request, freeing its blocks.
+- Every error is the OpenAI error object: 400 for any invalid body (FastAPI's 422 is replaced, in
+  the OpenAPI schema too), 404 for an unknown model or route, 413 for a body over
+  `MAX_BODY_BYTES`, 503 while draining, 500 if the engine died.
+- ``GET /health`` (200 ok, 503 draining, 500 engine dead), ``GET /metrics`` (Prometheus, vLLM
+  names), ``GET /kvherd/v1/state`` (see `state.snapshot`; ``?block_hashes=true`` adds the cached
+  block hashes).
+- `Agent` holds what the routes share: the engine loop, metrics, identity, and the draining flag.
+  `Agent.drain` stops accepting work and waits for open requests to finish (or aborts them after
+  a timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import signal
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from instance_agent import protocol
+from instance_agent.engine.request import InvalidRequestError, SamplingParams
+from instance_agent.engine_loop import EngineDeadError, EngineLoop, RequestAborted, RequestStream
+from instance_agent.metrics import AgentMetrics
+from instance_agent.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    bad_request,
+)
+from instance_agent.registration import Registrar
+from instance_agent.state import snapshot
+
+log = logging.getLogger(__name__)
+
+_REQUEST_ID_RE = re.compile(r"^[\x21-\x7e]{1,256}$")  # printable ASCII, no spaces
+
+
+@dataclass
+class Agent:
+    engine_loop: EngineLoop
+    metrics: AgentMetrics
+    instance_id: str
+    served_model_name: str
+    model_root: str
+    registrar: Registrar | None = None
+    draining: bool = False
+    created: int = field(default_factory=protocol.now)
+
+    @property
+    def engine(self) -> Any:
+        return self.engine_loop.engine
+
+    async def state(self, include_block_hashes: bool = False) -> dict[str, Any]:
+        loop = self.engine_loop
+        draining = self.draining
+
+        def read(engine: Any) -> dict[str, Any]:
+            return snapshot(
+                engine.scheduler,
+                engine.block_manager,
+                instance_id=self.instance_id,
+                model=self.served_model_name,
+                draining=draining,
+                step_latency=loop.step_latency,
+                last_kv_event_seq=loop.last_kv_event_seq,
+                include_block_hashes=include_block_hashes,
+            )
+
+        return await loop.call(read)
+
+    async def drain(self, timeout: float | None) -> None:
+        """Refuse new requests and wait for the open ones; abort what is left after `timeout`."""
+        self.draining = True
+        log.info("draining: %d open requests", self.engine_loop.num_open_requests)
+        try:
+            await asyncio.wait_for(self.engine_loop.wait_idle(), timeout)
+        except TimeoutError:
+            log.warning("drain timeout: aborting %d requests", self.engine_loop.num_open_requests)
+            await self.engine_loop.call(_abort_all(self.engine_loop))
+            await self.engine_loop.wait_idle()
+
+
+def _abort_all(engine_loop: EngineLoop) -> Callable[[Any], None]:
+    def abort(engine: Any) -> None:
+        for request_id in list(engine_loop._streams):
+            engine_loop._abort_on_engine(request_id, notify=True)
+
+    return abort
+
+
+def _error_response(exc: OpenAIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+class BodyLimitMiddleware:
+    """Refuse bodies over `limit` bytes with 413 before they are buffered (ASGI middleware)."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(
+        self,
+        scope: MutableMapping[str, Any],
+        receive: Callable[[], Awaitable[MutableMapping[str, Any]]],
+        send: Callable[[MutableMapping[str, Any]], Awaitable[None]],
+    ) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
+                await self._refuse(send)
+                return
+        received = 0
+        started = False
+
+        async def limited_receive() -> MutableMapping[str, Any]:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise _BodyTooLarge
+            return message
+
+        async def tracking_send(message: MutableMapping[str, Any]) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _BodyTooLarge:
+            if not started:
+                await self._refuse(send)
+
+    async def _refuse(self, send: Callable[[MutableMapping[str, Any]], Awaitable[None]]) -> None:
+        error = OpenAIError(
+            413, f"request body exceeds {self.limit} bytes", code="request_too_large"
+        )
+        response = _error_response(error)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [(k.encode(), v.encode()) for k, v in response.headers.items()],
+            }
+        )
+        await send({"type": "http.response.body", "body": response.body})
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def create_app(agent: Agent) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        agent.engine_loop.start()
+        if agent.registrar is not None:
+            agent.registrar.start()
+        try:
+            yield
+        finally:
+            if agent.registrar is not None:
+                await agent.registrar.close()
+            await asyncio.to_thread(agent.engine_loop.stop)
+
+    app = FastAPI(title="kvherd instance agent", lifespan=lifespan)
+    app.state.agent = agent
+    error_schema = {
+        "description": "OpenAI error object",
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "properties": {
+                        "error": {
+                            "type": "object",
+                            "properties": {
+                                "message": {"type": "string"},
+                                "type": {"type": "string"},
+                                "param": {"type": ["string", "null"]},
+                                "code": {"type": ["string", "null"]},
+                            },
+                        }
+                    },
+                }
+            }
+        },
+    }
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version="1", routes=app.routes)
+            for path_item in schema.get("paths", {}).values():
+                for operation in path_item.values():
+                    responses = operation.get("responses", {})
+                    if responses.pop("422", None) is not None:
+                        responses["400"] = error_schema
+            components = schema.get("components", {}).get("schemas", {})
+            components.pop("HTTPValidationError", None)
+            components.pop("ValidationError", None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(protocol.error_from_validation(exc.errors()))
+
+    @app.exception_handler(OpenAIError)
+    async def on_openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(InvalidRequestError)
+    async def on_invalid_request(request: Request, exc: InvalidRequestError) -> JSONResponse:
+        return _error_response(protocol.from_invalid_request(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error_response(OpenAIError(exc.status_code, str(exc.detail), type=kind))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return _error_response(OpenAIError(500, f"internal error: {exc!r}", type="server_error"))
+
+    app.add_middleware(BodyLimitMiddleware, limit=protocol.MAX_BODY_BYTES)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if agent.engine_loop.dead is not None:
+            return JSONResponse({"status": "engine_dead"}, status_code=500)
+        if agent.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": agent.served_model_name,
+                    "object": "model",
+                    "created": agent.created,
+                    "owned_by": "kvherd",
+                    "root": agent.model_root,
+                    "max_model_len": agent.engine.max_model_len,
+                }
+            ],
+        }
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(agent.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/kvherd/v1/state")
+    async def state(block_hashes: bool = False) -> dict[str, Any]:
+        return await agent.state(include_block_hashes=block_hashes)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _generate(agent, body, request)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _generate(agent, body, request)
+
+    return app
+
+
+def _request_id(request: Request) -> str:
+    given = request.headers.get("x-request-id")
+    if given is None:
+        return uuid.uuid4().hex
+    if not _REQUEST_ID_RE.match(given):
+        raise bad_request(
+            "X-Request-Id must be 1-256 printable ASCII characters without spaces",
+            param="X-Request-Id",
+        )
+    return given
+
+
+async def _generate(
+    agent: Agent, body: CompletionRequest | ChatCompletionRequest, request: Request
+) -> Response:
+    request_id = _request_id(request)
+    headers = {"X-Request-Id": request_id}
+    try:
+        stream, meta = await _submit(agent, body, request_id)
+    except OpenAIError as exc:
+        return _error_response(exc, headers)
+    except InvalidRequestError as exc:
+        return _error_response(protocol.from_invalid_request(exc), headers)
+    except EngineDeadError as exc:
+        return _error_response(OpenAIError(500, str(exc), type="server_error"), headers)
+    if body.stream:
+        return StreamingResponse(
+            _sse(stream, meta, body), media_type="text/event-stream", headers=headers
+        )
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    collector = asyncio.ensure_future(_collect(stream))
+    try:
+        await asyncio.wait({watcher, collector}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not collector.done():
+            collector.cancel()
+            stream.close()
+    if collector.cancelled():
+        return Response(status_code=499, headers=headers)  # nobody is listening any more
+    try:
+        text, token_ids, finish_reason, cached = collector.result()
+    except RequestAborted as exc:
+        return _error_response(OpenAIError(503, str(exc), type="server_error"), headers)
+    except EngineDeadError as exc:
+        return _error_response(OpenAIError(500, str(exc), type="server_error"), headers)
+    usage = protocol.usage(meta.prompt_len, len(token_ids), cached)
+    build = protocol.chat_response if meta.chat else protocol.completion_response
+    ids = token_ids if body.return_token_ids else None
+    prompt_ids = meta.prompt_ids if body.return_token_ids else None
+    payload = build(
+        meta.response_id, meta.created, meta.model, text, finish_reason, usage, ids, prompt_ids
+    )
+    return JSONResponse(payload, headers=headers)
+
+
+@dataclass(slots=True)
+class _Meta:
+    response_id: str
+    created: int
+    model: str
+    chat: bool
+    prompt_len: int
+    prompt_ids: list[int]
+
+
+async def _submit(
+    agent: Agent, body: CompletionRequest | ChatCompletionRequest, request_id: str
+) -> tuple[RequestStream, _Meta]:
+    if agent.draining:
+        raise OpenAIError(
+            503, "the instance is draining and accepts no new requests", type="server_error"
+        )
+    if body.model is not None and body.model != agent.served_model_name:
+        raise OpenAIError(
+            404,
+            f"The model `{body.model}` does not exist.",
+            param="model",
+            code="model_not_found",
+        )
+    protocol.check_supported(body)
+    engine = agent.engine
+    tokenizer = engine.tokenizer
+    max_model_len: int = engine.max_model_len
+    chat = isinstance(body, ChatCompletionRequest)
+    if isinstance(body, ChatCompletionRequest):
+        try:
+            text = tokenizer.apply_chat_template(protocol.chat_messages(body))
+        except ValueError as exc:
+            raise bad_request(str(exc), param="messages") from exc
+        prompt_ids = tokenizer.encode(text)
+        default_max_tokens = max(1, max_model_len - len(prompt_ids))
+    else:
+        prompt = protocol.resolve_prompt(body.prompt, engine.model_config.vocab_size)
+        prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        default_max_tokens = 16
+    if not prompt_ids:
+        raise bad_request("the prompt encodes to no tokens", param="prompt")
+    params: SamplingParams = protocol.to_sampling_params(body, default_max_tokens)
+    stream = await agent.engine_loop.add(
+        request_id, prompt_ids, params, priority=body.priority, cache_salt=body.cache_salt
+    )
+    prefix = "chatcmpl-" if chat else "cmpl-"
+    meta = _Meta(
+        response_id=prefix + request_id,
+        created=protocol.now(),
+        model=agent.served_model_name,
+        chat=chat,
+        prompt_len=len(prompt_ids),
+        prompt_ids=prompt_ids,
+    )
+    return stream, meta
+
+
+async def _collect(stream: RequestStream) -> tuple[str, list[int], str | None, int]:
+    parts: list[str] = []
+    token_ids: list[int] = []
+    finish_reason: str | None = None
+    cached = 0
+    async for output in stream:
+        parts.append(output.text_delta)
+        token_ids.extend(output.new_token_ids)
+        cached = output.num_cached_tokens
+        if output.finished:
+            finish_reason = output.finish_reason
+    return "".join(parts), token_ids, finish_reason, cached
+
+
+async def _sse(
+    stream: RequestStream, meta: _Meta, body: CompletionRequest | ChatCompletionRequest
+) -> AsyncIterator[bytes]:
+    want_ids = bool(body.return_token_ids)
+    index = 0
+    cached = 0
+    rid, created, model = meta.response_id, meta.created, meta.model
+    try:
+        if meta.chat:
+            first = protocol.chat_chunk(
+                rid, created, model, {"role": "assistant", "content": ""}, None,
+                [] if want_ids else None, 0,
+            )  # fmt: skip
+            if want_ids:
+                first["choices"][0]["prompt_token_ids"] = meta.prompt_ids
+            yield protocol.sse(first)
+        async for output in stream:
+            cached = output.num_cached_tokens
+            new_ids = list(output.new_token_ids)
+            finish = output.finish_reason if output.finished else None
+            text = output.text_delta
+            if text or finish is not None or (want_ids and new_ids):
+                ids = new_ids if want_ids else None
+                if meta.chat:
+                    delta = {"content": text} if text else {}
+                    chunk = protocol.chat_chunk(rid, created, model, delta, finish, ids, index)
+                else:
+                    chunk = protocol.completion_chunk(rid, created, model, text, finish, ids, index)
+                    if want_ids and index == 0:
+                        chunk["choices"][0]["prompt_token_ids"] = meta.prompt_ids
+                yield protocol.sse(chunk)
+            index += len(new_ids)
+        if body.include_usage:
+            usage = protocol.usage(meta.prompt_len, index, cached)
+            yield protocol.sse(protocol.usage_chunk(rid, created, model, meta.chat, usage))
+    except (RequestAborted, EngineDeadError) as exc:
+        kind = "server_error"
+        status = 503 if isinstance(exc, RequestAborted) else 500
+        yield protocol.sse(OpenAIError(status, str(exc), type=kind).body())
+    finally:
+        stream.close()
+    yield protocol.SSE_DONE
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with SIGTERM turned into a drain (`Agent.drain`) instead of a hard stop."""
+
+    def __init__(self, config: uvicorn.Config, agent: Agent, drain_timeout: float | None) -> None:
+        super().__init__(config)
+        self.agent = agent
+        self.drain_timeout = drain_timeout
+        self._drain_task: asyncio.Future[None] | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGTERM and self._drain_task is None and not self.should_exit:
+            # Signal handlers run on the main thread between bytecodes, and that thread also runs
+            # the event loop: schedule the drain instead of awaiting here. Not recording the signal
+            # keeps uvicorn from re-raising it at exit, so a drained agent exits 0.
+            asyncio.get_event_loop().call_soon_threadsafe(self._start_drain)
+            return
+        super().handle_exit(sig, frame)
+
+    def _start_drain(self) -> None:
+        async def drain() -> None:
+            await self.agent.drain(self.drain_timeout)
+            log.info("drained; shutting down")
+            self.should_exit = True
+
+        if self._drain_task is None:
+            self._drain_task = asyncio.ensure_future(drain())
