@@ -8,10 +8,11 @@ biases (HF initialises them to zero, which would hide a bias bug) and tied embed
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-TINY_SHAPES = {
+TINY_SHAPES: dict[str, Any] = {
     "vocab_size": 512,
     "hidden_size": 64,
     "intermediate_size": 176,

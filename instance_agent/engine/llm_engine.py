@@ -10,7 +10,7 @@ Contract:
   no stop string is ever partially streamed. A stop string ends the request with reason "stop" and the
   text is cut before it (OpenAI's behaviour).
 - `take_kv_event_batch()` wraps the block manager's KV events in batches with increasing `seq`.
-- Migration hooks: `request_blocks`, `suspend` / `resume`, `read_kv` / `write_kv` (tensors
+- Migration hooks: `request_blocks`, `suspend` / `resume`, `release_migrated`, `read_kv` / `write_kv` (tensors
   ``[layers, 2, n, block_size, kv_heads, head_dim]``), `reserve_blocks` / `free_reservation`,
   `export_request_state` and `adopt_request`. An adopted request continues bit-identically: its
   sampling seed and output length fix every later draw, and its detokenizer state is rebuilt from its
@@ -154,6 +154,7 @@ class LLMEngine:
             else self.tokenizer.eos_token_id
         )
         self._texts: dict[str, _TextState] = {}
+        self.num_computed_tokens_total = 0  # tokens run through the model (prefix hits skip it)
         self._event_seq = 0
         self._auto_ids = itertools.count()
 
@@ -231,6 +232,7 @@ class LLMEngine:
             return []
         before = {s.request.request_id: s.request.num_output_tokens for s in plan.scheduled}
         sampled = self.runner.execute(plan)
+        self.num_computed_tokens_total += plan.num_batched_tokens
         finished = {r.request_id for r in self.scheduler.update_from_output(plan, sampled)}
         outputs = []
         for item in plan.scheduled:
@@ -327,6 +329,12 @@ class LLMEngine:
 
     def write_kv(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
         self.runner.write_kv(list(block_ids), data)
+
+    def release_migrated(self, request_id: str) -> None:
+        """The request now lives on another instance: end it here and free its blocks."""
+        self._request(request_id)
+        self._texts.pop(request_id, None)
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_MIGRATED)
 
     def reserve_blocks(self, owner_id: str, num_blocks: int) -> list[int] | None:
         """Fresh blocks for an incoming migration, held under `owner_id`; None if they do not fit."""
