@@ -18,14 +18,18 @@ least-loaded one by more than `balance_abs_threshold` and by a factor `balance_r
 not considered, so one hot prefix cannot pile an unbounded queue on one instance between load
 reports. Ties go to the longer prefix match, then at random under `seed`.
 Defaults: decode_token_cost 32, memory_penalty 2.0, balance_abs_threshold 32,
-balance_rel_threshold 2.0, seed 0. Decision scores are the negated costs.
+balance_rel_threshold 2.0, seed 0. Decision scores are the negated costs of the `explain_top`
+(default 16) cheapest instances. Scoring is vectorised over `ClusterView.column`s, so a decision
+over 1,024 instances costs tens of microseconds.
 """
 
 from __future__ import annotations
 
 import random
 
-from policies.base import argbest, candidates
+import numpy as np
+
+from policies.base import candidates
 from policies.views import ClusterView, Decision, InstanceView, RequestView
 
 
@@ -38,16 +42,18 @@ class KvherdDispatch:
         memory_penalty: float = 2.0,
         balance_abs_threshold: int = 32,
         balance_rel_threshold: float = 2.0,
+        explain_top: int = 16,
         seed: int = 0,
     ) -> None:
         self.decode_token_cost = decode_token_cost
         self.memory_penalty = memory_penalty
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
+        self.explain_top = explain_top
         self._rng = random.Random(seed)
 
     def cost(self, request: RequestView, inst: InstanceView, matched_blocks: int) -> float:
-        """Estimated TTFT of `request` on `inst`, in prefill-token equivalents."""
+        """Estimated TTFT of `request` on `inst`, in prefill-token equivalents (scalar form)."""
         cached_tokens = min(request.num_tokens, matched_blocks * request.block_size)
         prefill = inst.waiting_prefill_tokens + (request.num_tokens - cached_tokens)
         decode = self.decode_token_cost * inst.num_running
@@ -58,27 +64,43 @@ class KvherdDispatch:
             memory = self.memory_penalty * request.block_size * max(0, need - room)
         return prefill + decode + memory
 
-    def _unbalanced_out(self, pool: tuple[InstanceView, ...]) -> list[InstanceView]:
-        least = min(inst.inflight for inst in pool)
-        return [
-            inst
-            for inst in pool
-            if not (
-                inst.inflight - least > self.balance_abs_threshold
-                and inst.inflight > self.balance_rel_threshold * least
-            )
-        ]
+    def costs(self, request: RequestView, cluster: ClusterView) -> tuple[np.ndarray, np.ndarray]:
+        """Cost of every instance (inf where it may not be chosen) and matched blocks, vectorised."""
+        matched = np.zeros(len(cluster))
+        for instance_id, blocks in cluster.prefix_match(request).items():
+            if instance_id in cluster:
+                matched[cluster.index_of(instance_id)] = blocks
+        bs = request.block_size
+        cached_tokens = np.minimum(float(request.num_tokens), matched * bs)
+        cost = cluster.column("waiting_prefill_tokens") + (request.num_tokens - cached_tokens)
+        cost += self.decode_token_cost * cluster.column("num_running")
+        room = cluster.column("free_blocks") - cluster.column("head_waiting_blocks")
+        shortfall = np.maximum(0.0, (request.num_blocks - matched) - room)
+        cost += np.where(cluster.column("capacity") > 0, self.memory_penalty * bs * shortfall, 0.0)
+        allowed = cluster.column("dispatchable") > 0
+        inflight = cluster.column("inflight")
+        least = inflight[allowed].min()
+        hot = (inflight - least > self.balance_abs_threshold) & (
+            inflight > self.balance_rel_threshold * least
+        )
+        cost[~allowed | hot] = np.inf
+        return cost, matched
 
     def choose(self, request: RequestView, cluster: ClusterView) -> Decision:
-        pool = self._unbalanced_out(candidates(cluster))
-        matched = cluster.prefix_match(request)
-        costs = {i.instance_id: self.cost(request, i, matched.get(i.instance_id, 0)) for i in pool}
-        lowest = min(costs.values())
-        tied = [i for i in pool if costs[i.instance_id] == lowest]
-        best = argbest(tied, lambda i: matched.get(i.instance_id, 0), self._rng)
-        hit = matched.get(best.instance_id, 0)
+        candidates(cluster)  # raises when nothing is dispatchable
+        cost, matched = self.costs(request, cluster)
+        lowest = cost.min()
+        tied = np.flatnonzero(cost == lowest)
+        if len(tied) > 1:  # prefer the longer cached prefix, then a seeded coin
+            tied = tied[matched[tied] == matched[tied].max()]
+        pick = int(tied[0]) if len(tied) == 1 else int(self._rng.choice(tied.tolist()))
+        best = cluster.instances[pick]
+        finite = np.flatnonzero(np.isfinite(cost))
+        top = finite[np.argsort(cost[finite], kind="stable")[: self.explain_top]]
+        scores = {cluster.instances[i].instance_id: -float(cost[i]) for i in top}
+        scores[best.instance_id] = -float(lowest)
         return Decision(
             best.instance_id,
-            {key: -value for key, value in costs.items()},
-            f"lowest est. TTFT cost {lowest:.0f} tokens ({hit} cached blocks)",
+            scores,
+            f"lowest est. TTFT cost {lowest:.0f} tokens ({int(matched[pick])} cached blocks)",
         )

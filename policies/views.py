@@ -19,6 +19,8 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass(frozen=True, slots=True)
 class RequestView:
@@ -99,50 +101,101 @@ class NoInstanceError(RuntimeError):
 PrefixMatcher = Callable[["RequestView"], Mapping[str, int]]
 
 
+# InstanceView fields available as numpy columns (see `ClusterView.column`).
+COLUMNS: tuple[str, ...] = (
+    "capacity",
+    "num_running",
+    "num_waiting",
+    "kv_usage",
+    "free_blocks",
+    "cached_blocks",
+    "freeness",
+    "inflight",
+    "pending_prefill",
+    "pending_prefill_tokens",
+    "inflight_blocks",
+    "waiting_prefill_tokens",
+    "head_waiting_blocks",
+    "dispatchable",
+)
+
+
 class ClusterView:
     """The fleet at one instant: instances, the current time, and prefix matching.
 
     Built by the scheduler core for each decision (or by hand in tests). `instances` holds every
     registered instance, unhealthy and draining ones included; `dispatchable` is what a dispatch
-    policy may choose from.
+    policy may choose from. `column(name)` gives a field of every instance as a float64 numpy array
+    in `instances` order, for policies that score a large fleet vectorised; the scheduler core
+    maintains these incrementally, a hand-built view computes them on first use. A view is valid
+    for one decision: do not keep it.
     """
 
-    __slots__ = ("_by_id", "_match_cache", "_matcher", "instances", "now")
+    __slots__ = (
+        "_columns",
+        "_dispatchable",
+        "_index",
+        "_match_cache",
+        "_matcher",
+        "instances",
+        "now",
+    )
 
     def __init__(
         self,
         instances: Iterable[InstanceView],
         now: float,
         matcher: PrefixMatcher | None = None,
+        columns: Mapping[str, np.ndarray] | None = None,
+        index: Mapping[str, int] | None = None,
     ) -> None:
         self.instances: tuple[InstanceView, ...] = tuple(instances)
         self.now = now
-        self._by_id = {inst.instance_id: inst for inst in self.instances}
-        if len(self._by_id) != len(self.instances):
-            raise ValueError("instance ids must be unique")
         self._matcher = matcher
         self._match_cache: dict[str, Mapping[str, int]] = {}
+        self._columns: dict[str, np.ndarray] = dict(columns or {})
+        self._dispatchable: tuple[InstanceView, ...] | None = None
+        if index is None:
+            index = {inst.instance_id: i for i, inst in enumerate(self.instances)}
+            if len(index) != len(self.instances):
+                raise ValueError("instance ids must be unique")
+        self._index = index
 
     def __getitem__(self, instance_id: str) -> InstanceView:
-        return self._by_id[instance_id]
+        return self.instances[self._index[instance_id]]
 
     def __contains__(self, instance_id: object) -> bool:
-        return instance_id in self._by_id
+        return instance_id in self._index
 
     def __len__(self) -> int:
         return len(self.instances)
 
+    def index_of(self, instance_id: str) -> int:
+        """Position of the instance in `instances` (and in every column)."""
+        return self._index[instance_id]
+
     @property
     def dispatchable(self) -> tuple[InstanceView, ...]:
-        return tuple(inst for inst in self.instances if inst.dispatchable)
+        if self._dispatchable is None:
+            self._dispatchable = tuple(inst for inst in self.instances if inst.dispatchable)
+        return self._dispatchable
+
+    def column(self, name: str) -> np.ndarray:
+        """Field `name` (one of `COLUMNS`) of every instance, float64, in `instances` order."""
+        found = self._columns.get(name)
+        if found is None:
+            if name not in COLUMNS:
+                raise KeyError(f"unknown column {name!r}")
+            found = np.array([float(getattr(inst, name)) for inst in self.instances])
+            self._columns[name] = found
+        return found
 
     def prefix_match(self, request: RequestView) -> Mapping[str, int]:
         """Leading blocks of `request` cached per instance (instances with 0 may be absent)."""
         cached = self._match_cache.get(request.request_id)
         if cached is None:
-            cached = (
-                {} if self._matcher is None or not request.block_hashes else self._matcher(request)
-            )
+            matcher = self._matcher
+            cached = matcher(request) if matcher is not None and request.block_hashes else {}
             self._match_cache[request.request_id] = cached
         return cached
 

@@ -1,0 +1,188 @@
+"""One instance's load as the scheduler knows it: last report + the router's optimistic accounting.
+
+Contract:
+- `apply_report(report, now)` replaces the reported figures. Fields the report leaves unknown
+  (None) keep their previous value (a Prometheus scrape carries no request lists; an agent snapshot
+  carries everything).
+- The router charges every dispatch at once (`dispatch`), moves it from "waiting" to "running" at
+  its first token (`first_token`) and releases it at completion or abort (`finish`). Charges for
+  requests dispatched *after* the last report are added to the reported figures; for requests the
+  last report already counted, only the changes since (first token, completion) are applied. The
+  next report absorbs everything, so no charge is ever counted twice for long.
+- Without any report, the load is the router's own accounting alone (a plain server that is
+  neither scraped nor reporting still gets balanced).
+- `view(now)` renders a read-only `InstanceView` for the policies. Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from policies.views import InstanceView
+from scheduler.load_report import LoadReport
+
+
+@dataclass(slots=True)
+class Dispatch:
+    """A request the router sent to this instance and has not seen finish."""
+
+    request_id: str
+    dispatch_time: float
+    prompt_tokens: int
+    uncached_tokens: int  # prompt tokens not covered by the prefix hit at dispatch
+    blocks: int  # KV blocks the request occupies (prompt blocks, grown by decode estimates)
+    started: bool = False  # first token seen
+
+
+def _plus(reported: int | None, delta: int, own: int) -> int:
+    """Reported figure plus the changes since, or the router's own count when never reported."""
+    return own if reported is None else max(0, reported + delta)
+
+
+class InstanceState:
+    def __init__(
+        self,
+        instance_id: str,
+        block_size: int,
+        has_kv_events: bool = False,
+        healthy: bool = True,
+    ) -> None:
+        self.instance_id = instance_id
+        self.block_size = block_size
+        self.has_kv_events = has_kv_events
+        self.healthy = healthy
+        self.draining = False
+        self.report: LoadReport = LoadReport()
+        self.report_time: float | None = None
+        self.inflight: dict[str, Dispatch] = {}
+        # Router totals over all in-flight dispatches.
+        self.pending_prefill = 0
+        self.pending_prefill_tokens = 0
+        self.inflight_blocks = 0
+        # Deltas since the last report: charges of unreported dispatches, and changes to reported ones.
+        self._delta_waiting = 0
+        self._delta_running = 0
+        self._delta_blocks = 0
+        self._delta_prefill_tokens = 0
+
+    # -- reports -----------------------------------------------------------------------------
+    def apply_report(self, report: LoadReport, now: float) -> None:
+        previous = self.report
+        merged = {
+            name: getattr(report, name)
+            if getattr(report, name) is not None
+            else getattr(previous, name)
+            for name in LoadReport.__slots__
+        }
+        self.report = LoadReport(**merged)
+        self.report_time = now
+        self._delta_waiting = self._delta_running = 0
+        self._delta_blocks = self._delta_prefill_tokens = 0
+
+    # -- optimistic accounting ---------------------------------------------------------------
+    def dispatch(
+        self, request_id: str, prompt_tokens: int, uncached_tokens: int, now: float
+    ) -> None:
+        if request_id in self.inflight:
+            raise ValueError(f"request {request_id!r} is already in flight on {self.instance_id}")
+        blocks = -(-prompt_tokens // self.block_size)
+        self.inflight[request_id] = Dispatch(
+            request_id, now, prompt_tokens, uncached_tokens, blocks
+        )
+        self.pending_prefill += 1
+        self.pending_prefill_tokens += uncached_tokens
+        self.inflight_blocks += blocks
+        self._delta_waiting += 1
+        self._delta_prefill_tokens += uncached_tokens
+        self._delta_blocks += blocks
+
+    def first_token(self, request_id: str) -> bool:
+        """Prefill done: the request now decodes. False if unknown or already started."""
+        dispatch = self.inflight.get(request_id)
+        if dispatch is None or dispatch.started:
+            return False
+        dispatch.started = True
+        self.pending_prefill -= 1
+        self.pending_prefill_tokens -= dispatch.uncached_tokens
+        self._delta_waiting -= 1
+        self._delta_running += 1
+        self._delta_prefill_tokens -= dispatch.uncached_tokens
+        return True
+
+    def finish(self, request_id: str) -> Dispatch | None:
+        """Completed, aborted or migrated away: release its charges."""
+        dispatch = self.inflight.pop(request_id, None)
+        if dispatch is None:
+            return None
+        if not dispatch.started:
+            self.pending_prefill -= 1
+            self.pending_prefill_tokens -= dispatch.uncached_tokens
+            self._delta_waiting -= 1
+            self._delta_prefill_tokens -= dispatch.uncached_tokens
+        else:
+            self._delta_running -= 1
+        self.inflight_blocks -= dispatch.blocks
+        self._delta_blocks -= dispatch.blocks
+        return dispatch
+
+    def adopt(self, dispatch: Dispatch) -> None:
+        """Take over a request migrated in (already decoding)."""
+        self.inflight[dispatch.request_id] = dispatch
+        self.inflight_blocks += dispatch.blocks
+        self._delta_blocks += dispatch.blocks
+        if dispatch.started:
+            self._delta_running += 1
+        else:
+            self.pending_prefill += 1
+            self.pending_prefill_tokens += dispatch.uncached_tokens
+            self._delta_waiting += 1
+            self._delta_prefill_tokens += dispatch.uncached_tokens
+
+    # -- view --------------------------------------------------------------------------------
+    def view(self, healthy_override: bool | None = None) -> InstanceView:
+        rep = self.report
+        started = len(self.inflight) - self.pending_prefill
+        num_running = _plus(rep.num_running, self._delta_running, started)
+        num_waiting = _plus(rep.num_waiting, self._delta_waiting, self.pending_prefill)
+        waiting_tokens = _plus(
+            rep.waiting_prefill_tokens, self._delta_prefill_tokens, self.pending_prefill_tokens
+        )
+        capacity = rep.num_total_blocks or 0
+        if rep.num_free_blocks is not None:
+            free = max(0, min(capacity or math.inf, rep.num_free_blocks - self._delta_blocks))
+        elif capacity:
+            free = max(0, capacity - self.inflight_blocks)
+        else:
+            free = 0
+        free = int(free)
+        kv_usage = (1.0 - free / capacity) if capacity else (rep.kv_usage or 0.0)
+        head = rep.head_waiting_blocks
+        if head is None or rep.num_waiting is None:
+            pending = [d for d in self.inflight.values() if not d.started]
+            head = min(pending, key=lambda d: d.dispatch_time).blocks if pending else 0
+        elif num_waiting == 0:
+            head = 0
+        requests = num_running + num_waiting
+        freeness = math.inf if requests == 0 else (free - head) / requests
+        return InstanceView(
+            instance_id=self.instance_id,
+            capacity=capacity,
+            num_running=num_running,
+            num_waiting=num_waiting,
+            kv_usage=min(1.0, max(0.0, kv_usage)),
+            free_blocks=free,
+            cached_blocks=rep.num_cached_blocks or 0,
+            freeness=freeness,
+            inflight=len(self.inflight),
+            pending_prefill=self.pending_prefill,
+            pending_prefill_tokens=self.pending_prefill_tokens,
+            inflight_blocks=self.inflight_blocks,
+            waiting_prefill_tokens=waiting_tokens,
+            head_waiting_blocks=head,
+            num_preemptions=rep.num_preemptions or 0,
+            healthy=self.healthy if healthy_override is None else healthy_override,
+            draining=self.draining,
+            has_kv_events=self.has_kv_events,
+            running=rep.running or (),
+        )

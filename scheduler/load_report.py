@@ -1,0 +1,180 @@
+"""Instance load from an agent's state snapshot (JSON) or from Prometheus metrics text.
+
+Contract:
+- Both parsers return a `LoadReport`; a field the source does not provide is None (unknown), never
+  a guessed number, so the scheduler can fall back to its own accounting for it.
+- `parse_agent_state(obj)` reads kvherd's ``GET /kvherd/v1/state`` snapshot: counts
+  (``num_running``, ``num_waiting``), blocks (``num_total_blocks``, ``num_free_blocks``,
+  ``num_cached_blocks``), ``kv_usage``, ``num_preemptions``, ``block_size``,
+  ``last_kv_event_seq`` and the request lists ``running`` / ``waiting`` (objects with
+  ``request_id``, ``num_tokens``, optional ``num_blocks`` and ``num_computed_tokens``). Common
+  aliases (``total_blocks``, ``free_blocks``, ...) are accepted; lists override counts.
+- `parse_prometheus(text, block_size)` reads vLLM (v1 and older) and SGLang metric names:
+  ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
+  (old: ``vllm:gpu_cache_usage_perc``), ``vllm:num_preemptions_total``,
+  ``vllm:cache_config_info{num_gpu_blocks=...}``; ``sglang:num_running_reqs``,
+  ``sglang:num_queue_reqs``, ``sglang:token_usage``, ``sglang:max_total_num_tokens``. Samples of
+  one metric with several label sets (models, engines) are summed (usage: averaged).
+- Malformed input raises `LoadReportError` (a ValueError) with a message naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from policies.views import RunningRequestView
+
+
+class LoadReportError(ValueError):
+    """A state snapshot or metrics page that cannot be read."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    num_running: int | None = None
+    num_waiting: int | None = None
+    kv_usage: float | None = None  # 0..1
+    num_total_blocks: int | None = None
+    num_free_blocks: int | None = None
+    num_cached_blocks: int | None = None
+    num_preemptions: int | None = None
+    waiting_prefill_tokens: int | None = None  # prompt tokens queued and not yet computed
+    head_waiting_blocks: int | None = None  # blocks the head-of-line waiting request needs
+    running: tuple[RunningRequestView, ...] | None = None
+    block_size: int | None = None
+    last_kv_event_seq: int | None = None
+
+
+def _int(obj: Mapping[str, Any], *names: str) -> int | None:
+    for name in names:
+        if name in obj and obj[name] is not None:
+            value = obj[name]
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise LoadReportError(f"{name!r} must be a non-negative number, got {value!r:.40}")
+            if not math.isfinite(value):
+                raise LoadReportError(f"{name!r} must be finite")
+            return int(value)
+    return None
+
+
+def _requests(obj: Mapping[str, Any], name: str) -> list[Mapping[str, Any]] | None:
+    value = obj.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(item, Mapping) for item in value):
+        raise LoadReportError(f"{name!r} must be a list of objects")
+    return value
+
+
+def _blocks(tokens: int, block_size: int | None) -> int:
+    size = block_size or 16
+    return -(-tokens // size)
+
+
+def parse_agent_state(obj: Any) -> LoadReport:
+    """A `LoadReport` from a kvherd agent's state snapshot."""
+    if not isinstance(obj, Mapping):
+        raise LoadReportError("state snapshot must be a JSON object")
+    block_size = _int(obj, "block_size")
+    running_list = _requests(obj, "running")
+    waiting_list = _requests(obj, "waiting")
+    running: tuple[RunningRequestView, ...] | None = None
+    if running_list is not None:
+        views = []
+        for index, item in enumerate(running_list):
+            request_id = item.get("request_id")
+            tokens = _int(item, "num_tokens")
+            if not isinstance(request_id, str) or tokens is None:
+                raise LoadReportError(f"running[{index}] needs 'request_id' and 'num_tokens'")
+            blocks = _int(item, "num_blocks")
+            views.append(
+                RunningRequestView(request_id, tokens, blocks or _blocks(tokens, block_size))
+            )
+        running = tuple(views)
+    waiting_tokens = head_blocks = None
+    if waiting_list is not None:
+        waiting_tokens, head_blocks = 0, 0
+        for index, item in enumerate(waiting_list):
+            tokens = _int(item, "num_tokens")
+            if tokens is None:
+                raise LoadReportError(f"waiting[{index}] needs 'num_tokens'")
+            computed = _int(item, "num_computed_tokens") or 0
+            waiting_tokens += max(0, tokens - computed)
+            if index == 0:
+                head_blocks = _int(item, "num_blocks") or _blocks(tokens, block_size)
+    usage = obj.get("kv_usage", obj.get("usage"))
+    if usage is not None and (not isinstance(usage, int | float) or not 0 <= usage <= 1):
+        raise LoadReportError(f"'kv_usage' must be in [0, 1], got {usage!r:.40}")
+    total = _int(obj, "num_total_blocks", "total_blocks", "num_blocks")
+    free = _int(obj, "num_free_blocks", "free_blocks")
+    if usage is None and total and free is not None:
+        usage = 1.0 - free / total
+    return LoadReport(
+        num_running=len(running) if running is not None else _int(obj, "num_running"),
+        num_waiting=len(waiting_list) if waiting_list is not None else _int(obj, "num_waiting"),
+        kv_usage=None if usage is None else float(usage),
+        num_total_blocks=total,
+        num_free_blocks=free,
+        num_cached_blocks=_int(obj, "num_cached_blocks", "cached_blocks"),
+        num_preemptions=_int(obj, "num_preemptions"),
+        waiting_prefill_tokens=waiting_tokens,
+        head_waiting_blocks=head_blocks,
+        running=running,
+        block_size=block_size,
+        last_kv_event_seq=_int(obj, "last_kv_event_seq", "kv_event_seq"),
+    )
+
+
+# sample name -> LoadReport field; the first name found for a field wins (new before old).
+_PROM_FIELDS: tuple[tuple[str, str], ...] = (
+    ("vllm:num_requests_running", "num_running"),
+    ("sglang:num_running_reqs", "num_running"),
+    ("vllm:num_requests_waiting", "num_waiting"),
+    ("sglang:num_queue_reqs", "num_waiting"),
+    ("vllm:kv_cache_usage_perc", "kv_usage"),
+    ("vllm:gpu_cache_usage_perc", "kv_usage"),
+    ("sglang:token_usage", "kv_usage"),
+    ("vllm:num_preemptions_total", "num_preemptions"),
+    ("vllm:num_preemptions", "num_preemptions"),
+)
+
+
+def parse_prometheus(text: str, block_size: int = 16) -> LoadReport:
+    """A `LoadReport` from a vLLM or SGLang `/metrics` page."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    total_blocks: int | None = None
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                name = sample.name
+                if name == "vllm:cache_config_info" and "num_gpu_blocks" in sample.labels:
+                    gpu_blocks = sample.labels["num_gpu_blocks"]
+                    if gpu_blocks.isdigit():
+                        total_blocks = int(gpu_blocks)
+                elif name == "sglang:max_total_num_tokens":
+                    total_blocks = int(sample.value) // block_size
+                elif math.isfinite(sample.value):
+                    sums[name] = sums.get(name, 0.0) + sample.value
+                    counts[name] = counts.get(name, 0) + 1
+    except ValueError as exc:  # the parser raises ValueError (and subclasses) on bad text
+        raise LoadReportError(f"not Prometheus text format: {exc}") from exc
+    fields: dict[str, Any] = {}
+    for sample_name, field_name in _PROM_FIELDS:
+        if field_name in fields or sample_name not in sums:
+            continue
+        value = sums[sample_name]
+        if field_name == "kv_usage":
+            fields[field_name] = min(1.0, max(0.0, value / counts[sample_name]))
+        else:
+            fields[field_name] = max(0, int(value))
+    if total_blocks is not None:
+        fields["num_total_blocks"] = total_blocks
+        if "kv_usage" in fields:
+            fields["num_free_blocks"] = int(total_blocks * (1.0 - fields["kv_usage"]))
+    return LoadReport(**fields)

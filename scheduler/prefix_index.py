@@ -1,0 +1,311 @@
+"""Precise prefix index: which instance caches which block, fed by KV events.
+
+Contract:
+- `BlockOwners` is the shared core: kvherd block hash -> bitmask of instance slots, so
+  `match(chain)` walks the request's chain once, AND-ing masks until no instance still matches,
+  and returns ``{instance_id: leading blocks matched}`` (instances with 0 are absent). Cost is one
+  dict lookup per matched block, independent of the number of instances.
+- `PrefixIndex` applies vLLM-format KV event batches per instance:
+  `BlockStored` (re-hashed with kvherd's own `block_hash_chain`, because an engine's hash function
+  may differ; the per-instance map engine hash -> kvherd hash resolves later removals and parent
+  links), `BlockRemoved`, `AllBlocksCleared`. With ``trust_engine_hashes`` (kvherd agents, which
+  hash with the very same function, tenant salts included) the engine's hashes are used as they are.
+- Sequence numbers: batches must arrive in order per instance. A batch below the next expected
+  number is a duplicate (skipped); one above it is a gap: it is *not* applied, and the result says
+  ``need_replay_from`` (the first missing number). After `clear_instance` (join, re-join, failed
+  replay: a full resync) the next batch is accepted whatever its number.
+- Hard memory bound: at most `max_blocks_per_instance` per instance and `max_blocks_total` overall;
+  beyond that the instance's least recently stored entries are forgotten first (the index then
+  under-reports a hit, never invents one).
+- Events the index cannot place (unknown parent, wrong block size, non-GPU medium) are counted in
+  `stats` and skipped; they never raise.
+Pure: no I/O, no clock, no threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from instance_agent.engine.block_hash import HashAlgo, block_hash_chain
+from instance_agent.engine.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
+
+_GPU_MEDIA = (None, "GPU", "gpu", "cuda")
+
+
+class BlockOwners:
+    """kvherd block hash -> bitmask of instance slots; slots are recycled when instances leave."""
+
+    def __init__(self) -> None:
+        self.owners: dict[int, int] = {}
+        self._slot_of: dict[str, int] = {}
+        self._id_of: list[str | None] = []
+        self._free_slots: list[int] = []
+
+    def slot(self, instance_id: str) -> int:
+        slot = self._slot_of.get(instance_id)
+        if slot is None:
+            if self._free_slots:
+                slot = self._free_slots.pop()
+                self._id_of[slot] = instance_id
+            else:
+                slot = len(self._id_of)
+                self._id_of.append(instance_id)
+            self._slot_of[instance_id] = slot
+        return slot
+
+    def release_slot(self, instance_id: str) -> None:
+        """Forget the slot; the caller has already removed the instance's bits."""
+        slot = self._slot_of.pop(instance_id, None)
+        if slot is not None:
+            self._id_of[slot] = None
+            self._free_slots.append(slot)
+
+    def add(self, block_hash: int, bit: int) -> bool:
+        """Set `bit` for the block; False when it was already set."""
+        mask = self.owners.get(block_hash, 0)
+        if mask & bit:
+            return False
+        self.owners[block_hash] = mask | bit
+        return True
+
+    def discard(self, block_hash: int, bit: int) -> None:
+        mask = self.owners.get(block_hash, 0) & ~bit
+        if mask:
+            self.owners[block_hash] = mask
+        else:
+            self.owners.pop(block_hash, None)
+
+    def match(self, chain: Sequence[int]) -> dict[str, int]:
+        """Leading blocks of `chain` held per instance."""
+        owners = self.owners
+        result: dict[str, int] = {}
+        if not chain:
+            return result
+        alive = owners.get(chain[0], 0)
+        depth = 1
+        while alive and depth < len(chain):
+            nxt = alive & owners.get(chain[depth], 0)
+            if nxt != alive:
+                self._record(alive & ~nxt, depth, result)
+                alive = nxt
+            depth += 1
+        if alive:
+            self._record(alive, depth, result)
+        return result
+
+    def _record(self, bits: int, depth: int, into: dict[str, int]) -> None:
+        id_of = self._id_of
+        while bits:
+            low = bits & -bits
+            instance_id = id_of[low.bit_length() - 1]
+            if instance_id is not None:
+                into[instance_id] = depth
+            bits ^= low
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyResult:
+    """Outcome of one batch: applied, a duplicate, or a gap that needs a replay from a sequence."""
+
+    applied: bool
+    duplicate: bool = False
+    need_replay_from: int | None = None
+
+
+@dataclass(slots=True)
+class _InstanceBlocks:
+    bit: int
+    trust_engine_hashes: bool
+    # engine hash -> kvherd hash, in store order (oldest first): the LRU for the memory bound.
+    entries: dict[int, int] = field(default_factory=dict)
+    # kvherd hash -> extra engine hashes naming it (rare: distinct engine hashes, same tokens).
+    dups: dict[int, int] = field(default_factory=dict)
+    next_seq: int | None = None  # None: accept any sequence number (after a resync)
+
+
+@dataclass(slots=True)
+class IndexStats:
+    batches: int = 0
+    duplicates: int = 0
+    gaps: int = 0
+    stored: int = 0
+    removed: int = 0
+    cleared: int = 0
+    evicted: int = 0
+    unknown_parent: int = 0
+    wrong_block_size: int = 0
+    other_medium: int = 0
+
+
+class PrefixIndex:
+    """Exact per-instance block sets from KV events (see the module docstring)."""
+
+    def __init__(
+        self,
+        block_size: int,
+        hash_algo: HashAlgo = "xxh3_64",
+        max_blocks_per_instance: int = 1 << 20,
+        max_blocks_total: int = 1 << 24,
+    ) -> None:
+        if block_size <= 0 or max_blocks_per_instance <= 0 or max_blocks_total <= 0:
+            raise ValueError("block_size and the memory bounds must be positive")
+        self.block_size = block_size
+        self.hash_algo: HashAlgo = hash_algo
+        self.max_blocks_per_instance = max_blocks_per_instance
+        self.max_blocks_total = max_blocks_total
+        self.owners = BlockOwners()
+        self._instances: dict[str, _InstanceBlocks] = {}
+        self._total = 0
+        self.stats = IndexStats()
+
+    # -- instances ---------------------------------------------------------------------------
+    def add_instance(self, instance_id: str, trust_engine_hashes: bool = False) -> None:
+        """Register (or re-register, which clears) an instance; the next batch starts its view."""
+        if instance_id in self._instances:
+            self.clear_instance(instance_id)
+            self._instances[instance_id].trust_engine_hashes = trust_engine_hashes
+            return
+        bit = 1 << self.owners.slot(instance_id)
+        self._instances[instance_id] = _InstanceBlocks(bit, trust_engine_hashes)
+
+    def remove_instance(self, instance_id: str) -> None:
+        if instance_id in self._instances:
+            self.clear_instance(instance_id)
+            del self._instances[instance_id]
+            self.owners.release_slot(instance_id)
+
+    def clear_instance(self, instance_id: str) -> None:
+        """Forget everything the instance holds and accept its next batch whatever its number."""
+        inst = self._instances[instance_id]
+        for kv_hash in set(inst.entries.values()):
+            self.owners.discard(kv_hash, inst.bit)
+        self._total -= len(inst.entries)
+        inst.entries.clear()
+        inst.dups.clear()
+        inst.next_seq = None
+
+    def __contains__(self, instance_id: object) -> bool:
+        return instance_id in self._instances
+
+    def num_blocks(self, instance_id: str | None = None) -> int:
+        if instance_id is None:
+            return self._total
+        return len(self._instances[instance_id].entries)
+
+    def blocks(self, instance_id: str) -> set[int]:
+        """The kvherd hashes the index believes `instance_id` holds."""
+        return set(self._instances[instance_id].entries.values())
+
+    def next_seq(self, instance_id: str) -> int | None:
+        return self._instances[instance_id].next_seq
+
+    # -- events ------------------------------------------------------------------------------
+    def apply_batch(self, instance_id: str, batch: KVEventBatch) -> ApplyResult:
+        inst = self._instances.get(instance_id)
+        if inst is None:
+            raise KeyError(f"unknown instance {instance_id!r}")
+        if inst.next_seq is not None:
+            if batch.seq < inst.next_seq:
+                self.stats.duplicates += 1
+                return ApplyResult(applied=False, duplicate=True)
+            if batch.seq > inst.next_seq:
+                self.stats.gaps += 1
+                return ApplyResult(applied=False, need_replay_from=inst.next_seq)
+        self.stats.batches += 1
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                self._stored(instance_id, inst, event)
+            elif isinstance(event, BlockRemoved):
+                self._removed(inst, event)
+            elif isinstance(event, AllBlocksCleared):
+                self.stats.cleared += 1
+                next_seq = inst.next_seq
+                self.clear_instance(instance_id)
+                inst.next_seq = next_seq
+        inst.next_seq = batch.seq + 1
+        return ApplyResult(applied=True)
+
+    def _stored(self, instance_id: str, inst: _InstanceBlocks, event: BlockStored) -> None:
+        if event.medium not in _GPU_MEDIA:
+            self.stats.other_medium += 1
+            return
+        if event.block_size != self.block_size:
+            self.stats.wrong_block_size += 1
+            return
+        engine_hashes = event.block_hashes
+        if inst.trust_engine_hashes:
+            kv_hashes: Iterable[int] = engine_hashes
+        else:
+            parent: int | None = None
+            if event.parent_block_hash is not None:
+                parent = inst.entries.get(event.parent_block_hash)
+                if parent is None:  # the parent was evicted or never seen: cannot chain
+                    self.stats.unknown_parent += 1
+                    return
+            usable = len(event.token_ids) // self.block_size
+            if usable < len(engine_hashes):
+                engine_hashes = engine_hashes[:usable]
+            kv_hashes = block_hash_chain(
+                event.token_ids[: len(engine_hashes) * self.block_size],
+                self.block_size,
+                algo=self.hash_algo,
+                parent_hash=parent,
+            )
+        bit = inst.bit
+        for engine_hash, kv_hash in zip(engine_hashes, kv_hashes, strict=False):
+            previous = inst.entries.pop(engine_hash, None)
+            if previous is not None:  # re-stored: refresh its LRU position
+                inst.entries[engine_hash] = previous
+                continue
+            inst.entries[engine_hash] = kv_hash
+            if not self.owners.add(kv_hash, bit):
+                inst.dups[kv_hash] = inst.dups.get(kv_hash, 0) + 1
+            self._total += 1
+            self.stats.stored += 1
+            self._enforce_bounds(instance_id, inst)
+
+    def _removed(self, inst: _InstanceBlocks, event: BlockRemoved) -> None:
+        if event.medium not in _GPU_MEDIA:
+            self.stats.other_medium += 1
+            return
+        for engine_hash in event.block_hashes:
+            kv_hash = inst.entries.pop(engine_hash, None)
+            if kv_hash is None:
+                continue
+            self._forget(inst, kv_hash)
+            self.stats.removed += 1
+
+    def _forget(self, inst: _InstanceBlocks, kv_hash: int) -> None:
+        self._total -= 1
+        extra = inst.dups.get(kv_hash)
+        if extra:
+            if extra == 1:
+                del inst.dups[kv_hash]
+            else:
+                inst.dups[kv_hash] = extra - 1
+        else:
+            self.owners.discard(kv_hash, inst.bit)
+
+    def _enforce_bounds(self, instance_id: str, inst: _InstanceBlocks) -> None:
+        while len(inst.entries) > self.max_blocks_per_instance:
+            self._evict_oldest(inst)
+        if self._total > self.max_blocks_total:
+            # Take from the largest instance: the one whose share of the bound is most exceeded.
+            largest = max(self._instances.values(), key=lambda i: len(i.entries))
+            while self._total > self.max_blocks_total and largest.entries:
+                self._evict_oldest(largest)
+
+    def _evict_oldest(self, inst: _InstanceBlocks) -> None:
+        engine_hash = next(iter(inst.entries))
+        self._forget(inst, inst.entries.pop(engine_hash))
+        self.stats.evicted += 1
+
+    # -- queries -----------------------------------------------------------------------------
+    def match(self, chain: Sequence[int]) -> dict[str, int]:
+        return self.owners.match(chain)
