@@ -6,9 +6,12 @@ Contract:
 - `parse_agent_state(obj)` reads kvherd's ``GET /kvherd/v1/state`` snapshot: counts
   (``num_running``, ``num_waiting``), blocks (``num_total_blocks``, ``num_free_blocks``,
   ``num_cached_blocks``), ``kv_usage``, ``num_preemptions``, ``block_size``,
-  ``last_kv_event_seq`` and the request lists ``running`` / ``waiting`` (objects with
-  ``request_id``, ``num_tokens``, optional ``num_blocks`` and ``num_computed_tokens``). Common
-  aliases (``total_blocks``, ``free_blocks``, ...) are accepted; lists override counts.
+  ``last_kv_event_seq`` (-1: none yet) and the request lists ``running`` / ``waiting`` (objects
+  with ``request_id``, ``num_tokens``, optional ``blocks`` held and ``num_computed_tokens``), as
+  `instance_agent.state.snapshot` writes them; the agent's heartbeat summary (counts only) reads
+  the same way. Aliases (``total_blocks``/``num_total_blocks``, ``free_blocks``/
+  ``num_free_blocks``, ``cached_blocks``/``num_cached_blocks``, ``num_blocks``/``blocks``) are
+  accepted; lists override counts.
 - `parse_prometheus(text, block_size)` reads vLLM (v1 and older) and SGLang metric names:
   ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
   (old: ``vllm:gpu_cache_usage_perc``), ``vllm:num_preemptions_total``,
@@ -76,6 +79,14 @@ def _blocks(tokens: int, block_size: int | None) -> int:
     return -(-tokens // size)
 
 
+def _last_seq(value: Any) -> int | None:
+    if value is None or value == -1:  # the agent's "no batch published yet"
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise LoadReportError(f"'last_kv_event_seq' must be an integer >= -1, got {value!r:.40}")
+    return value
+
+
 def parse_agent_state(obj: Any) -> LoadReport:
     """A `LoadReport` from a kvherd agent's state snapshot."""
     if not isinstance(obj, Mapping):
@@ -91,7 +102,7 @@ def parse_agent_state(obj: Any) -> LoadReport:
             tokens = _int(item, "num_tokens")
             if not isinstance(request_id, str) or tokens is None:
                 raise LoadReportError(f"running[{index}] needs 'request_id' and 'num_tokens'")
-            blocks = _int(item, "num_blocks")
+            blocks = _int(item, "num_blocks", "blocks")
             views.append(
                 RunningRequestView(request_id, tokens, blocks or _blocks(tokens, block_size))
             )
@@ -105,8 +116,9 @@ def parse_agent_state(obj: Any) -> LoadReport:
                 raise LoadReportError(f"waiting[{index}] needs 'num_tokens'")
             computed = _int(item, "num_computed_tokens") or 0
             waiting_tokens += max(0, tokens - computed)
-            if index == 0:
-                head_blocks = _int(item, "num_blocks") or _blocks(tokens, block_size)
+            if index == 0:  # what the head still needs beyond the blocks it holds
+                held = _int(item, "num_blocks", "blocks") or 0
+                head_blocks = max(0, _blocks(tokens, block_size) - held)
     usage = obj.get("kv_usage", obj.get("usage"))
     if usage is not None and (not isinstance(usage, int | float) or not 0 <= usage <= 1):
         raise LoadReportError(f"'kv_usage' must be in [0, 1], got {usage!r:.40}")
@@ -126,7 +138,7 @@ def parse_agent_state(obj: Any) -> LoadReport:
         head_waiting_blocks=head_blocks,
         running=running,
         block_size=block_size,
-        last_kv_event_seq=_int(obj, "last_kv_event_seq", "kv_event_seq"),
+        last_kv_event_seq=_last_seq(obj.get("last_kv_event_seq")),
     )
 
 
