@@ -1,0 +1,433 @@
+"""The proxy's fleet: the pure scheduler core wrapped with membership, health and background I/O.
+
+Contract:
+- `Fleet` owns one `ClusterState` + `Router` (the same objects the simulator drives) and feeds them
+  from the outside world: KV events (`KVEventSubscriber`), load (`LoadPoller`), health
+  (`OutlierDetector` + `ActiveProber`), and the request path's lifecycle calls.
+- Membership: `add_instance(spec)` (static ``--instance`` or admin registration; re-adding resyncs
+  the instance's prefix view), `remove_instance`, `set_draining`, `heartbeat`. Registered instances
+  that stop heartbeating for `heartbeat_timeout_s` are removed; static ones are not.
+- Block size: one per fleet (hashes only match between equal block sizes). Unless pinned, the first
+  instance that reports one sets it; an instance with another block size is refused.
+- Request path (synchronous, no I/O): `dispatch` -> (instance, matched blocks), then exactly one of
+  `request_finished` / `request_failed` per dispatch, with `first_token` in between for streams.
+  An instance is saturated while `max_inflight_per_instance` requests are in flight on it;
+  `dispatch` raises `NoCapacityError(saturated=True)` when only saturated instances could take the
+  request, `saturated=False` when nothing dispatchable (and untried) is left. `on_capacity` is
+  called whenever a request finishes (the proxy's admission queue waits on it).
+- Health: `failure_threshold` consecutive failures eject an instance (not dispatchable, counted in
+  ``kvherd_ejections_total``); after the ejection time the next active probe is its half-open
+  trial. A comeback after ejection resubscribes its KV events (it may have restarted).
+- Policies: `set_policy(spec, params)` switches the dispatch policy at run time; a spec that does
+  not load raises `FleetError(400)` and the old policy stays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from policies.registry import PolicyLoadError, load_dispatch_policy
+from policies.views import NoInstanceError
+from scheduler.cluster_state import ClusterState
+from scheduler.health import ActiveProber, Health, OutlierDetector
+from scheduler.kv_subscriber import KVEventSubscriber
+from scheduler.load_poller import LoadPoller
+from scheduler.load_report import LoadReport
+from scheduler.proxy_metrics import ProxyMetrics
+from scheduler.router import Router
+
+log = logging.getLogger("kvherd.fleet")
+
+
+class FleetError(Exception):
+    """A membership or policy change the fleet refuses (HTTP status + message)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+class NoCapacityError(Exception):
+    def __init__(self, saturated: bool) -> None:
+        super().__init__("every instance is saturated" if saturated else "no instance available")
+        self.saturated = saturated
+
+
+@dataclass(slots=True)
+class InstanceSpec:
+    instance_id: str
+    url: str
+    kv_events_endpoint: str | None = None
+    replay_endpoint: str | None = None
+    model: str | None = None
+    block_size: int | None = None
+    registered: bool = False  # through the admin API (heartbeats expected) vs static
+    kvherd_agent: bool = True  # hashes blocks exactly like kvherd (engine hashes are trusted)
+
+
+@dataclass(slots=True)
+class FleetInstance:
+    instance_id: str
+    url: str
+    spec: InstanceSpec
+    inflight: int = 0
+    last_heartbeat: float = 0.0
+    served: int = 0
+    failures: int = 0
+    keys: set[str] = field(default_factory=set)  # routing keys in flight here
+
+
+@dataclass(slots=True)
+class FleetSettings:
+    block_size: int | None = None  # None: learned from the first instance
+    max_inflight_per_instance: int = 256
+    failure_threshold: int = 3
+    base_ejection_s: float = 5.0
+    max_ejection_s: float = 120.0
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 2.0
+    load_interval_s: float = 0.25
+    heartbeat_timeout_s: float = 10.0
+    kv_events: bool = True  # subscribe to instances' KV events when they offer them
+    approx_ttl_s: float = 120.0
+    replay_timeout_s: float = 2.0
+
+
+class Fleet:
+    def __init__(
+        self,
+        policy_spec: str,
+        settings: FleetSettings,
+        metrics: ProxyMetrics,
+        policy_params: dict[str, Any] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.clock = clock
+        self.block_size_pinned = settings.block_size is not None
+        self.cluster = ClusterState(
+            block_size=settings.block_size or 16, approx_ttl_s=settings.approx_ttl_s
+        )
+        self.policy_spec = policy_spec
+        self.policy_params = dict(policy_params or {})
+        try:
+            policy = load_dispatch_policy(policy_spec, **self.policy_params)
+        except PolicyLoadError as exc:
+            raise FleetError(400, str(exc), "policy") from exc
+        self.router = Router(self.cluster, policy)
+        self.instances: dict[str, FleetInstance] = {}
+        self.outliers = OutlierDetector(
+            settings.failure_threshold, settings.base_ejection_s, settings.max_ejection_s
+        )
+        self.on_capacity: Callable[[], None] = lambda: None
+        self.subscriber = KVEventSubscriber(self.cluster, settings.replay_timeout_s)
+        self.poller = LoadPoller(
+            self._urls, self._on_report, lambda: self.cluster.block_size, settings.load_interval_s
+        )
+        self.prober = ActiveProber(
+            self._urls, self._on_probe, settings.health_interval_s, settings.health_timeout_s
+        )
+        self._reaper: asyncio.Task[None] | None = None
+        self._keys = 0
+
+    @property
+    def block_size(self) -> int:
+        return self.cluster.block_size
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.poller.start()
+        self.prober.start()
+        self._reaper = asyncio.create_task(self._reap(), name="kvherd-heartbeat-reaper")
+
+    async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        await self.poller.stop()
+        await self.prober.stop()
+        await self.subscriber.close()
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(max(0.5, self.settings.heartbeat_timeout_s / 4))
+            deadline = self.clock() - self.settings.heartbeat_timeout_s
+            for inst in list(self.instances.values()):
+                if inst.spec.registered and inst.last_heartbeat < deadline:
+                    log.warning("instance %s missed its heartbeats; removing", inst.instance_id)
+                    await self.remove_instance(inst.instance_id)
+
+    # -- membership --------------------------------------------------------------------------
+    def _urls(self) -> dict[str, str]:
+        return {i: inst.url for i, inst in self.instances.items()}
+
+    async def _adopt_block_size(self, spec: InstanceSpec) -> None:
+        if spec.block_size is None or spec.block_size == self.cluster.block_size:
+            return
+        if self.block_size_pinned or self.instances:
+            raise FleetError(
+                400,
+                f"instance block size {spec.block_size} differs from the fleet's "
+                f"{self.cluster.block_size}",
+                "block_size",
+            )
+        # No instance yet: rebuild the (empty) core for this block size.
+        self.cluster = ClusterState(
+            block_size=spec.block_size, approx_ttl_s=self.settings.approx_ttl_s
+        )
+        self.router = Router(self.cluster, self.router.policy)
+        await self.subscriber.close()
+        self.subscriber = KVEventSubscriber(self.cluster, self.settings.replay_timeout_s)
+        self.block_size_pinned = True
+
+    async def add_instance(self, spec: InstanceSpec) -> bool:
+        """Add or re-add an instance; True when it is new."""
+        await self._adopt_block_size(spec)
+        existing = self.instances.get(spec.instance_id)
+        if existing is not None and existing.url != spec.url:
+            self.metrics.forget_instance(spec.instance_id)
+        has_events = self.settings.kv_events and spec.kv_events_endpoint is not None
+        self.cluster.add_instance(
+            spec.instance_id, has_kv_events=has_events, trust_engine_hashes=spec.kvherd_agent
+        )
+        inst = FleetInstance(spec.instance_id, spec.url, spec, last_heartbeat=self.clock())
+        if existing is not None:
+            inst.inflight, inst.keys = existing.inflight, existing.keys
+        self.instances[spec.instance_id] = inst
+        self.outliers.remove(spec.instance_id)
+        self.outliers.add(spec.instance_id)
+        self.cluster.set_healthy(spec.instance_id, True)
+        if has_events:
+            assert spec.kv_events_endpoint is not None
+            await self.subscriber.add(
+                spec.instance_id, spec.kv_events_endpoint, spec.replay_endpoint
+            )
+        else:
+            await self.subscriber.remove(spec.instance_id)
+        log.info(
+            "instance %s at %s %s (%s)",
+            spec.instance_id,
+            spec.url,
+            "re-added" if existing else "added",
+            "KV events" if has_events else "approximate prefix index",
+        )
+        self.on_capacity()
+        return existing is None
+
+    async def remove_instance(self, instance_id: str) -> bool:
+        inst = self.instances.pop(instance_id, None)
+        if inst is None:
+            return False
+        await self.subscriber.remove(instance_id)
+        self.router.forget_instance(instance_id)
+        self.outliers.remove(instance_id)
+        self.poller.forget(instance_id)
+        self.metrics.forget_instance(instance_id)
+        log.info("instance %s removed", instance_id)
+        return True
+
+    def heartbeat(self, instance_id: str) -> bool:
+        inst = self.instances.get(instance_id)
+        if inst is None:
+            return False
+        inst.last_heartbeat = self.clock()
+        return True
+
+    def set_draining(self, instance_id: str, draining: bool) -> None:
+        if instance_id not in self.instances:
+            raise FleetError(404, f"unknown instance {instance_id!r}")
+        self.cluster.set_draining(instance_id, draining)
+
+    def set_policy(self, spec: str, params: dict[str, Any]) -> None:
+        try:
+            policy = load_dispatch_policy(spec, **params)
+        except (PolicyLoadError, TypeError, ValueError) as exc:
+            raise FleetError(400, f"cannot load policy {spec!r}: {exc}", "policy") from exc
+        self.router.set_policy(policy)
+        self.policy_spec, self.policy_params = spec, dict(params)
+        log.info("dispatch policy switched to %s", spec)
+
+    # -- load and health inputs --------------------------------------------------------------
+    def _on_report(self, instance_id: str, report: LoadReport) -> None:
+        if instance_id in self.cluster:
+            self.cluster.apply_report(instance_id, report, self.clock())
+
+    def _on_probe(self, instance_id: str, ok: bool) -> None:
+        if instance_id not in self.instances:
+            return
+        now = self.clock()
+        if ok:
+            self._health_changed(instance_id, self.outliers.record_success(instance_id, now))
+        else:
+            self._health_changed(instance_id, self.outliers.record_failure(instance_id, now))
+
+    def _health_changed(self, instance_id: str, change: Health | None) -> None:
+        if change is None or instance_id not in self.instances:
+            return
+        if change is Health.EJECTED:
+            log.warning("instance %s ejected after repeated failures", instance_id)
+            self.metrics.ejected(instance_id)
+            self.cluster.set_healthy(instance_id, False)
+        elif change is Health.HEALTHY:
+            log.info("instance %s is healthy again", instance_id)
+            self.cluster.set_healthy(instance_id, True)
+            spec = self.instances[instance_id].spec
+            if self.settings.kv_events and spec.kv_events_endpoint is not None:
+                # It may have restarted with an empty cache: rebuild its prefix view.
+                task = asyncio.get_running_loop().create_task(
+                    self.subscriber.add(instance_id, spec.kv_events_endpoint, spec.replay_endpoint)
+                )
+                task.add_done_callback(lambda t: t.exception())
+            self.on_capacity()
+
+    # -- request path ------------------------------------------------------------------------
+    def new_key(self, request_id: str) -> str:
+        """A routing key unique among requests in flight (clients may reuse X-Request-Id)."""
+        if self.router.instance_of(request_id) is None:
+            return request_id
+        self._keys += 1
+        return f"{request_id}#{self._keys}"
+
+    def dispatch(
+        self,
+        key: str,
+        num_tokens: int,
+        block_hashes: Sequence[int],
+        *,
+        tenant: str | None = None,
+        max_tokens: int | None = None,
+        exclude: Collection[str] = (),
+    ) -> tuple[FleetInstance, int]:
+        limit = self.settings.max_inflight_per_instance
+        saturated = [
+            i for i, inst in self.instances.items() if inst.inflight >= limit and i not in exclude
+        ]
+        skip = set(exclude).union(saturated) if saturated else exclude
+        try:
+            routed = self.router.route(
+                key,
+                now=self.clock(),
+                num_tokens=num_tokens,
+                block_hashes=block_hashes,
+                tenant=tenant,
+                max_tokens=max_tokens,
+                exclude=skip,
+            )
+        except NoInstanceError:
+            busy = any(
+                self.cluster.get(i).healthy and not self.cluster.get(i).draining for i in saturated
+            )
+            raise NoCapacityError(saturated=busy) from None
+        inst = self.instances[routed.instance_id]
+        inst.inflight += 1
+        inst.keys.add(key)
+        self.metrics.inflight(inst.instance_id).set(inst.inflight)
+        return inst, routed.matched_blocks
+
+    def first_token(self, key: str) -> None:
+        self.router.on_first_token(key, self.clock())
+
+    def _release(self, key: str, inst: FleetInstance) -> None:
+        self.router.on_finish(key, self.clock())
+        if key in inst.keys:
+            inst.keys.discard(key)
+            inst.inflight -= 1
+            if inst.instance_id in self.instances:
+                self.metrics.inflight(inst.instance_id).set(inst.inflight)
+        self.on_capacity()
+
+    def request_finished(self, key: str, inst: FleetInstance, ok: bool = True) -> None:
+        self._release(key, inst)
+        inst.served += 1
+        if ok and inst.instance_id in self.instances:
+            self._health_changed(
+                inst.instance_id, self.outliers.record_success(inst.instance_id, self.clock())
+            )
+
+    def request_failed(self, key: str, inst: FleetInstance) -> None:
+        self._release(key, inst)
+        inst.failures += 1
+        if inst.instance_id in self.instances:
+            self._health_changed(
+                inst.instance_id, self.outliers.record_failure(inst.instance_id, self.clock())
+            )
+
+    # -- introspection -----------------------------------------------------------------------
+    def models(self) -> list[str]:
+        names = {inst.spec.model for inst in self.instances.values() if inst.spec.model}
+        return sorted(names)
+
+    def num_dispatchable(self) -> int:
+        return sum(
+            1
+            for i in self.instances
+            if self.cluster.get(i).healthy and not self.cluster.get(i).draining
+        )
+
+    def state_counts(self) -> dict[str, int]:
+        counts = {"healthy": 0, "ejected": 0, "half_open": 0, "draining": 0}
+        now = self.clock()
+        for i in self.instances:
+            state = self.outliers.state(i, now)
+            counts[str(state)] += 1
+            if self.cluster.get(i).draining:
+                counts["draining"] += 1
+        return counts
+
+    def describe_one(self, instance_id: str) -> dict[str, Any]:
+        inst = self.instances.get(instance_id)
+        if inst is None:
+            raise FleetError(404, f"unknown instance {instance_id!r}")
+        state = self.cluster.get(instance_id)
+        view = state.view()
+        spec = inst.spec
+        kv: dict[str, Any] | None = None
+        if instance_id in self.cluster.prefix_index:
+            kv = {
+                "endpoint": spec.kv_events_endpoint,
+                "replay_endpoint": spec.replay_endpoint,
+                "indexed_blocks": self.cluster.prefix_index.num_blocks(instance_id),
+                "stream": self.subscriber.stats(instance_id),
+            }
+        return {
+            "instance_id": instance_id,
+            "url": inst.url,
+            "model": spec.model,
+            "block_size": self.cluster.block_size,
+            "registered": spec.registered,
+            "health": str(self.outliers.state(instance_id, self.clock())),
+            "draining": state.draining,
+            "inflight": inst.inflight,
+            "served": inst.served,
+            "failures": inst.failures,
+            "load": {
+                "num_running": view.num_running,
+                "num_waiting": view.num_waiting,
+                "kv_usage": view.kv_usage,
+                "free_blocks": view.free_blocks,
+                "capacity_blocks": view.capacity,
+                "freeness": None if view.freeness == float("inf") else view.freeness,
+                "reported": state.report_time is not None,
+            },
+            "kv_events": kv,
+        }
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [self.describe_one(i) for i in self.instances]
+
+    def policy_info(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy_spec,
+            "name": getattr(self.router.policy, "name", self.policy_spec),
+            "parameters": self.policy_params,
+        }

@@ -1,0 +1,93 @@
+"""Load polling: each instance's load, every `interval_s`, from the best source it offers.
+
+Contract:
+- A kvherd agent is polled at ``GET {url}/kvherd/v1/state`` (parsed by
+  `scheduler.load_report.parse_agent_state`). An instance that answers that path with 404 is a plain
+  vLLM/SGLang server: from then on its ``GET {url}/metrics`` is scraped (`parse_prometheus`).
+- Each successful poll hands a `LoadReport` to `on_report(instance_id, report)`. A failed or
+  unreadable poll is logged and skipped: the scheduler keeps its last report plus its own
+  accounting, and health is the health checker's business, not the poller's.
+- Instances are read from `targets()` at every round, so registration and removal need no calls here.
+  Polls of one round run concurrently, each bounded by `timeout_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+import httpx
+
+from scheduler.load_report import LoadReport, LoadReportError, parse_agent_state, parse_prometheus
+
+log = logging.getLogger("kvherd.load")
+
+STATE_PATH = "/kvherd/v1/state"
+
+
+class LoadPoller:
+    def __init__(
+        self,
+        targets: Callable[[], dict[str, str]],
+        on_report: Callable[[str, LoadReport], None],
+        block_size: Callable[[], int],
+        interval_s: float = 0.25,
+        timeout_s: float = 2.0,
+    ) -> None:
+        self._targets = targets  # instance id -> base URL
+        self._on_report = on_report
+        self._block_size = block_size
+        self.interval_s = interval_s
+        self._client = httpx.AsyncClient(timeout=timeout_s, trust_env=False)
+        self._scrape_only: set[str] = set()  # instances without the agent state endpoint
+        self._task: asyncio.Task[None] | None = None
+
+    async def poll(self, instance_id: str, url: str) -> LoadReport | None:
+        base = url.rstrip("/")
+        try:
+            if instance_id not in self._scrape_only:
+                response = await self._client.get(base + STATE_PATH)
+                if response.status_code == 404:
+                    log.info("instance %s has no %s: scraping /metrics", instance_id, STATE_PATH)
+                    self._scrape_only.add(instance_id)
+                else:
+                    response.raise_for_status()
+                    report = parse_agent_state(response.json())
+            if instance_id in self._scrape_only:
+                response = await self._client.get(base + "/metrics")
+                response.raise_for_status()
+                report = parse_prometheus(response.text, self._block_size())
+        except (httpx.HTTPError, LoadReportError, ValueError) as exc:
+            log.debug("load poll of %s failed: %s", instance_id, exc)
+            return None
+        self._on_report(instance_id, report)
+        return report
+
+    def forget(self, instance_id: str) -> None:
+        self._scrape_only.discard(instance_id)
+
+    async def poll_all(self) -> None:
+        targets = self._targets()
+        await asyncio.gather(*(self.poll(i, u) for i, u in targets.items()))
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.poll_all()
+            except Exception:  # a bug in one round must not stop polling
+                log.exception("load polling failed")
+            await asyncio.sleep(self.interval_s)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="kvherd-load-poller")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await self._client.aclose()

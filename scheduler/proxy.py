@@ -1,0 +1,496 @@
+"""The OpenAI-compatible reverse proxy (``kvherd serve``): route each request where it is cheapest.
+
+Contract:
+- Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (routed, forwarded, relayed),
+  ``GET /v1/models`` (the fleet's models), ``GET /metrics`` (`scheduler.proxy_metrics`),
+  ``GET /health`` (200 while at least one instance is dispatchable, else 503).
+- Per request: authenticate (`scheduler.tenancy`), parse the body, render the chat template and
+  tokenize with the fleet tokenizer, hash full blocks with the tenant's salt, ask the scheduler core
+  for an instance, forward the body unchanged except ``cache_salt`` (set to the tenant's salt when
+  tenancy is on), and relay the response: JSON in one piece, SSE chunk by chunk as it arrives.
+- ``X-Request-Id`` is taken from the client (or generated) and sent to the instance and back.
+  Which instance served is never revealed (the upstream ``server`` header is dropped) unless
+  ``expose_instance`` is set, which adds ``X-Kvherd-Instance``.
+- Failures: a connect error, a broken connection before the response head, a head timeout, or a 5xx
+  from the instance is retried on another instance (never one already tried) while nothing has
+  been sent to the client, up to ``max_attempts`` in all; then the client gets a 502/504 error object.
+  After the first byte is relayed, an upstream failure ends the client's stream.
+- Admission: an instance is saturated when the proxy has ``max_inflight_per_instance`` requests in
+  flight on it. When every dispatchable instance is saturated a request waits in a FIFO admission
+  queue of at most ``queue_size`` entries for up to ``queue_timeout_s``; past either bound it gets
+  429 with an OpenAI error object. With no dispatchable instance at all it gets 503.
+- Bad input (not JSON, not an object, missing or mistyped prompt/messages, an oversized body) gets
+  400 with ``{"error": {"message", "type", "param", "code"}}``; nothing a client sends crashes the
+  proxy. Validation beyond what routing needs is the instance's (its 400 is relayed as is).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from fastapi import FastAPI
+from fastapi.responses import Response
+from starlette.routing import Route
+
+from instance_agent.engine.block_hash import block_hash_chain
+from instance_agent.engine.tokenizer import Tokenizer
+from scheduler.fleet import Fleet, FleetInstance, NoCapacityError
+from scheduler.forwarding import (
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
+from scheduler.proxy_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from scheduler.proxy_metrics import ProxyMetrics
+from scheduler.tenancy import Tenant, TenantRegistry
+
+log = logging.getLogger("kvherd.proxy")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+_FORWARD_HEADERS = frozenset({b"content-type", b"accept", b"user-agent", b"openai-organization"})
+
+
+@dataclass(slots=True)
+class ProxyConfig:
+    max_attempts: int = 3
+    max_inflight_per_instance: int = 256
+    queue_size: int = 1024
+    queue_timeout_s: float = 30.0
+    connect_timeout_s: float = 2.0
+    request_timeout_s: float = 600.0  # until the response head (whole request when not streamed)
+    stream_idle_timeout_s: float = 300.0  # between streamed chunks
+    expose_instance: bool = False
+    max_body_bytes: int = MAX_BODY_BYTES
+
+
+class ClientError(Exception):
+    """A request the proxy answers itself with an OpenAI error object."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> bytes:
+        return orjson.dumps(
+            {
+                "error": {
+                    "message": self.message,
+                    "type": self.type,
+                    "param": self.param,
+                    "code": self.code,
+                }
+            }
+        )
+
+
+def error_body(status: int, message: str, type: str, code: str | None = None) -> bytes:
+    return ClientError(status, message, type, code=code).body()
+
+
+@dataclass(slots=True)
+class _Admission:
+    """FIFO of requests waiting for an instance to have room; woken as requests finish."""
+
+    waiters: deque[asyncio.Future[None]] = field(default_factory=deque)
+
+    def wake_one(self) -> None:
+        while self.waiters:
+            waiter = self.waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+
+def prompt_token_ids(body: dict[str, Any], chat: bool, tokenizer: Tokenizer) -> list[int]:
+    """Token ids the routing decision hashes; raises `ClientError` for bodies it cannot route."""
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ClientError(400, "'messages' must be a non-empty list", param="messages")
+        try:
+            text = tokenizer.apply_chat_template(messages)
+        except ValueError as exc:
+            raise ClientError(400, str(exc), param="messages") from exc
+        return tokenizer.encode(text)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        if isinstance(first, str):  # a batch of prompts: route on the first
+            if all(isinstance(p, str) for p in prompt):
+                return tokenizer.encode(first)
+        elif isinstance(first, int) and not isinstance(first, bool):
+            if all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+                return prompt
+        elif (
+            isinstance(first, list)
+            and first
+            and all(isinstance(p, list) for p in prompt)
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in first)
+        ):
+            return first
+    raise ClientError(
+        400,
+        "'prompt' must be a non-empty string, list of token ids, or list of either",
+        param="prompt",
+    )
+
+
+class Proxy:
+    """The request path: one instance per ``kvherd serve`` process."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        tokenizer: Tokenizer,
+        tenants: TenantRegistry,
+        config: ProxyConfig,
+        metrics: ProxyMetrics,
+    ) -> None:
+        self.fleet = fleet
+        self.tokenizer = tokenizer
+        self.tenants = tenants
+        self.config = config
+        self.metrics = metrics
+        self.pool = UpstreamPool(
+            connect_timeout=config.connect_timeout_s,
+            head_timeout=config.request_timeout_s,
+            read_timeout=config.stream_idle_timeout_s,
+        )
+        self._admission = _Admission()
+        fleet.on_capacity = self._admission.wake_one
+
+    # -- ASGI endpoints ---------------------------------------------------------------------------
+    async def completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._generate(scope, receive, send, b"/v1/completions", chat=False)
+
+    async def chat_completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._generate(scope, receive, send, b"/v1/chat/completions", chat=True)
+
+    # -- the request path -------------------------------------------------------------------------
+    async def _read_body(self, receive: Receive) -> bytes:
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ConnectionResetError("client went away before sending the body")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.config.max_body_bytes:
+                raise ClientError(
+                    400,
+                    f"request body exceeds {self.config.max_body_bytes} bytes",
+                    code="too_large",
+                )
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def _generate(
+        self, scope: Scope, receive: Receive, send: Send, path: bytes, chat: bool
+    ) -> None:
+        request_id = b""
+        auth: bytes | None = None
+        forward: list[tuple[bytes, bytes]] = []
+        for name, value in scope["headers"]:
+            if name == b"x-request-id":
+                request_id = value[:128]
+            elif name == b"authorization":
+                auth = value
+            elif name in _FORWARD_HEADERS:
+                forward.append((name, value))
+        if not request_id:
+            request_id = uuid.uuid4().hex.encode()
+        try:
+            status = await self._serve(receive, send, path, chat, request_id, auth, forward)
+        except ClientError as exc:
+            status = exc.status
+            await _send_simple(send, exc.status, exc.body(), request_id)
+        except ConnectionResetError:
+            status = "client_closed"
+        self.metrics.request_done(status)
+
+    async def _serve(
+        self,
+        receive: Receive,
+        send: Send,
+        path: bytes,
+        chat: bool,
+        request_id: bytes,
+        auth: bytes | None,
+        headers: list[tuple[bytes, bytes]],
+    ) -> int | str:
+        tenant: Tenant | None = None
+        if self.tenants.enabled:
+            tenant = self.tenants.authenticate(auth)
+            if tenant is None:
+                raise ClientError(
+                    401,
+                    "invalid or missing API key",
+                    type="authentication_error",
+                    code="invalid_api_key",
+                )
+        raw = await self._read_body(receive)
+        started = time.perf_counter()
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise ClientError(
+                400, f"request body is not valid JSON: {exc}", code="invalid_json"
+            ) from exc
+        if not isinstance(body, dict):
+            raise ClientError(400, "request body must be a JSON object")
+        token_ids = prompt_token_ids(body, chat, self.tokenizer)
+        if tenant is not None:
+            salt: str | None = tenant.cache_salt
+            if body.get("cache_salt") != salt:
+                body["cache_salt"] = salt
+                raw = orjson.dumps(body)
+        else:
+            client_salt = body.get("cache_salt")
+            if client_salt is not None and not isinstance(client_salt, str):
+                raise ClientError(400, "'cache_salt' must be a string", param="cache_salt")
+            salt = client_salt or None
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        block_hashes = block_hash_chain(token_ids, self.fleet.block_size, salt)
+        self.metrics.prompt_blocks.observe(len(block_hashes))
+        rid = request_id.decode("latin-1")
+        key = self.fleet.new_key(rid)
+        headers.append((b"x-request-id", request_id))
+        tried: set[str] = set()
+        last_error: UpstreamError | None = None
+        last_status: UpstreamResponse | None = None
+        for attempt in range(self.config.max_attempts):
+            instance = await self._admit(
+                key, len(token_ids), block_hashes, tenant, max_tokens, tried, started
+            )
+            if instance is None:
+                break
+            if attempt:
+                self.metrics.retries.inc()
+            tried.add(instance.instance_id)
+            try:
+                response = await self.pool.send(instance.url, b"POST", path, headers, raw)
+            except UpstreamError as exc:
+                self.fleet.request_failed(key, instance)
+                last_error = exc
+                log.warning("request %s: %s", rid, exc)
+                continue
+            except BaseException:
+                self.fleet.request_finished(key, instance)
+                raise
+            if response.status >= 500:
+                self.fleet.request_failed(key, instance)
+                last_status = response
+                response.close()
+                continue
+            return await self._relay(send, response, instance, key, request_id)
+        if last_status is not None and last_status.body is not None:
+            await _send_simple(send, last_status.status, last_status.body, request_id)
+            return last_status.status
+        if isinstance(last_error, UpstreamTimeout):
+            raise ClientError(504, f"instance timed out: {last_error}", type="timeout_error")
+        if last_error is not None or tried:
+            raise ClientError(502, "no instance could serve the request", type="server_error")
+        raise ClientError(503, "no instance is available", type="server_error")
+
+    async def _admit(
+        self,
+        key: str,
+        num_tokens: int,
+        block_hashes: list[int],
+        tenant: Tenant | None,
+        max_tokens: Any,
+        tried: set[str],
+        started: float,
+    ) -> FleetInstance | None:
+        """Choose an instance, waiting in the admission queue while every instance is saturated."""
+        deadline: float | None = None
+        while True:
+            try:
+                instance, matched = self.fleet.dispatch(
+                    key,
+                    num_tokens,
+                    block_hashes,
+                    tenant=None if tenant is None else tenant.name,
+                    max_tokens=max_tokens if isinstance(max_tokens, int) else None,
+                    exclude=tried,
+                )
+            except NoCapacityError as exc:
+                if not exc.saturated:
+                    return None  # nothing dispatchable (or everything already tried)
+            else:
+                if not tried:
+                    self.metrics.decision_seconds.observe(time.perf_counter() - started)
+                    self.metrics.matched_blocks.observe(matched)
+                return instance
+            admission = self._admission
+            if len(admission.waiters) >= self.config.queue_size:
+                self.metrics.rejected("queue_full")
+                raise ClientError(
+                    429,
+                    "every instance is saturated and the admission queue is full",
+                    type="rate_limit_error",
+                    code="queue_full",
+                )
+            loop = asyncio.get_running_loop()
+            if deadline is None:
+                deadline = loop.time() + self.config.queue_timeout_s
+            waiter: asyncio.Future[None] = loop.create_future()
+            admission.waiters.append(waiter)
+            self.metrics.queue_depth.set(len(admission.waiters))
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await waiter
+            except TimeoutError:
+                self.metrics.rejected("queue_timeout")
+                raise ClientError(
+                    429,
+                    f"no instance had room within {self.config.queue_timeout_s}s",
+                    type="rate_limit_error",
+                    code="queue_timeout",
+                ) from None
+            finally:
+                with contextlib.suppress(ValueError):
+                    admission.waiters.remove(waiter)
+                self.metrics.queue_depth.set(len(admission.waiters))
+
+    async def _relay(
+        self,
+        send: Send,
+        response: UpstreamResponse,
+        instance: FleetInstance,
+        key: str,
+        request_id: bytes,
+    ) -> int | str:
+        headers = [h for h in response.headers if h[0] != b"x-request-id"]
+        headers.append((b"x-request-id", request_id))
+        if self.config.expose_instance:
+            headers.append((b"x-kvherd-instance", instance.instance_id.encode()))
+        ok = response.status < 400
+        if response.body is not None:
+            body = response.body
+            headers.append((b"content-length", str(len(body)).encode()))
+            try:
+                await send(
+                    {"type": "http.response.start", "status": response.status, "headers": headers}
+                )
+                await send({"type": "http.response.body", "body": body})
+            finally:
+                self.fleet.request_finished(key, instance, ok=ok)
+            return response.status
+        first = True
+        try:
+            await send(
+                {"type": "http.response.start", "status": response.status, "headers": headers}
+            )
+            async for chunk in response.iter_body():
+                if first:
+                    self.fleet.first_token(key)
+                    first = False
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        except UpstreamError as exc:
+            log.warning("request %s: stream from %s broke: %s", key, instance.instance_id, exc)
+            self.fleet.request_failed(key, instance)
+            return "upstream_broke"
+        except BaseException:
+            response.close()
+            self.fleet.request_finished(key, instance, ok=ok)
+            raise
+        self.fleet.request_finished(key, instance, ok=ok)
+        return response.status
+
+
+async def _send_simple(send: Send, status: int, body: bytes, request_id: bytes) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"x-request-id", request_id),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class _Endpoint:
+    """A raw ASGI endpoint for Starlette's router: the hot path skips FastAPI's request models."""
+
+    def __init__(self, handler: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
+        self._handler = handler
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._handler(scope, receive, send)
+
+
+def build_app(proxy: Proxy, lifespan: Any = None) -> FastAPI:
+    """The proxy's FastAPI app (client-facing port)."""
+    app = FastAPI(
+        title="kvherd proxy", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
+    )
+    app.router.routes.append(
+        Route("/v1/completions", _Endpoint(proxy.completions), methods=["POST"])
+    )
+    app.router.routes.append(
+        Route("/v1/chat/completions", _Endpoint(proxy.chat_completions), methods=["POST"])
+    )
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        data = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "kvherd"}
+            for name in proxy.fleet.models()
+        ]
+        return Response(
+            orjson.dumps({"object": "list", "data": data}), media_type="application/json"
+        )
+
+    @app.get("/health")
+    async def health() -> Response:
+        if proxy.fleet.num_dispatchable() > 0:
+            return Response(b"", status_code=200)
+        return Response(
+            error_body(503, "no dispatchable instance", "server_error"),
+            status_code=503,
+            media_type="application/json",
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        proxy.metrics.set_instance_states(proxy.fleet.state_counts())
+        return Response(proxy.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    return app

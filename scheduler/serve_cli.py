@@ -1,0 +1,355 @@
+"""``kvherd serve``: the KV-aware reverse proxy (client port) and its admin API (admin port).
+
+Instances come from ``--instance`` (repeatable), the config file's ``instances`` list, and admin
+registrations. An ``--instance`` value is a base URL, optionally followed by comma-separated
+``key=value`` options: ``kv_events=tcp://H:P``, ``replay=tcp://H:P``, ``id=NAME``, e.g.
+``--instance http://10.0.0.5:8000,kv_events=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5558``.
+Without ``kv_events`` the instance is routed with the approximate prefix index.
+
+``--config FILE`` (YAML) may set ``policy`` (a spec string, or ``{name, parameters}``),
+``instances`` (URLs or mappings with ``url``, ``id``, ``kv_events_endpoint``, ``replay_endpoint``),
+``api_keys`` (``KEY[=TENANT]`` strings) and ``allow_register`` (patterns); command-line flags
+win. A file holding an llm-d style pipeline (``schedulingProfiles`` or ``scorers``) is the policy.
+
+The admin API always requires a token: ``--admin-token`` or ``KVHERD_ADMIN_TOKEN``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from scheduler.fleet import Fleet, InstanceSpec
+
+log = logging.getLogger("kvherd.serve")
+
+ADMIN_TOKEN_ENV = "KVHERD_ADMIN_TOKEN"
+
+
+def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by ``kvherd serve`` and ``kvherd up``."""
+    parser.add_argument("--policy", default=None, help="dispatch policy: name, module:attr or YAML")
+    parser.add_argument(
+        "--policy-param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="dispatch policy parameter (value parsed as YAML); repeatable",
+    )
+    parser.add_argument(
+        "--migration-policy",
+        default="none",
+        help="migration policy (live migration is wired in by the migration executor; 'none')",
+    )
+    parser.add_argument("--config", default=None, help="YAML config file (see kvherd serve --help)")
+    parser.add_argument("--host", default="127.0.0.1", help="client-facing bind address")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--admin-host", default="127.0.0.1")
+    parser.add_argument("--admin-port", type=int, default=8001)
+    parser.add_argument("--admin-token", default=None, help=f"default: ${ADMIN_TOKEN_ENV}")
+    parser.add_argument(
+        "--allow-register",
+        action="append",
+        default=None,
+        metavar="PATTERN",
+        help="hosts allowed to register: CIDR, name or glob (default: loopback only); repeatable",
+    )
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY[=TENANT]",
+        help="accept this bearer key (tenant defaults to the key); repeatable",
+    )
+    parser.add_argument("--api-keys-file", default=None, help="file of KEY[=TENANT] lines")
+    parser.add_argument(
+        "--expose-instance", action="store_true", help="add X-Kvherd-Instance to responses"
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="fleet tokenizer: a checkpoint directory with tokenizer files (default: byte level)",
+    )
+    parser.add_argument("--block-size", type=int, default=None, help="default: the agents' own")
+    parser.add_argument("--no-kv-events", action="store_true", help="use the approximate index")
+    parser.add_argument("--max-attempts", type=int, default=3)
+    parser.add_argument("--max-inflight-per-instance", type=int, default=256)
+    parser.add_argument("--queue-size", type=int, default=1024)
+    parser.add_argument("--queue-timeout", type=float, default=30.0)
+    parser.add_argument("--connect-timeout", type=float, default=2.0)
+    parser.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds until the response head"
+    )
+    parser.add_argument("--stream-idle-timeout", type=float, default=300.0)
+    parser.add_argument("--health-interval", type=float, default=2.0)
+    parser.add_argument("--eject-after", type=int, default=3, help="consecutive failures")
+    parser.add_argument("--ejection-time", type=float, default=5.0, help="first ejection, seconds")
+    parser.add_argument("--load-interval", type=float, default=0.25)
+    parser.add_argument("--heartbeat-timeout", type=float, default=10.0)
+    parser.add_argument("--log-level", default="info")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--instance",
+        action="append",
+        default=[],
+        metavar="URL[,kv_events=tcp://H:P,replay=tcp://H:P,id=NAME]",
+        help="an instance to route to; repeatable",
+    )
+    add_proxy_arguments(parser)
+
+
+def parse_instance_spec(text: str) -> dict[str, Any]:
+    url, *options = text.split(",")
+    if not url.startswith("http://"):
+        raise ValueError(f"--instance {text!r}: expected http://host:port[,key=value...]")
+    spec: dict[str, Any] = {"url": url.rstrip("/")}
+    names = {"kv_events": "kv_events_endpoint", "replay": "replay_endpoint", "id": "id"}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep or key not in names:
+            raise ValueError(f"--instance {text!r}: unknown option {option!r}")
+        spec[names[key]] = value
+    return spec
+
+
+def load_config(path: str | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    import yaml
+
+    with open(path, encoding="utf-8") as handle:
+        data = yaml.safe_load(handle) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping")
+    if "schedulingProfiles" in data or "scorers" in data:
+        return {"policy": path}
+    return data
+
+
+def _policy_params(items: list[str]) -> dict[str, Any]:
+    import yaml
+
+    params: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--policy-param {item!r}: expected KEY=VALUE")
+        params[key] = yaml.safe_load(value)
+    return params
+
+
+async def probe_instance(raw: dict[str, Any], kv_events: bool) -> InstanceSpec:
+    """Learn a static instance's id, model and block size from its state snapshot or model list."""
+    import httpx
+
+    from scheduler.fleet import InstanceSpec
+
+    url = raw["url"]
+    spec = InstanceSpec(
+        instance_id=raw.get("id") or url.split("://", 1)[1],
+        url=url,
+        kv_events_endpoint=raw.get("kv_events_endpoint") if kv_events else None,
+        replay_endpoint=raw.get("replay_endpoint"),
+        kvherd_agent=False,
+    )
+    async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
+        try:
+            state = await client.get(url + "/kvherd/v1/state")
+            if state.status_code == 200:
+                body = state.json()
+                spec.kvherd_agent = True
+                spec.block_size = body.get("block_size")
+                spec.model = body.get("model")
+                spec.instance_id = raw.get("id") or body.get("instance_id") or spec.instance_id
+            else:
+                models = (await client.get(url + "/v1/models")).json()
+                spec.model = models["data"][0]["id"]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+            log.warning("instance %s did not describe itself (%s); adding it as is", url, exc)
+    return spec
+
+
+class _QuietServer:
+    """uvicorn.Server without its own signal handling (the caller owns the signals)."""
+
+    @staticmethod
+    def make(app: Any, host: str, port: int, log_level: str) -> Any:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                yield
+
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            access_log=False,
+            server_header=False,
+            lifespan="off",
+            backlog=4096,
+            timeout_keep_alive=30,
+        )
+        return Server(config)
+
+
+async def serve_fleet(
+    args: argparse.Namespace,
+    static_instances: list[dict[str, Any]],
+    on_ready: Callable[[Fleet], Awaitable[None]] | None = None,
+    stop: asyncio.Event | None = None,
+) -> int:
+    """Run the proxy and admin servers until `stop` is set (or SIGINT/SIGTERM)."""
+    from instance_agent.engine.tokenizer import load_tokenizer
+    from scheduler.admin import LOOPBACK_PATTERNS, RegistrationPolicy, build_admin_app
+    from scheduler.fleet import Fleet, FleetError, FleetSettings
+    from scheduler.proxy import Proxy, ProxyConfig, build_app
+    from scheduler.proxy_metrics import ProxyMetrics
+    from scheduler.tenancy import build_registry
+
+    config = load_config(args.config)
+    policy = args.policy or config.get("policy") or "kvherd"
+    params = _policy_params(args.policy_param)
+    if isinstance(policy, dict):
+        params = {**(policy.get("parameters") or {}), **params}
+        policy = policy["name"]
+    token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV)
+    if not token:
+        print(
+            "kvherd serve: the admin API needs --admin-token or $KVHERD_ADMIN_TOKEN",
+            file=sys.stderr,
+        )
+        return 2
+    if args.migration_policy != "none":
+        print(
+            "kvherd serve: live migration needs the migration executor, which this build does "
+            "not include; use --migration-policy none",
+            file=sys.stderr,
+        )
+        return 2
+    tenants = build_registry(list(config.get("api_keys") or []) + args.api_key, args.api_keys_file)
+    allow = RegistrationPolicy(
+        args.allow_register or config.get("allow_register") or LOOPBACK_PATTERNS
+    )
+    metrics = ProxyMetrics()
+    settings = FleetSettings(
+        block_size=args.block_size,
+        max_inflight_per_instance=args.max_inflight_per_instance,
+        failure_threshold=args.eject_after,
+        base_ejection_s=args.ejection_time,
+        health_interval_s=args.health_interval,
+        load_interval_s=args.load_interval,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        kv_events=not args.no_kv_events,
+    )
+    try:
+        fleet = Fleet(policy, settings, metrics, params)
+    except FleetError as exc:
+        print(f"kvherd serve: {exc.message}", file=sys.stderr)
+        return 2
+    proxy = Proxy(
+        fleet,
+        load_tokenizer(args.tokenizer),
+        tenants,
+        ProxyConfig(
+            max_attempts=args.max_attempts,
+            max_inflight_per_instance=args.max_inflight_per_instance,
+            queue_size=args.queue_size,
+            queue_timeout_s=args.queue_timeout,
+            connect_timeout_s=args.connect_timeout,
+            request_timeout_s=args.request_timeout,
+            stream_idle_timeout_s=args.stream_idle_timeout,
+            expose_instance=args.expose_instance,
+        ),
+        metrics,
+    )
+    level = args.log_level.lower()
+    proxy_server = _QuietServer.make(build_app(proxy), args.host, args.port, level)
+    admin_server = _QuietServer.make(
+        build_admin_app(fleet, token, allow), args.admin_host, args.admin_port, level
+    )
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await fleet.start()
+    try:
+        for raw in list(config.get("instances") or []) + static_instances:
+            entry = {"url": raw} if isinstance(raw, str) else dict(raw)
+            if "url" not in entry:
+                raise ValueError(f"config instance {raw!r} has no url")
+            try:
+                await fleet.add_instance(await probe_instance(entry, not args.no_kv_events))
+            except FleetError as exc:
+                print(f"kvherd serve: instance {entry['url']}: {exc.message}", file=sys.stderr)
+                return 2
+        serving = [
+            asyncio.create_task(proxy_server.serve(), name="kvherd-proxy"),
+            asyncio.create_task(admin_server.serve(), name="kvherd-admin"),
+        ]
+        while not (proxy_server.started and admin_server.started):
+            if any(task.done() for task in serving):
+                break  # a server failed to start (e.g. port in use); its error is logged
+            await asyncio.sleep(0.02)
+        if proxy_server.started and admin_server.started:
+            log.info(
+                "kvherd proxy on http://%s:%d, admin on http://%s:%d, policy %s",
+                args.host,
+                args.port,
+                args.admin_host,
+                args.admin_port,
+                policy,
+            )
+            if on_ready is not None:
+                await on_ready(fleet)
+            stopper = asyncio.create_task(stop.wait())
+            await asyncio.wait([stopper, *serving], return_when=asyncio.FIRST_COMPLETED)
+            stopper.cancel()
+        failed = any(task.done() for task in serving)
+        proxy_server.should_exit = admin_server.should_exit = True
+        await asyncio.gather(*serving, return_exceptions=True)
+        return 1 if failed and not stop.is_set() else 0
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        await fleet.stop()
+        await proxy.pool.close()
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    # One line per load poll and health probe would drown everything else.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def run_loop(main: Coroutine[Any, Any, int]) -> int:
+    """Run on uvloop where it is installed (it roughly halves the proxy's per-request cost)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level)
+    try:
+        static = [parse_instance_spec(text) for text in args.instance]
+    except ValueError as exc:
+        print(f"kvherd serve: {exc}", file=sys.stderr)
+        return 2
+    return run_loop(serve_fleet(args, static))
