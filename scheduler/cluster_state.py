@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from instance_agent.engine.block_hash import HashAlgo
-from instance_agent.engine.kv_events import KVEventBatch
+from instance_agent.engine.kv_events import KVEvent, KVEventBatch
 from policies.views import COLUMNS, ClusterView, InstanceView, RequestView
 from scheduler.approx_index import ApproxIndex
 from scheduler.instance_state import InstanceState
@@ -78,6 +78,7 @@ class ClusterState:
         has_kv_events: bool = False,
         trust_engine_hashes: bool = False,
         healthy: bool = True,
+        now: float = 0.0,
     ) -> ResyncRequest | None:
         """Register (or re-register) an instance. Returns a resync request when it has events."""
         if not instance_id:
@@ -86,7 +87,7 @@ class ClusterState:
         state = InstanceState(instance_id, self.block_size, has_kv_events, healthy)
         if previous is not None:  # a re-join keeps the router's in-flight accounting
             for dispatch in previous.inflight.values():
-                state.adopt(dispatch)
+                state.adopt(dispatch, now)
         self.instances[instance_id] = state
         ttl = None if not has_kv_events else self.pending_ttl_s
         self.approx_index.add_instance(instance_id, ttl)
@@ -142,8 +143,11 @@ class ClusterState:
         self._dirty.add(instance_id)
 
     # -- load --------------------------------------------------------------------------------
-    def apply_report(self, instance_id: str, report: LoadReport, now: float) -> None:
-        self.instances[instance_id].apply_report(report, now)
+    def apply_report(
+        self, instance_id: str, report: LoadReport, now: float, taken_at: float | None = None
+    ) -> None:
+        """A load report received at `now`, snapshotted by the instance at `taken_at`."""
+        self.instances[instance_id].apply_report(report, now, taken_at)
         self._dirty.add(instance_id)
 
     # -- KV events (the subscriber's sink protocol) ------------------------------------------
@@ -159,6 +163,12 @@ class ClusterState:
         if instance_id not in self.prefix_index:
             raise KeyError(f"instance {instance_id!r} is not registered with KV events")
         return self.prefix_index.apply_batch(instance_id, batch)
+
+    def apply_kv_events(self, instance_id: str, events: Sequence[KVEvent]) -> None:
+        """In-process delivery without sequence numbers (the simulator's engines): apply in order."""
+        if instance_id not in self.prefix_index:
+            raise KeyError(f"instance {instance_id!r} is not registered with KV events")
+        self.prefix_index.apply_events(instance_id, events)
 
     def replay_needed(self, instance_id: str) -> int | None:
         """First missing sequence number after a gap, until a batch applies again."""

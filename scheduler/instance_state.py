@@ -1,14 +1,16 @@
 """One instance's load as the scheduler knows it: last report + the router's optimistic accounting.
 
 Contract:
-- `apply_report(report, now)` replaces the reported figures. Fields the report leaves unknown
-  (None) keep their previous value (a Prometheus scrape carries no request lists; an agent snapshot
-  carries everything).
+- `apply_report(report, now, taken_at)` replaces the reported figures. Fields the report leaves
+  unknown (None) keep their previous value (a Prometheus scrape carries no request lists; an agent
+  snapshot carries everything). `taken_at` is when the instance took the snapshot (default: `now`);
+  reports travel, and whatever the router did after the snapshot is not in it.
 - The router charges every dispatch at once (`dispatch`), moves it from "waiting" to "running" at
-  its first token (`first_token`) and releases it at completion or abort (`finish`). Charges for
-  requests dispatched *after* the last report are added to the reported figures; for requests the
-  last report already counted, only the changes since (first token, completion) are applied. The
-  next report absorbs everything, so no charge is ever counted twice for long.
+  its first token (`first_token`) and releases it at completion or abort (`finish`). Every such
+  change is logged with its time; the effective load is the last report plus the changes made
+  *after* its snapshot, so a change is counted by the report or by the log, never by both, and a
+  burst between reports never lands on one instance that still looks idle. The log holds only
+  changes since the last snapshot (bounded by `max_log`).
 - Without any report, the load is the router's own accounting alone (a plain server that is
   neither scraped nor reporting still gets balanced).
 - `view(now)` renders a read-only `InstanceView` for the policies. Pure: no clock, no I/O.
@@ -17,6 +19,7 @@ Contract:
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 from policies.views import InstanceView
@@ -47,6 +50,7 @@ class InstanceState:
         block_size: int,
         has_kv_events: bool = False,
         healthy: bool = True,
+        max_log: int = 1 << 16,
     ) -> None:
         self.instance_id = instance_id
         self.block_size = block_size
@@ -60,14 +64,16 @@ class InstanceState:
         self.pending_prefill = 0
         self.pending_prefill_tokens = 0
         self.inflight_blocks = 0
-        # Deltas since the last report: charges of unreported dispatches, and changes to reported ones.
+        # Changes since the last report's snapshot: (time, waiting, running, blocks, prefill tokens)
+        # and their running sums.
+        self._log: deque[tuple[float, int, int, int, int]] = deque(maxlen=max_log)
         self._delta_waiting = 0
         self._delta_running = 0
         self._delta_blocks = 0
         self._delta_prefill_tokens = 0
 
     # -- reports -----------------------------------------------------------------------------
-    def apply_report(self, report: LoadReport, now: float) -> None:
+    def apply_report(self, report: LoadReport, now: float, taken_at: float | None = None) -> None:
         previous = self.report
         merged = {
             name: getattr(report, name)
@@ -77,8 +83,21 @@ class InstanceState:
         }
         self.report = LoadReport(**merged)
         self.report_time = now
-        self._delta_waiting = self._delta_running = 0
-        self._delta_blocks = self._delta_prefill_tokens = 0
+        cutoff = now if taken_at is None else taken_at
+        log = self._log
+        while log and log[0][0] <= cutoff:
+            log.popleft()
+        self._delta_waiting = sum(entry[1] for entry in log)
+        self._delta_running = sum(entry[2] for entry in log)
+        self._delta_blocks = sum(entry[3] for entry in log)
+        self._delta_prefill_tokens = sum(entry[4] for entry in log)
+
+    def _change(self, now: float, waiting: int, running: int, blocks: int, tokens: int) -> None:
+        self._log.append((now, waiting, running, blocks, tokens))
+        self._delta_waiting += waiting
+        self._delta_running += running
+        self._delta_blocks += blocks
+        self._delta_prefill_tokens += tokens
 
     # -- optimistic accounting ---------------------------------------------------------------
     def dispatch(
@@ -93,11 +112,9 @@ class InstanceState:
         self.pending_prefill += 1
         self.pending_prefill_tokens += uncached_tokens
         self.inflight_blocks += blocks
-        self._delta_waiting += 1
-        self._delta_prefill_tokens += uncached_tokens
-        self._delta_blocks += blocks
+        self._change(now, 1, 0, blocks, uncached_tokens)
 
-    def first_token(self, request_id: str) -> bool:
+    def first_token(self, request_id: str, now: float) -> bool:
         """Prefill done: the request now decodes. False if unknown or already started."""
         dispatch = self.inflight.get(request_id)
         if dispatch is None or dispatch.started:
@@ -105,39 +122,33 @@ class InstanceState:
         dispatch.started = True
         self.pending_prefill -= 1
         self.pending_prefill_tokens -= dispatch.uncached_tokens
-        self._delta_waiting -= 1
-        self._delta_running += 1
-        self._delta_prefill_tokens -= dispatch.uncached_tokens
+        self._change(now, -1, 1, 0, -dispatch.uncached_tokens)
         return True
 
-    def finish(self, request_id: str) -> Dispatch | None:
+    def finish(self, request_id: str, now: float) -> Dispatch | None:
         """Completed, aborted or migrated away: release its charges."""
         dispatch = self.inflight.pop(request_id, None)
         if dispatch is None:
             return None
-        if not dispatch.started:
+        self.inflight_blocks -= dispatch.blocks
+        if dispatch.started:
+            self._change(now, 0, -1, -dispatch.blocks, 0)
+        else:
             self.pending_prefill -= 1
             self.pending_prefill_tokens -= dispatch.uncached_tokens
-            self._delta_waiting -= 1
-            self._delta_prefill_tokens -= dispatch.uncached_tokens
-        else:
-            self._delta_running -= 1
-        self.inflight_blocks -= dispatch.blocks
-        self._delta_blocks -= dispatch.blocks
+            self._change(now, -1, 0, -dispatch.blocks, -dispatch.uncached_tokens)
         return dispatch
 
-    def adopt(self, dispatch: Dispatch) -> None:
-        """Take over a request migrated in (already decoding)."""
+    def adopt(self, dispatch: Dispatch, now: float) -> None:
+        """Take over a request migrated in (or kept across a re-join)."""
         self.inflight[dispatch.request_id] = dispatch
         self.inflight_blocks += dispatch.blocks
-        self._delta_blocks += dispatch.blocks
         if dispatch.started:
-            self._delta_running += 1
+            self._change(now, 0, 1, dispatch.blocks, 0)
         else:
             self.pending_prefill += 1
             self.pending_prefill_tokens += dispatch.uncached_tokens
-            self._delta_waiting += 1
-            self._delta_prefill_tokens += dispatch.uncached_tokens
+            self._change(now, 1, 0, dispatch.blocks, dispatch.uncached_tokens)
 
     # -- view --------------------------------------------------------------------------------
     def view(self, healthy_override: bool | None = None) -> InstanceView:

@@ -32,6 +32,7 @@ from instance_agent.engine.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    KVEvent,
     KVEventBatch,
 )
 
@@ -218,7 +219,14 @@ class PrefixIndex:
                 self.stats.gaps += 1
                 return ApplyResult(applied=False, need_replay_from=inst.next_seq)
         self.stats.batches += 1
-        for event in batch.events:
+        self.apply_events(instance_id, batch.events)
+        inst.next_seq = batch.seq + 1
+        return ApplyResult(applied=True)
+
+    def apply_events(self, instance_id: str, events: Iterable[KVEvent]) -> None:
+        """Apply events in order, without sequence checks (in-process producers)."""
+        inst = self._instances[instance_id]
+        for event in events:
             if isinstance(event, BlockStored):
                 self._stored(instance_id, inst, event)
             elif isinstance(event, BlockRemoved):
@@ -228,8 +236,6 @@ class PrefixIndex:
                 next_seq = inst.next_seq
                 self.clear_instance(instance_id)
                 inst.next_seq = next_seq
-        inst.next_seq = batch.seq + 1
-        return ApplyResult(applied=True)
 
     def _stored(self, instance_id: str, inst: _InstanceBlocks, event: BlockStored) -> None:
         if event.medium not in _GPU_MEDIA:

@@ -122,19 +122,19 @@ class Router:
         if (
             instance_id is not None
             and instance_id in self.cluster
-            and self.cluster.get(instance_id).first_token(request_id)
+            and self.cluster.get(instance_id).first_token(request_id, now)
         ):
             self.cluster.touch(instance_id)
 
     def on_finish(self, request_id: str, now: float) -> None:
         """Completed or aborted: release the request's charges."""
-        self._release(request_id)
+        self._release(request_id, now)
 
     def on_migrated(self, request_id: str, dst: str, now: float) -> None:
         """A live migration committed: the request's charges move to `dst`."""
-        dispatch = self._release(request_id)
+        dispatch = self._release(request_id, now)
         if dispatch is not None and dst in self.cluster:
-            self.cluster.get(dst).adopt(dispatch)
+            self.cluster.get(dst).adopt(dispatch, now)
             self.cluster.touch(dst)
             self._where[request_id] = dst
 
@@ -145,10 +145,10 @@ class Router:
             self._where.pop(request_id, None)
         return orphans
 
-    def _release(self, request_id: str) -> Dispatch | None:
+    def _release(self, request_id: str, now: float) -> Dispatch | None:
         instance_id = self._where.pop(request_id, None)
         if instance_id is None or instance_id not in self.cluster:
             return None
-        dispatch = self.cluster.get(instance_id).finish(request_id)
+        dispatch = self.cluster.get(instance_id).finish(request_id, now)
         self.cluster.touch(instance_id)
         return dispatch
