@@ -14,8 +14,8 @@ The contract the scheduler implements (all bodies JSON; every call carries
   A 404 means the scheduler forgot the instance (it restarted): the agent registers again.
 - ``DELETE {scheduler}/admin/v1/instances/{instance_id}`` on shutdown (best effort, once).
 
-Failures (connection refused, timeouts, 5xx, 401) are logged and retried with capped exponential
-backoff; they never stop the agent from serving.
+Failures (connection refused, timeouts, 5xx, 401) are logged and retried with exponential backoff
+capped at ten heartbeat intervals (30 s at most); they never stop the agent from serving.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class Registrar:
         load_summary: Callable[[], Awaitable[dict[str, Any]]],
         *,
         heartbeat_s: float = 2.0,
-        max_backoff_s: float = 30.0,
+        max_backoff_s: float | None = None,
         token: str | None = None,
     ) -> None:
         self.base = scheduler_url.rstrip("/")
@@ -50,7 +50,9 @@ class Registrar:
         self.instance_id = str(registration["instance_id"])
         self._load_summary = load_summary
         self.heartbeat_s = heartbeat_s
-        self.max_backoff_s = max_backoff_s
+        # Retry at least every ten heartbeats (and every 30 s), so a restarted scheduler hears
+        # from its agents soon.
+        self.max_backoff_s = max_backoff_s or min(30.0, 10 * heartbeat_s)
         token = token if token is not None else os.environ.get(ADMIN_TOKEN_ENV)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._client = httpx.AsyncClient(headers=headers, timeout=5.0)
