@@ -47,7 +47,7 @@ def _replay(endpoint: str, start: int) -> list[tuple[int, bytes]]:
     sock.connect(endpoint)
     try:
         sock.send_multipart([b"", start.to_bytes(8, "big")])
-        replies = []
+        replies: list[tuple[int, bytes]] = []
         while True:
             assert sock.poll(10_000), "replay did not answer"
             _, seq_bytes, payload = sock.recv_multipart()
