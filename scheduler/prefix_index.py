@@ -166,14 +166,23 @@ class PrefixIndex:
         self.stats = IndexStats()
 
     # -- instances ---------------------------------------------------------------------------
-    def add_instance(self, instance_id: str, trust_engine_hashes: bool = False) -> None:
-        """Register (or re-register, which clears) an instance; the next batch starts its view."""
+    def add_instance(
+        self, instance_id: str, trust_engine_hashes: bool = False, next_seq: int | None = None
+    ) -> None:
+        """Register (or re-register, which clears) an instance.
+
+        With `next_seq` None the next batch starts its view whatever its number (the replay may
+        not reach back to 0); pass the first expected number when it is known (replay from 0).
+        """
         if instance_id in self._instances:
             self.clear_instance(instance_id)
-            self._instances[instance_id].trust_engine_hashes = trust_engine_hashes
-            return
-        bit = 1 << self.owners.slot(instance_id)
-        self._instances[instance_id] = _InstanceBlocks(bit, trust_engine_hashes)
+            inst = self._instances[instance_id]
+            inst.trust_engine_hashes = trust_engine_hashes
+        else:
+            bit = 1 << self.owners.slot(instance_id)
+            inst = _InstanceBlocks(bit, trust_engine_hashes)
+            self._instances[instance_id] = inst
+        inst.next_seq = next_seq
 
     def remove_instance(self, instance_id: str) -> None:
         if instance_id in self._instances:
