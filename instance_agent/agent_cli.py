@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--no-prefix-caching", action="store_true")
     engine.add_argument("--device", default=None)
     engine.add_argument("--dtype", default="auto")
+    engine.add_argument(
+        "--torch-threads", type=int, default=None, help="intra-op CPU threads (default: torch's)"
+    )
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--access-log", action="store_true")
 
@@ -100,6 +103,10 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
     )
+    if args.torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     engine = LLMEngine(config)
     publisher = None
     if args.kv_events_endpoint:
