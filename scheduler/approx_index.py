@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from scheduler.prefix_index import BlockOwners
+from scheduler.prefix_index import BlockOwners, InstanceSlots, match_chain
 
 
 @dataclass(slots=True)
@@ -36,6 +36,7 @@ class ApproxIndex:
         ttl_s: float = 120.0,
         max_blocks_per_instance: int = 1 << 16,
         sweep_interval_s: float = 1.0,
+        slots: InstanceSlots | None = None,
     ) -> None:
         if ttl_s <= 0 or max_blocks_per_instance <= 0:
             raise ValueError("ttl_s and max_blocks_per_instance must be positive")
@@ -43,21 +44,28 @@ class ApproxIndex:
         self.max_blocks_per_instance = max_blocks_per_instance
         self.sweep_interval_s = sweep_interval_s
         self.owners = BlockOwners()
+        self._own_slots = slots is None
+        self.slots = InstanceSlots() if slots is None else slots
         self._instances: dict[str, _Entries] = {}
         self._last_sweep = float("-inf")
 
     def add_instance(self, instance_id: str, ttl_s: float | None = None) -> None:
         """Register (or re-register, which clears) an instance with its own TTL."""
-        self.remove_instance(instance_id)
-        bit = 1 << self.owners.slot(instance_id)
+        self._forget(instance_id)
+        bit = self.slots.bit(instance_id)
         self._instances[instance_id] = _Entries(bit, ttl_s or self.default_ttl_s)
 
     def remove_instance(self, instance_id: str) -> None:
+        if self._forget(instance_id) and self._own_slots:
+            self.slots.release(instance_id)
+
+    def _forget(self, instance_id: str) -> bool:
         entries = self._instances.pop(instance_id, None)
-        if entries is not None:
-            for block_hash in entries.expiry:
-                self.owners.discard(block_hash, entries.bit)
-            self.owners.release_slot(instance_id)
+        if entries is None:
+            return False
+        for block_hash in entries.expiry:
+            self.owners.discard(block_hash, entries.bit)
+        return True
 
     def __contains__(self, instance_id: object) -> bool:
         return instance_id in self._instances
@@ -93,4 +101,4 @@ class ApproxIndex:
 
     def match(self, chain: Sequence[int], now: float) -> dict[str, int]:
         self.expire(now)
-        return self.owners.match(chain)
+        return match_chain(chain, (self.owners.owners,), self.slots)

@@ -10,9 +10,9 @@ Contract:
 - Prefix knowledge: `apply_kv_batch` / `clear_kv_view` feed the precise `PrefixIndex` (the names
   match the KV event subscriber's sink protocol); a gap is remembered and reported by
   `replay_needed`. Instances without events are matched through the `ApproxIndex` built from
-  routing decisions; event-publishing instances also get a short-lived approximate entry per
-  routed request until their events arrive. `match(chain, now)` takes, per instance, the longer
-  of the two.
+  routing decisions; event-publishing instances also get a short-lived approximate entry for the
+  uncached tail of each routed request until their events arrive. Both indexes share one slot
+  map, and `match(chain, now)` walks them together: a block counts if either holds it.
 - `view(now)` returns the `ClusterView` for one decision. Instance views and numpy columns are
   kept up to date incrementally (only instances that changed are re-rendered), so building a view
   of 1,024 instances costs microseconds.
@@ -32,7 +32,7 @@ from policies.views import COLUMNS, ClusterView, InstanceView, RequestView
 from scheduler.approx_index import ApproxIndex
 from scheduler.instance_state import InstanceState
 from scheduler.load_report import LoadReport
-from scheduler.prefix_index import ApplyResult, PrefixIndex
+from scheduler.prefix_index import ApplyResult, InstanceSlots, PrefixIndex, match_chain
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,10 +57,14 @@ class ClusterState:
         self.block_size = block_size
         self.hash_algo: HashAlgo = hash_algo
         self.pending_ttl_s = pending_ttl_s
+        # One slot map for both indexes, so a match walks their masks OR-ed together.
+        self.slots = InstanceSlots()
         self.prefix_index = PrefixIndex(
-            block_size, hash_algo, max_blocks_per_instance, max_blocks_total
+            block_size, hash_algo, max_blocks_per_instance, max_blocks_total, self.slots
         )
-        self.approx_index = ApproxIndex(approx_ttl_s, approx_max_blocks_per_instance)
+        self.approx_index = ApproxIndex(
+            approx_ttl_s, approx_max_blocks_per_instance, slots=self.slots
+        )
         self.instances: dict[str, InstanceState] = {}
         self._replay: dict[str, int] = {}
         # Views in registration order, their positions and numpy columns (kept incrementally).
@@ -112,6 +116,7 @@ class ClusterState:
             return []
         self.prefix_index.remove_instance(instance_id)
         self.approx_index.remove_instance(instance_id)
+        self.slots.release(instance_id)
         self._replay.pop(instance_id, None)
         self._dirty.discard(instance_id)
         position = self._position.pop(instance_id)
@@ -182,17 +187,23 @@ class ClusterState:
 
     # -- queries -----------------------------------------------------------------------------
     def match(self, chain: Sequence[int], now: float) -> dict[str, int]:
-        """Leading blocks of `chain` cached per instance (precise and approximate, merged)."""
-        found = self.prefix_index.match(chain)
-        approx = self.approx_index.match(chain, now)
-        for instance_id, blocks in approx.items():
-            if blocks > found.get(instance_id, 0):
-                found[instance_id] = blocks
-        return found
+        """Leading blocks of `chain` cached per instance, a block counting if either index has it."""
+        self.approx_index.expire(now)
+        maps = (self.prefix_index.owners.owners, self.approx_index.owners.owners)
+        return match_chain(chain, maps, self.slots)
 
-    def note_routed(self, instance_id: str, chain: Sequence[int], now: float) -> None:
-        """Record a routed request's chain in the approximate index."""
-        self.approx_index.insert(instance_id, chain, now)
+    def note_routed(
+        self, instance_id: str, chain: Sequence[int], now: float, matched: int = 0
+    ) -> None:
+        """Record a routed request's chain in the approximate index.
+
+        For an event-publishing instance the first `matched` blocks are already in the precise
+        index, so only the tail it is about to compute is recorded (as a short-lived entry).
+        """
+        state = self.instances[instance_id]
+        tail = chain[matched:] if state.has_kv_events else chain
+        if tail:
+            self.approx_index.insert(instance_id, tail, now)
 
     def _refresh(self) -> None:
         for instance_id in self._dirty:

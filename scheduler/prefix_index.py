@@ -1,10 +1,10 @@
 """Precise prefix index: which instance caches which block, fed by KV events.
 
 Contract:
-- `BlockOwners` is the shared core: kvherd block hash -> bitmask of instance slots, so
-  `match(chain)` walks the request's chain once, AND-ing masks until no instance still matches,
-  and returns ``{instance_id: leading blocks matched}`` (instances with 0 are absent). Cost is one
-  dict lookup per matched block, independent of the number of instances.
+- `BlockOwners` is the shared core: kvherd block hash -> bitmask of instance slots
+  (`InstanceSlots`), so `match(chain)` walks the request's chain once, AND-ing masks until no
+  instance still matches, and returns ``{instance_id: leading blocks matched}`` (instances with 0
+  are absent). Cost is one dict lookup per matched block, independent of the number of instances.
 - `PrefixIndex` applies vLLM-format KV event batches per instance:
   `BlockStored` (re-hashed with kvherd's own `block_hash_chain`, because an engine's hash function
   may differ; the per-instance map engine hash -> kvherd hash resolves later removals and parent
@@ -39,33 +39,44 @@ from instance_agent.engine.kv_events import (
 _GPU_MEDIA = (None, "GPU", "gpu", "cuda")
 
 
+class InstanceSlots:
+    """Instance id <-> bit position; freed positions are reused, so masks stay short.
+
+    One `InstanceSlots` may be shared by several indexes (the scheduler's precise and approximate
+    indexes) so that their masks can be OR-ed in one walk; the sharer then releases slots itself.
+    """
+
+    def __init__(self) -> None:
+        self._slot_of: dict[str, int] = {}
+        self.id_of: list[str | None] = []
+        self._free: list[int] = []
+
+    def bit(self, instance_id: str) -> int:
+        """The instance's bit, allocating a slot on first use."""
+        slot = self._slot_of.get(instance_id)
+        if slot is None:
+            if self._free:
+                slot = self._free.pop()
+                self.id_of[slot] = instance_id
+            else:
+                slot = len(self.id_of)
+                self.id_of.append(instance_id)
+            self._slot_of[instance_id] = slot
+        return 1 << slot
+
+    def release(self, instance_id: str) -> None:
+        """Free the slot; every index must already have cleared the instance's bits."""
+        slot = self._slot_of.pop(instance_id, None)
+        if slot is not None:
+            self.id_of[slot] = None
+            self._free.append(slot)
+
+
 class BlockOwners:
-    """kvherd block hash -> bitmask of instance slots; slots are recycled when instances leave."""
+    """kvherd block hash -> bitmask of the instances holding it."""
 
     def __init__(self) -> None:
         self.owners: dict[int, int] = {}
-        self._slot_of: dict[str, int] = {}
-        self._id_of: list[str | None] = []
-        self._free_slots: list[int] = []
-
-    def slot(self, instance_id: str) -> int:
-        slot = self._slot_of.get(instance_id)
-        if slot is None:
-            if self._free_slots:
-                slot = self._free_slots.pop()
-                self._id_of[slot] = instance_id
-            else:
-                slot = len(self._id_of)
-                self._id_of.append(instance_id)
-            self._slot_of[instance_id] = slot
-        return slot
-
-    def release_slot(self, instance_id: str) -> None:
-        """Forget the slot; the caller has already removed the instance's bits."""
-        slot = self._slot_of.pop(instance_id, None)
-        if slot is not None:
-            self._id_of[slot] = None
-            self._free_slots.append(slot)
 
     def add(self, block_hash: int, bit: int) -> bool:
         """Set `bit` for the block; False when it was already set."""
@@ -82,32 +93,47 @@ class BlockOwners:
         else:
             self.owners.pop(block_hash, None)
 
-    def match(self, chain: Sequence[int]) -> dict[str, int]:
-        """Leading blocks of `chain` held per instance."""
-        owners = self.owners
-        result: dict[str, int] = {}
-        if not chain:
-            return result
+
+def match_chain(
+    chain: Sequence[int], maps: Sequence[dict[int, int]], slots: InstanceSlots
+) -> dict[str, int]:
+    """Leading blocks of `chain` held per instance, a block counting if any map holds it."""
+    result: dict[str, int] = {}
+    if not chain:
+        return result
+    if len(maps) == 1:
+        owners = maps[0]
         alive = owners.get(chain[0], 0)
         depth = 1
         while alive and depth < len(chain):
             nxt = alive & owners.get(chain[depth], 0)
             if nxt != alive:
-                self._record(alive & ~nxt, depth, result)
+                _record(alive & ~nxt, depth, slots.id_of, result)
                 alive = nxt
             depth += 1
-        if alive:
-            self._record(alive, depth, result)
-        return result
+    else:
+        first, second = maps[0], maps[1]
+        alive = first.get(chain[0], 0) | second.get(chain[0], 0)
+        depth = 1
+        while alive and depth < len(chain):
+            h = chain[depth]
+            nxt = alive & (first.get(h, 0) | second.get(h, 0))
+            if nxt != alive:
+                _record(alive & ~nxt, depth, slots.id_of, result)
+                alive = nxt
+            depth += 1
+    if alive:
+        _record(alive, depth, slots.id_of, result)
+    return result
 
-    def _record(self, bits: int, depth: int, into: dict[str, int]) -> None:
-        id_of = self._id_of
-        while bits:
-            low = bits & -bits
-            instance_id = id_of[low.bit_length() - 1]
-            if instance_id is not None:
-                into[instance_id] = depth
-            bits ^= low
+
+def _record(bits: int, depth: int, id_of: list[str | None], into: dict[str, int]) -> None:
+    while bits:
+        low = bits & -bits
+        instance_id = id_of[low.bit_length() - 1]
+        if instance_id is not None:
+            into[instance_id] = depth
+        bits ^= low
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +179,7 @@ class PrefixIndex:
         hash_algo: HashAlgo = "xxh3_64",
         max_blocks_per_instance: int = 1 << 20,
         max_blocks_total: int = 1 << 24,
+        slots: InstanceSlots | None = None,
     ) -> None:
         if block_size <= 0 or max_blocks_per_instance <= 0 or max_blocks_total <= 0:
             raise ValueError("block_size and the memory bounds must be positive")
@@ -161,6 +188,8 @@ class PrefixIndex:
         self.max_blocks_per_instance = max_blocks_per_instance
         self.max_blocks_total = max_blocks_total
         self.owners = BlockOwners()
+        self._own_slots = slots is None
+        self.slots = InstanceSlots() if slots is None else slots
         self._instances: dict[str, _InstanceBlocks] = {}
         self._total = 0
         self.stats = IndexStats()
@@ -179,8 +208,7 @@ class PrefixIndex:
             inst = self._instances[instance_id]
             inst.trust_engine_hashes = trust_engine_hashes
         else:
-            bit = 1 << self.owners.slot(instance_id)
-            inst = _InstanceBlocks(bit, trust_engine_hashes)
+            inst = _InstanceBlocks(self.slots.bit(instance_id), trust_engine_hashes)
             self._instances[instance_id] = inst
         inst.next_seq = next_seq
 
@@ -188,7 +216,8 @@ class PrefixIndex:
         if instance_id in self._instances:
             self.clear_instance(instance_id)
             del self._instances[instance_id]
-            self.owners.release_slot(instance_id)
+            if self._own_slots:
+                self.slots.release(instance_id)
 
     def clear_instance(self, instance_id: str) -> None:
         """Forget everything the instance holds and accept its next batch whatever its number."""
@@ -323,4 +352,4 @@ class PrefixIndex:
 
     # -- queries -----------------------------------------------------------------------------
     def match(self, chain: Sequence[int]) -> dict[str, int]:
-        return self.owners.match(chain)
+        return match_chain(chain, (self.owners.owners,), self.slots)

@@ -113,7 +113,7 @@ class Router:
         state = self.cluster.get(decision.instance_id)
         state.dispatch(request_id, num_tokens, num_tokens - cached_tokens, now)
         self.cluster.touch(decision.instance_id)
-        self.cluster.note_routed(decision.instance_id, request.block_hashes, now)
+        self.cluster.note_routed(decision.instance_id, request.block_hashes, now, matched)
         self._where[request_id] = decision.instance_id
         return Routed(decision, request, matched)
 

@@ -227,8 +227,12 @@ def test_precise_index_through_cluster_state_and_replay_needed() -> None:
     prompt = tokens(320)
     chain = block_hash_chain(prompt, 16)
     cluster.apply_kv_batch("i1", KVEventBatch(4, 0.0, [BlockStored(chain, None, prompt, 16)]))
-    routed = router.route("r", prompt + tokens(32, 5), now=0.0)
+    longer = prompt + tokens(32, 5)
+    routed = router.route("r", longer, now=0.0)
     assert routed.instance_id == "i1" and routed.matched_blocks == 20
+    # Until i1's events arrive, its 2-block tail counts as pending there: precise 20 + pending 2.
+    assert cluster.match(block_hash_chain(longer, 16), now=1.0) == {"i1": 22}
+    assert cluster.match(block_hash_chain(longer, 16), now=10.0) == {"i1": 20}  # pending TTL 5 s
     cluster.apply_kv_batch("i1", KVEventBatch(6, 0.0, []))
     assert cluster.replay_needed("i1") == 5
     cluster.apply_kv_batch("i1", KVEventBatch(5, 0.0, []))

@@ -1,0 +1,163 @@
+"""Routing-decision latency of the scheduler core at fleet scale, with a naive baseline.
+
+Builds a precise prefix index over `--instances` instances holding `--blocks` indexed blocks in
+total (fed as real KV events, re-hashed), then times `Router.route` end to end — block hashing of
+the prompt, the cluster view, the prefix match and the policy — for 2k- and 32k-token prompts.
+Prompts reuse cached documents, so matches run deep (the walk's worst case). Side by side, from the
+same run: the same route with `round_robin` (hashing and views, no prefix use), and the baseline
+prefix match a naive router does (scan every instance's block set), on a sample of the prompts.
+Memory: bytes per indexed block of the precise index, measured with tracemalloc while it is built.
+
+    python bench/route_bench.py                      # 1,024 instances, 1M blocks (~1-2 min)
+    python bench/route_bench.py --instances 64 --blocks 50000 --queries 50   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import time
+import tracemalloc
+from collections.abc import Sequence
+
+from instance_agent.engine.block_hash import block_hash_chain
+from instance_agent.engine.kv_events import BlockStored
+from policies import load_dispatch_policy
+from scheduler.cluster_state import ClusterState
+from scheduler.load_report import LoadReport
+from scheduler.router import Router
+
+BLOCK_SIZE = 16
+
+
+def build(args: argparse.Namespace) -> tuple[ClusterState, list[list[int]], int, int]:
+    """The fleet; returns (cluster, documents, traced bytes, indexed blocks)."""
+    rng = random.Random(args.seed)
+    doc_blocks = 2048  # documents are 32k tokens, so the longest prompts can match in full
+    documents = [
+        [rng.randrange(32000) for _ in range(doc_blocks * BLOCK_SIZE)] for _ in range(args.documents)
+    ]
+    per_instance = args.blocks // args.instances
+    cluster = ClusterState(block_size=BLOCK_SIZE, max_blocks_total=max(1 << 22, 2 * args.blocks))
+    for k in range(args.instances):
+        cluster.add_instance(f"inst-{k:04d}", has_kv_events=True)
+        cluster.apply_report(
+            f"inst-{k:04d}",
+            LoadReport(
+                num_running=rng.randrange(0, 32),
+                num_waiting=rng.randrange(0, 4),
+                num_total_blocks=8192,
+                num_free_blocks=rng.randrange(0, 8192),
+                waiting_prefill_tokens=rng.randrange(0, 8192),
+            ),
+            now=0.0,
+        )
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for k in range(args.instances):
+        # Half the instance's blocks: a prefix of a shared document; half: its own conversations.
+        shared = rng.randrange(0, per_instance + 1)
+        doc = documents[rng.randrange(len(documents))]
+        own = [rng.randrange(32000) for _ in range((per_instance - shared) * BLOCK_SIZE)]
+        events = []
+        for tokens in (doc[: shared * BLOCK_SIZE], own):
+            # Engine hashes differ from kvherd's (another seed), so every block is re-hashed.
+            engine = block_hash_chain(tokens, BLOCK_SIZE, cache_salt="engine")
+            events.append(BlockStored(engine, None, tokens, BLOCK_SIZE))
+        cluster.apply_kv_events(f"inst-{k:04d}", events)
+    traced = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    return cluster, documents, traced, cluster.prefix_index.num_blocks()
+
+
+def prompts(documents: list[list[int]], length: int, count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        doc = documents[rng.randrange(len(documents))]
+        keep = rng.randrange(length // 2, length)  # a cached document prefix, then new text
+        out.append(doc[:keep] + [rng.randrange(32000) for _ in range(length - keep)])
+    return out
+
+
+def time_routes(router: Router, batch: Sequence[list[int]], tag: str) -> list[float]:
+    times = []
+    now = 1.0
+    for k, tokens in enumerate(batch):
+        rid = f"{tag}-{k}"
+        start = time.perf_counter()
+        router.route(rid, tokens, now=now)
+        times.append(time.perf_counter() - start)
+        router.on_finish(rid, now=now)  # keep the load steady across samples
+        now += 0.001
+    return times
+
+
+def naive_match(cluster: ClusterState, chain: Sequence[int]) -> dict[str, int]:
+    """What a router without a hash->instances map does: test every instance's block set."""
+    found = {}
+    for instance_id in cluster.instances:
+        held = cluster.prefix_index.blocks(instance_id)
+        depth = 0
+        while depth < len(chain) and chain[depth] in held:
+            depth += 1
+        if depth:
+            found[instance_id] = depth
+    return found
+
+
+def ms(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return 1e3 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--instances", type=int, default=1024)
+    parser.add_argument("--blocks", type=int, default=1_000_000)
+    parser.add_argument("--documents", type=int, default=64)
+    parser.add_argument("--queries", type=int, default=300)
+    parser.add_argument("--baseline-queries", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    t0 = time.perf_counter()
+    cluster, documents, traced, indexed = build(args)
+    print(
+        f"index: {args.instances} instances, {indexed:,} indexed blocks, "
+        f"{len(cluster.prefix_index.owners.owners):,} distinct; built in "
+        f"{time.perf_counter() - t0:.1f} s (under tracemalloc)"
+    )
+    print(f"index memory: {traced / indexed:.0f} bytes per indexed block ({traced / 2**20:.0f} MiB)")
+    kvherd = Router(cluster, load_dispatch_policy("kvherd"))
+    rr = Router(cluster, load_dispatch_policy("round_robin"))
+    print()
+    print(f"{'prompt':>8} {'router':>24} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8}")
+    for length in (2048, 32768):
+        batch = prompts(documents, length, args.queries, args.seed + length)
+        time_routes(kvherd, batch[:10], "warm")
+        rows = {
+            "kvherd (hash+match+policy)": time_routes(kvherd, batch, f"k{length}"),
+            "round_robin (hash+view)": time_routes(rr, batch, f"r{length}"),
+        }
+        naive = []
+        for tokens in batch[: args.baseline_queries]:
+            chain = block_hash_chain(tokens, BLOCK_SIZE)
+            start = time.perf_counter()
+            naive_match(cluster, chain)
+            naive.append(time.perf_counter() - start)
+        rows["naive per-instance scan"] = naive
+        for name, times in rows.items():
+            print(
+                f"{length:>8} {name:>24} {ms(times, 0.5):>8.3f} {ms(times, 0.99):>8.3f} "
+                f"{1e3 * statistics.fmean(times):>8.3f}"
+            )
+        ratio = statistics.median(naive) / statistics.median(rows["kvherd (hash+match+policy)"])
+        print(f"{'':>8} {'naive / kvherd (median)':>24} {ratio:>8.1f}x")
+
+
+if __name__ == "__main__":
+    main()
