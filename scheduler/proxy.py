@@ -62,8 +62,8 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
-_JSON_HEADERS = [(b"content-type", b"application/json")]
-_FORWARD_HEADERS = frozenset({b"content-type", b"accept", b"user-agent", b"openai-organization"})
+# Client headers worth passing on; the body is always sent as JSON (it was parsed as JSON here).
+_FORWARD_HEADERS = frozenset({b"accept", b"user-agent", b"openai-organization"})
 
 
 @dataclass(slots=True)
@@ -220,7 +220,7 @@ class Proxy:
     ) -> None:
         request_id = b""
         auth: bytes | None = None
-        forward: list[tuple[bytes, bytes]] = []
+        forward: list[tuple[bytes, bytes]] = [(b"content-type", b"application/json")]
         for name, value in scope["headers"]:
             if name == b"x-request-id":
                 request_id = value[:128]

@@ -210,8 +210,13 @@ async def serve_fleet(
     static_instances: list[dict[str, Any]],
     on_ready: Callable[[Fleet], Awaitable[None]] | None = None,
     stop: asyncio.Event | None = None,
+    before_shutdown: Callable[[], Awaitable[None]] | None = None,
 ) -> int:
-    """Run the proxy and admin servers until `stop` is set (or SIGINT/SIGTERM)."""
+    """Run the proxy and admin servers until `stop` is set (or SIGINT/SIGTERM).
+
+    `on_ready` runs once both servers listen; `before_shutdown` runs after the stop request while
+    both still serve (``kvherd up`` stops its agents there, so they can deregister).
+    """
     from instance_agent.engine.tokenizer import load_tokenizer
     from scheduler.admin import LOOPBACK_PATTERNS, RegistrationPolicy, build_admin_app
     from scheduler.fleet import Fleet, FleetError, FleetSettings
@@ -313,11 +318,14 @@ async def serve_fleet(
                 policy,
             )
             if on_ready is not None:
-                await on_ready(fleet)
+                ready: asyncio.Future[None] = asyncio.ensure_future(on_ready(fleet))
+                ready.add_done_callback(lambda t: t.cancelled() or t.exception())
             stopper = asyncio.create_task(stop.wait())
             await asyncio.wait([stopper, *serving], return_when=asyncio.FIRST_COMPLETED)
             stopper.cancel()
         failed = any(task.done() for task in serving)
+        if before_shutdown is not None:
+            await before_shutdown()
         proxy_server.should_exit = admin_server.should_exit = True
         await asyncio.gather(*serving, return_exceptions=True)
         return 1 if failed and not stop.is_set() else 0

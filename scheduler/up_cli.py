@@ -1,0 +1,191 @@
+"""``kvherd up``: N local agents plus the proxy, in one command.
+
+Starts the proxy and its admin API in this process, then N ``kvherd agent`` child processes on free
+loopback ports, each publishing KV events (ephemeral ZMQ ports) and registering with the admin API.
+Waits until all N are registered and healthy, prints the URLs (and the admin token when it was
+generated), and runs until Ctrl-C or SIGTERM. Stopping is orderly: agents get SIGTERM (they drain
+and deregister), any still alive after ``--stop-timeout`` seconds get SIGKILL, then the proxy stops.
+Agents also die with this process if it is killed outright (Linux parent-death signal), so no agent
+is ever orphaned.
+
+The admin token is ``--admin-token``, else ``$KVHERD_ADMIN_TOKEN``, else a fresh random one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import TYPE_CHECKING
+
+from scheduler.serve_cli import ADMIN_TOKEN_ENV, add_proxy_arguments
+
+if TYPE_CHECKING:
+    from scheduler.fleet import Fleet
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-n", "--num-instances", type=int, default=2, help="agents to start")
+    parser.add_argument("--model", default="tiny", help="'tiny', 'small' or a checkpoint directory")
+    parser.add_argument(
+        "--agent-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for every agent (e.g. --agent-arg=--max-num-seqs=8); repeatable",
+    )
+    parser.add_argument("--log-dir", default=None, help="agent logs (default: a temp directory)")
+    parser.add_argument("--startup-timeout", type=float, default=300.0)
+    parser.add_argument("--stop-timeout", type=float, default=30.0)
+    add_proxy_arguments(parser)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the `kvherd up` process dies (Linux)."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+class AgentGroup:
+    """The child agents: start, watch, stop."""
+
+    def __init__(self, args: argparse.Namespace, token: str, log_dir: str) -> None:
+        self.args = args
+        self.token = token
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.log_paths: list[str] = []
+
+    def start(self) -> None:
+        scheduler_url = f"http://{self._admin_host()}:{self.args.admin_port}"
+        env = {**os.environ, ADMIN_TOKEN_ENV: self.token}
+        for index in range(self.args.num_instances):
+            port = _free_port()
+            cmd = [
+                sys.executable, "-m", "kvherd", "agent",
+                "--model", self.args.model,
+                "--host", "127.0.0.1",
+                "--port", str(port),
+                "--instance-id", f"agent-{index}",
+                "--kv-events-endpoint", "tcp://127.0.0.1:*",
+                "--kv-events-replay-endpoint", "tcp://127.0.0.1:*",
+                "--scheduler", scheduler_url,
+                *self.args.agent_arg,
+            ]  # fmt: skip
+            path = os.path.join(self.log_dir, f"agent-{index}.log")
+            with open(path, "wb") as log_file:
+                self.procs.append(
+                    subprocess.Popen(
+                        cmd,
+                        stdout=log_file,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        env=env,
+                        preexec_fn=_die_with_parent,
+                    )
+                )
+            self.log_paths.append(path)
+
+    def _admin_host(self) -> str:
+        host = self.args.admin_host
+        return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+    def dead(self) -> list[int]:
+        return [i for i, proc in enumerate(self.procs) if proc.poll() is not None]
+
+    async def stop(self, timeout: float) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while any(proc.poll() is None for proc in self.procs) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # children exit on their own schedule; no event to await
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+async def _up(args: argparse.Namespace) -> int:
+    from scheduler.serve_cli import serve_fleet
+
+    token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV)
+    generated = not token
+    token = token or secrets.token_urlsafe(24)
+    args.admin_token = token
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="kvherd-up-")
+    os.makedirs(log_dir, exist_ok=True)
+    agents = AgentGroup(args, token, log_dir)
+    stop = asyncio.Event()
+    failure: list[str] = []
+
+    async def on_ready(fleet: Fleet) -> None:
+        agents.start()
+        deadline = time.monotonic() + args.startup_timeout
+        while fleet.num_dispatchable() < args.num_instances:
+            dead = agents.dead()
+            if dead or time.monotonic() > deadline or stop.is_set():
+                if dead:
+                    failure.append(f"agent {dead[0]} exited; see {agents.log_paths[dead[0]]}")
+                elif not stop.is_set():
+                    failure.append(f"agents not ready after {args.startup_timeout}s ({log_dir})")
+                stop.set()
+                return
+            await asyncio.sleep(0.1)  # registrations arrive through the admin API
+        host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+        lines = [
+            f"kvherd up: {args.num_instances} agents ready (model {args.model})",
+            f"  OpenAI API  http://{host}:{args.port}/v1",
+            f"  admin API   http://{args.admin_host}:{args.admin_port}/admin/v1/instances",
+            f"  metrics     http://{host}:{args.port}/metrics",
+        ]
+        if generated:
+            lines.append(f"  admin token {token}  (set {ADMIN_TOKEN_ENV} to choose one)")
+        for index, proc in enumerate(agents.procs):
+            inst = fleet.instances[f"agent-{index}"]
+            lines.append(f"  agent       {inst.instance_id} {inst.url} (pid {proc.pid})")
+        lines.append(f"  agent logs  {log_dir}")
+        lines.append("Ctrl-C or SIGTERM stops everything.")
+        print("\n".join(lines), flush=True)
+
+    async def before_shutdown() -> None:
+        await agents.stop(args.stop_timeout)
+
+    try:
+        code = await serve_fleet(
+            args, [], on_ready=on_ready, stop=stop, before_shutdown=before_shutdown
+        )
+    finally:
+        await agents.stop(args.stop_timeout)
+    if failure:
+        print(f"kvherd up: {failure[0]}", file=sys.stderr)
+        return 1
+    return code
+
+
+def run(args: argparse.Namespace) -> int:
+    from scheduler.serve_cli import configure_logging, run_loop
+
+    if args.num_instances < 1:
+        print("kvherd up: -n must be at least 1", file=sys.stderr)
+        return 2
+    configure_logging(args.log_level)
+    return run_loop(_up(args))
