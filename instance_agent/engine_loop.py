@@ -278,7 +278,14 @@ class EngineLoop:
             self._after_step()
 
     def _has_work(self) -> bool:
-        return self.dead is None and bool(self._streams) and self.engine.has_unfinished()
+        # Suspended requests (mid-migration) are unfinished but not schedulable: no work then,
+        # or the thread would spin on empty steps.
+        scheduler = self.engine.scheduler
+        return (
+            self.dead is None
+            and bool(self._streams)
+            and (scheduler.num_running > 0 or scheduler.num_waiting > 0)
+        )
 
     def _fail_all(self, exc: BaseException) -> None:
         self.dead = exc

@@ -187,6 +187,8 @@ def check_supported(body: CompletionRequest | ChatCompletionRequest) -> None:
         raise bad_request(
             "repetition_penalty is not supported (only 1)", param="repetition_penalty"
         )
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options can only be given with stream=true", "stream_options")
     if body.logit_bias:
         raise bad_request("logit_bias is not supported", param="logit_bias")
     if isinstance(body, CompletionRequest):

@@ -391,8 +391,8 @@ async def _submit(
     if isinstance(body, ChatCompletionRequest):
         try:
             text = tokenizer.apply_chat_template(protocol.chat_messages(body))
-        except ValueError as exc:
-            raise bad_request(str(exc), param="messages") from exc
+        except Exception as exc:  # a checkpoint's Jinja template may raise any error type
+            raise bad_request(f"cannot apply the chat template: {exc}", param="messages") from exc
         prompt_ids = tokenizer.encode(text)
         default_max_tokens = max(1, max_model_len - len(prompt_ids))
     else:
@@ -435,6 +435,7 @@ async def _sse(
     stream: RequestStream, meta: _Meta, body: CompletionRequest | ChatCompletionRequest
 ) -> AsyncIterator[bytes]:
     want_ids = bool(body.return_token_ids)
+    continuous_usage = bool(body.stream_options and body.stream_options.continuous_usage_stats)
     index = 0
     cached = 0
     rid, created, model = meta.response_id, meta.created, meta.model
@@ -461,6 +462,10 @@ async def _sse(
                     chunk = protocol.completion_chunk(rid, created, model, text, finish, ids, index)
                     if want_ids and index == 0:
                         chunk["choices"][0]["prompt_token_ids"] = meta.prompt_ids
+                if continuous_usage:
+                    chunk["usage"] = protocol.usage(
+                        meta.prompt_len, index + len(new_ids), output.num_cached_tokens
+                    )
                 yield protocol.sse(chunk)
             index += len(new_ids)
         if body.include_usage:

@@ -160,6 +160,21 @@ def test_sse_wire_format_and_request_id(agent: AgentProcess) -> None:
     assert usage["total_tokens"] == 6 and "cached_tokens" in usage["prompt_tokens_details"]
 
 
+def test_continuous_usage_stats(agent: AgentProcess) -> None:
+    body = {
+        "prompt": "usage",
+        "max_tokens": 4,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+        "stream_options": {"continuous_usage_stats": True},
+    }
+    with httpx.stream("POST", f"{agent.url}/v1/completions", json=body, timeout=30) as response:
+        events = [e for e in _sse_events(response.iter_lines()) if isinstance(e, dict)]
+    assert [e["usage"]["completion_tokens"] for e in events] == [1, 2, 3, 4]
+    assert all(e["usage"]["prompt_tokens"] == 5 for e in events)
+
+
 def test_prefix_cache_hits_are_reported(agent: AgentProcess) -> None:
     prompt = list(range(40, 80))  # 40 tokens: two full blocks of 16 can be reused
     body = {"prompt": prompt, "max_tokens": 2, "ignore_eos": True}
@@ -327,6 +342,13 @@ BAD_INPUTS: list[tuple[str, str, Any, int, str | None]] = [
     ("top_p = 0", "/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
     ("bad role", "/v1/chat/completions", {"messages": [{"role": "x"}]}, 400, "messages.0.role"),
     ("chat n > 1", "/v1/chat/completions", {"messages": [USER_MSG], "n": 2}, 400, "n"),
+    (
+        "stream_options without stream",
+        "/v1/completions",
+        {"prompt": "x", "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+    ),
     ("huge body", "/v1/completions", b'{"prompt": "' + b"a" * (5 << 20) + b'"}', 413, None),
 ]
 
