@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -58,22 +58,22 @@ class MigrationStatus(enum.Enum):
 
 @dataclass(slots=True)
 class RequestState:
-    """A running request's complete state at the moment it stops on the source."""
+    """A running request's complete state at the moment it stops on the source.
+
+    The field names are the keys of the engine's `export_request_state` / `adopt_request` dict."""
 
     request_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    num_computed_tokens: int  # tokens whose KV is in the transferred blocks
     sampling_params: dict[str, Any]  # SamplingParams fields, by name
-    sampling_seed: int
-    block_size: int
-    arrival_time: float = 0.0
+    sampling_seed: int  # counter-based sampling: draw i depends only on (seed, i)
+    num_computed_tokens: int  # tokens whose KV is in the transferred blocks
+    num_cached_tokens: int = 0
     priority: int = 0
     cache_salt: str | None = None
+    arrival_time: float = 0.0
     eos_token_id: int | None = None
-    hash_algo: str = "xxh3_64"
-    num_cached_tokens: int = 0
-    num_preemptions: int = 0
+    emitted_text: str = ""  # text already streamed (stop-string progress)
 
     @property
     def num_tokens(self) -> int:
@@ -85,11 +85,12 @@ class RequestState:
     @classmethod
     def from_json(cls, data: Any) -> RequestState:
         state = _parse(cls, data)
-        if state.block_size < 1:
-            raise MessageError("block_size must be at least 1", "block_size")
-        if not 0 <= state.num_computed_tokens <= state.num_tokens:
+        if not state.prompt_token_ids:
+            raise MessageError("prompt_token_ids must not be empty", "prompt_token_ids")
+        if not 0 < state.num_computed_tokens < state.num_tokens:
             raise MessageError(
-                "num_computed_tokens must be within [0, number of tokens]", "num_computed_tokens"
+                "num_computed_tokens must leave at least one token to compute",
+                "num_computed_tokens",
             )
         return state
 
@@ -98,38 +99,44 @@ class RequestState:
 class MigratableEngine(Protocol):
     """The operations migration needs from one engine instance (source and destination roles).
 
-    All methods are called from the engine's own thread or under its step lock: the drivers never
-    race the engine's step loop.
+    The drivers call them on the engine's own thread, between steps, so they never race a step.
+    Reservations are held under an owner id (the migration id) until adopted or freed.
     """
 
     @property
     def block_size(self) -> int: ...
 
-    # -- source role -----------------------------------------------------------------------------
-    def request_blocks(self, request_id: str) -> tuple[list[int], int]:
-        """(block ids, tokens whose KV is computed) of a running or suspended request.
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of KV one block holds (all layers, keys and values)."""
+        ...
 
-        Raises `KeyError` when the request is not running here (finished, aborted, preempted)."""
+    # -- source role -----------------------------------------------------------------------------
+    def request_phase(self, request_id: str) -> str | None:
+        """ "decoding", "prefilling", "waiting", "suspended", or None once finished or unknown."""
+        ...
+
+    def request_blocks(self, request_id: str) -> tuple[list[int], int]:
+        """(block ids, tokens whose KV is computed) of a live request; `KeyError` if gone."""
         ...
 
     def request_block_hashes(self, request_id: str) -> list[int]:
         """The chained hashes of the request's full blocks, in order (for cache-aware transfer)."""
         ...
 
-    def suspend(self, request_id: str) -> bool:
-        """Take a running request out of the batch, keeping its blocks; False if not running."""
+    def suspend(self, request_id: str) -> None:
+        """Take a decoding request out of the batch, keeping its blocks (`ValueError` if not)."""
         ...
 
     def resume(self, request_id: str) -> None:
         """Put a suspended request back into the running batch (the migration aborted)."""
         ...
 
-    def export_request_state(self, request_id: str) -> RequestState:
-        """The state of a suspended request."""
+    def export_request_state(self, request_id: str) -> dict[str, Any]:
+        """The state of a suspended request, as `RequestState` fields."""
         ...
 
-    def finish_migrated(self, request_id: str) -> None:
-        """The destination committed: free the request's blocks here and end it as migrated."""
+    def release_migrated(self, request_id: str) -> None:
+        """The destination committed: end the request here as migrated and free its blocks."""
         ...
 
     def read_kv(self, block_ids: Sequence[int]) -> Any:
@@ -138,21 +145,17 @@ class MigratableEngine(Protocol):
         ...
 
     # -- destination role ------------------------------------------------------------------------
-    def kv_bytes_per_block(self) -> int:
-        """Bytes of KV one block holds (all layers, keys and values)."""
+    def share_cached_prefix(self, owner_id: str, block_hashes: Sequence[int]) -> list[int]:
+        """Take a reference, under `owner_id`, on the longest leading run of `block_hashes` cached
+        here; returns those block ids (eviction cannot take them until the owner lets go)."""
         ...
 
-    def acquire_cached_prefix(self, block_hashes: Sequence[int]) -> list[int]:
-        """Block ids of the longest leading run of `block_hashes` cached here, each with one more
-        reference taken (so eviction cannot take them until `free_blocks`)."""
+    def reserve_blocks(self, owner_id: str, num_blocks: int) -> list[int] | None:
+        """Append `num_blocks` free blocks to `owner_id`'s table, or None below the watermark."""
         ...
 
-    def reserve_blocks(self, num_blocks: int) -> list[int] | None:
-        """Take `num_blocks` free blocks for an incoming migration, or None below the watermark."""
-        ...
-
-    def free_blocks(self, block_ids: Sequence[int]) -> None:
-        """Drop one reference on each of `block_ids` (reserved or acquired prefix blocks)."""
+    def free_reservation(self, owner_id: str) -> None:
+        """Drop every block `owner_id` holds (shared ones lose one reference)."""
         ...
 
     def write_kv(self, block_ids: Sequence[int], kv: Any) -> None:
@@ -160,9 +163,31 @@ class MigratableEngine(Protocol):
         produced on the source."""
         ...
 
-    def adopt_request(self, state: RequestState, block_ids: Sequence[int]) -> None:
-        """Join the running batch with `state`, owning `block_ids` (shared prefix then reserved)."""
+    def adopt_request(self, state: dict[str, Any], block_ids: Sequence[int], owner_id: str) -> Any:
+        """Join the running batch with `state`, taking over `owner_id`'s blocks (`block_ids`, in
+        order). Raises `ValueError` and changes nothing if the state does not fit the blocks."""
         ...
+
+
+EngineCall = Callable[[Callable[[MigratableEngine], Any]], Awaitable[Any]]
+"""Runs a function against the engine on the engine's thread and awaits its result."""
+
+
+class DestinationLink(Protocol):
+    """The source's view of one destination agent (HTTP in production; any transport will do).
+
+    Each method raises `DestinationError` when the destination cannot be reached or answers
+    nonsense."""
+
+    async def reserve(self, msg: ReserveRequest) -> ReserveResponse: ...
+
+    async def commit(self, msg: CommitRequest) -> AckResponse: ...
+
+    async def abort(self, msg: AbortRequest) -> AckResponse: ...
+
+
+class DestinationError(RuntimeError):
+    """The destination did not answer, or answered something that is not a valid reply."""
 
 
 # -- control messages over the agents' HTTP API --------------------------------------------------
@@ -213,6 +238,9 @@ class ReserveRequest:
     stage: int
     num_blocks: int
     block_hashes: list[int] = field(default_factory=list)
+    # Stage 0: the source's KV geometry; the destination refuses a mismatch.
+    block_size: int = 0
+    kv_bytes_per_block: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -159,6 +159,9 @@ class TransportHub:
         self._counter = itertools.count()
         self._tags = itertools.count(1)
         self._lock = threading.Lock()
+        # Held while joining as a source: concurrent migrations to one destination must not
+        # both join the same group (the second rank-0 join would never be matched).
+        self._connect_lock = threading.Lock()
         self._accepting: dict[str, tuple[str, Future[PairChannel]]] = {}  # peer -> group
         self._connected: dict[tuple[str, int, str], PairChannel] = {}
         # Rendezvous blocks until the peer joins: it runs off the caller's thread.
@@ -206,10 +209,16 @@ class TransportHub:
                 f"destination uses {endpoint.backend}, this instance {self.backend}"
             )
         key = (endpoint.host, endpoint.port, endpoint.group)
-        with self._lock:
-            channel = self._connected.get(key)
-            if channel is not None and not channel.closed:
-                return channel
+        with self._connect_lock:
+            with self._lock:
+                channel = self._connected.get(key)
+            if channel is None or channel.closed:
+                channel = self._join_remote(endpoint)
+                with self._lock:
+                    self._connected[key] = channel
+            return channel
+
+    def _join_remote(self, endpoint: TransportEndpoint) -> PairChannel:
         try:
             store = dist.TCPStore(
                 endpoint.host,
@@ -220,10 +229,7 @@ class TransportHub:
             )
         except (RuntimeError, OSError) as e:
             raise TransferError(f"cannot reach {endpoint.host}:{endpoint.port}: {e}") from e
-        channel = self._join(store, endpoint.group, 0, endpoint.chunk_bytes)
-        with self._lock:
-            self._connected[key] = channel
-        return channel
+        return self._join(store, endpoint.group, 0, endpoint.chunk_bytes)
 
     # -- both ------------------------------------------------------------------------------------
     def drop(self, channel: PairChannel) -> None:

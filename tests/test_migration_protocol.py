@@ -26,10 +26,9 @@ def _state() -> RequestState:
         request_id="r1",
         prompt_token_ids=[1, 2, 3, 4, 5],
         output_token_ids=[9, 8],
-        num_computed_tokens=6,
         sampling_params={"max_tokens": 10, "temperature": 0.7, "seed": 3},
         sampling_seed=3,
-        block_size=4,
+        num_computed_tokens=6,
         cache_salt="tenant-a",
         eos_token_id=2,
     )
@@ -110,9 +109,10 @@ def test_bad_messages_name_the_field(cls: Any, data: Any, param: str | None) -> 
 
 def test_state_rejects_impossible_progress() -> None:
     data = _state().to_json()
-    data["num_computed_tokens"] = 8  # only 7 tokens exist
-    with pytest.raises(MessageError, match="num_computed_tokens"):
-        RequestState.from_json(data)
+    for impossible in (0, 7, 8):  # 7 tokens: KV for 1..6 of them leaves one to compute
+        data["num_computed_tokens"] = impossible
+        with pytest.raises(MessageError, match="num_computed_tokens"):
+            RequestState.from_json(data)
     assert _state().num_tokens == 7
 
 

@@ -1,0 +1,252 @@
+"""The agent's live-migration endpoints and the glue between `LLMEngine` and `migration`.
+
+Contract:
+- `EngineMigrationAdapter` makes an `LLMEngine` a `migration.protocol.MigratableEngine`. Its
+  methods run on the engine thread only (through `EngineLoop.call`).
+- `MigrationService` owns this agent's transport hub, its incoming-reservation table and the
+  outgoing-migration limit (one in and one out at a time by default, like Llumnix).
+- `create_migration_router(service)` serves, under ``/kvherd/v1``:
+  ``POST /migrate {"request_id", "dst"}`` on the source: runs the migration and returns its
+  `MigrationOutcome` (200 whether it committed or aborted; the body says which and why);
+  ``POST /migration/reserve``, ``/migration/commit``, ``/migration/abort`` on the destination
+  (the source agent calls them). Bad bodies get 400 with the OpenAI error object.
+  The router's lifespan expires reservations of silent sources and frees everything at shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import httpx
+import torch
+from fastapi import APIRouter, FastAPI, Request
+
+from instance_agent.engine.request import RequestStatus
+from instance_agent.protocol import OpenAIError, bad_request
+from migration.destination import MigrationDestination
+from migration.http_link import HttpDestination
+from migration.protocol import (
+    AbortReason,
+    AbortRequest,
+    CommitRequest,
+    MessageError,
+    MigratableEngine,
+    MigrateOrder,
+    MigrationOutcome,
+    MigrationStatus,
+    ReserveRequest,
+)
+from migration.reservations import ReservationTable
+from migration.source import migrate_out
+from migration.stages import StageConfig
+from migration.transport import TransportHub
+
+if TYPE_CHECKING:
+    from instance_agent.engine.llm_engine import LLMEngine
+    from instance_agent.engine_loop import EngineLoop
+
+T = TypeVar("T")
+M = TypeVar("M")
+
+
+class EngineMigrationAdapter:
+    """`LLMEngine` seen through `MigratableEngine` (engine thread only)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        cache = engine.runner.kv_cache  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+        self._block_shape = list(cache.shape)
+        self._dtype = cache.dtype
+        self._bytes_per_block = cache[:, :, 0].numel() * cache.element_size()
+
+    @property
+    def block_size(self) -> int:
+        return int(self.engine.config.block_size)
+
+    def kv_bytes_per_block(self) -> int:
+        return self._bytes_per_block
+
+    # -- source role -----------------------------------------------------------------------------
+    def request_phase(self, request_id: str) -> str | None:
+        request = self.engine.scheduler.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status is RequestStatus.SUSPENDED:
+            return "suspended"
+        if request.status is RequestStatus.RUNNING:
+            # Between steps a decoding request lacks KV only for its newest sampled token.
+            decoding = bool(request.output_token_ids) and (
+                request.num_computed_tokens == request.num_tokens - 1
+            )
+            return "decoding" if decoding else "prefilling"
+        return "waiting"
+
+    def request_blocks(self, request_id: str) -> tuple[list[int], int]:
+        return self.engine.request_blocks(request_id)
+
+    def request_block_hashes(self, request_id: str) -> list[int]:
+        return list(self.engine.scheduler.requests[request_id].block_hashes)
+
+    def suspend(self, request_id: str) -> None:
+        self.engine.suspend(request_id)
+
+    def resume(self, request_id: str) -> None:
+        self.engine.resume(request_id)
+
+    def export_request_state(self, request_id: str) -> dict[str, Any]:
+        return self.engine.export_request_state(request_id)
+
+    def release_migrated(self, request_id: str) -> None:
+        self.engine.release_migrated(request_id)
+
+    def read_kv(self, block_ids: Sequence[int]) -> torch.Tensor:
+        return self.engine.read_kv(block_ids)
+
+    # -- destination role ------------------------------------------------------------------------
+    def share_cached_prefix(self, owner_id: str, block_hashes: Sequence[int]) -> list[int]:
+        block_manager = self.engine.block_manager
+        hits = block_manager.lookup_cached_prefix(block_hashes)
+        block_manager.share_cached_blocks(owner_id, hits)
+        return hits
+
+    def reserve_blocks(self, owner_id: str, num_blocks: int) -> list[int] | None:
+        return self.engine.reserve_blocks(owner_id, num_blocks)
+
+    def free_reservation(self, owner_id: str) -> None:
+        self.engine.free_reservation(owner_id)
+
+    def write_kv(self, block_ids: Sequence[int], kv: Any) -> None:
+        shape = list(self._block_shape)
+        shape[2] = len(block_ids)
+        self.engine.write_kv(block_ids, kv.view(self._dtype).view(shape))
+
+    def adopt_request(self, state: dict[str, Any], block_ids: Sequence[int], owner_id: str) -> Any:
+        return self.engine.adopt_request(state, block_ids, owner_id)
+
+
+@dataclass(slots=True)
+class MigrationSettings:
+    max_outgoing: int = 1  # concurrent migrations out of this instance
+    max_incoming: int = 1  # concurrent migrations into this instance
+    reservation_timeout_s: float = 30.0  # a silent source's reservation is freed after this
+    transfer_timeout_s: float = 10.0  # every KV send/receive and rendezvous
+    control_timeout_s: float = 30.0  # every control message to a destination
+    stages: StageConfig = field(default_factory=StageConfig)
+
+
+class MigrationService:
+    """This agent's migration state: source driver, destination endpoints, transport."""
+
+    def __init__(
+        self,
+        engine_loop: EngineLoop,
+        instance_id: str,
+        transport_host: str = "127.0.0.1",
+        settings: MigrationSettings | None = None,
+    ) -> None:
+        self.settings = settings or MigrationSettings()
+        self.engine_loop = engine_loop
+        self.adapter = EngineMigrationAdapter(engine_loop.engine)
+        self.hub = TransportHub(transport_host, timeout_s=self.settings.transfer_timeout_s)
+        # Our identity as a transport peer: a restarted agent must not reuse a stale pair group.
+        self.src_name = f"{instance_id}#{self.hub.incarnation}"
+        self.destination = MigrationDestination(
+            self.call,
+            self.hub,
+            ReservationTable(self.settings.max_incoming, self.settings.reservation_timeout_s),
+            self.adapter.block_size,
+            self.adapter.kv_bytes_per_block(),
+        )
+        self._outgoing: set[str] = set()
+        self._http = httpx.AsyncClient(timeout=self.settings.control_timeout_s)
+        self.outcomes: dict[str, int] = {}  # "committed" or an abort reason -> count
+
+    async def call(self, fn: Callable[[MigratableEngine], T]) -> T:
+        adapter = self.adapter
+        return await self.engine_loop.call(lambda _engine: fn(adapter))
+
+    async def migrate(self, order: MigrateOrder) -> MigrationOutcome:
+        if order.request_id in self._outgoing or len(self._outgoing) >= self.settings.max_outgoing:
+            outcome = MigrationOutcome(
+                migration_id="",
+                request_id=order.request_id,
+                status=MigrationStatus.ABORTED,
+                reason=AbortReason.BUSY,
+                detail=f"{len(self._outgoing)} migration(s) out already running",
+            )
+        else:
+            self._outgoing.add(order.request_id)
+            try:
+                link = HttpDestination(order.dst, self._http)
+                outcome = await migrate_out(
+                    self.call,
+                    self.hub,
+                    link,
+                    order.request_id,
+                    self.src_name,
+                    self.settings.stages,
+                )
+            finally:
+                self._outgoing.discard(order.request_id)
+        key = outcome.reason.value if outcome.reason else outcome.status.value
+        self.outcomes[key] = self.outcomes.get(key, 0) + 1
+        return outcome
+
+    async def close(self) -> None:
+        await self.destination.close()
+        await self._http.aclose()
+        self.hub.close()
+
+
+def create_migration_router(service: MigrationService) -> APIRouter:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        expiry = asyncio.create_task(service.destination.run_expiry())
+        try:
+            yield
+        finally:
+            expiry.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await expiry
+            await service.close()
+
+    router = APIRouter(prefix="/kvherd/v1", lifespan=lifespan)
+
+    @router.post("/migrate")
+    async def migrate(request: Request) -> dict[str, Any]:
+        order = await _parse(request, MigrateOrder.from_json)
+        outcome = await service.migrate(order)
+        return outcome.to_json()
+
+    @router.post("/migration/reserve")
+    async def reserve(request: Request) -> dict[str, Any]:
+        msg = await _parse(request, ReserveRequest.from_json)
+        return (await service.destination.reserve(msg)).to_json()
+
+    @router.post("/migration/commit")
+    async def commit(request: Request) -> dict[str, Any]:
+        msg = await _parse(request, CommitRequest.from_json)
+        return (await service.destination.commit(msg)).to_json()
+
+    @router.post("/migration/abort")
+    async def abort(request: Request) -> dict[str, Any]:
+        msg = await _parse(request, AbortRequest.from_json)
+        return (await service.destination.abort(msg)).to_json()
+
+    return router
+
+
+async def _parse(request: Request, parse: Callable[[Any], M]) -> M:
+    try:
+        data = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"request body is not valid JSON: {e}") from None
+    try:
+        return parse(data)
+    except MessageError as e:
+        raise OpenAIError(400, e.message, param=e.param) from None

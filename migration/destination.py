@@ -1,0 +1,252 @@
+"""The destination side of live migration: reserve, receive, commit or abort, and expire.
+
+Contract:
+- `reserve` answers each stage: stage 0 checks the KV geometry, opens a reservation (refused when
+  busy), shares the cached leading blocks by reference, reserves the rest and offers a transport
+  endpoint; every stage then receives its blocks' KV in the background and writes it into the
+  reserved blocks. The next message for the migration waits for that receive first.
+- A refusal or failure at any stage frees everything the migration held here before answering, so
+  the source can simply continue; `commit` adopts the request with exactly the blocks received, in
+  order; `abort` frees them. Either is answered for an unknown migration too (idempotent).
+- KV is written into reserved blocks only while the reservation still holds them: an abort that
+  arrives while bytes are in flight wins, and the late bytes are dropped.
+- `expire()` frees reservations whose source has gone silent for the table's timeout (a dead
+  source); the agent calls it periodically (`run_expiry`).
+- All engine calls go through `call` (the engine thread); the table is touched only from the
+  asyncio thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from migration.protocol import (
+    AbortReason,
+    AbortRequest,
+    AckResponse,
+    CommitRequest,
+    EngineCall,
+    MigratableEngine,
+    ReserveRequest,
+    ReserveResponse,
+)
+from migration.reservations import Reservation, ReservationError, ReservationTable
+from migration.stages import blocks_for
+from migration.transport import TransferError, TransportHub
+
+log = logging.getLogger(__name__)
+
+
+class MigrationDestination:
+    def __init__(
+        self,
+        call: EngineCall,
+        hub: TransportHub,
+        table: ReservationTable,
+        block_size: int,
+        kv_bytes_per_block: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.call = call
+        self.hub = hub
+        self.table = table
+        self.block_size = block_size
+        self.kv_bytes_per_block = kv_bytes_per_block
+        self.clock = clock
+        self._receiving: dict[str, asyncio.Task[None]] = {}
+        self._tags: dict[str, tuple[str, int]] = {}  # migration -> (pair group, message tag)
+        self.committed = 0
+        self.aborted: dict[str, int] = {}  # reason -> count
+
+    # -- messages --------------------------------------------------------------------------------
+    async def reserve(self, msg: ReserveRequest) -> ReserveResponse:
+        mid = msg.migration_id
+        if msg.stage == 0:
+            refusal = self._check_geometry(msg)
+            if refusal is not None:
+                return ReserveResponse(False, reason=refusal)
+            try:
+                self.table.open(mid, msg.request_id, msg.src, self.clock())
+            except ReservationError as e:
+                return ReserveResponse(False, reason=str(e))
+            hashes = msg.block_hashes[: msg.num_blocks]
+            shared: list[int] = []
+            if hashes:
+                shared = await self.call(lambda e: e.share_cached_prefix(mid, hashes))
+        else:
+            reservation = self.table.get(mid)
+            if reservation is None:
+                return ReserveResponse(False, reason=f"no open migration {mid!r}")
+            failure = await self._wait_landed(reservation)
+            if failure is not None:
+                await self._drop(mid, AbortReason.TRANSFER_FAILED)
+                return ReserveResponse(False, reason=failure)
+            shared = []
+        num_new = msg.num_blocks - len(shared)
+        reserved = await self.call(lambda e: e.reserve_blocks(mid, num_new))
+        if reserved is None:
+            await self._drop(mid, AbortReason.DST_REFUSED)
+            return ReserveResponse(
+                False, reason=f"no room for {num_new} blocks above the free-block watermark"
+            )
+        try:
+            reservation = self.table.begin_stage(mid, msg.stage, shared, reserved, self.clock())
+        except ReservationError as e:
+            await self._drop(mid, AbortReason.DST_FAILED)
+            return ReserveResponse(False, reason=str(e))
+        endpoint = None
+        if msg.stage == 0:
+            endpoint = self.hub.offer(msg.src)
+            self._tags[mid] = (endpoint.group, endpoint.tag)
+        task = asyncio.create_task(self._receive(reservation))
+        task.add_done_callback(_retrieve)
+        self._receiving[mid] = task
+        return ReserveResponse(True, reserved, len(shared), endpoint)
+
+    async def commit(self, msg: CommitRequest) -> AckResponse:
+        mid = msg.migration_id
+        reservation = self.table.get(mid)
+        if reservation is None:
+            return AckResponse(False, f"no open migration {mid!r} (expired or aborted)")
+        failure = await self._wait_landed(reservation)
+        if failure is not None:
+            await self._drop(mid, AbortReason.TRANSFER_FAILED)
+            return AckResponse(False, failure)
+        state = msg.state
+        block_ids = reservation.block_ids
+        if state.request_id != reservation.request_id or blocks_for(
+            state.num_computed_tokens, self.block_size
+        ) != len(block_ids):
+            await self._drop(mid, AbortReason.DST_FAILED)
+            return AckResponse(False, "the request state does not match the received blocks")
+        # Popped before adopting: once the engine owns the blocks, an expiry must not free them.
+        self.table.pop(mid)
+        self._forget(mid)
+        try:
+            await self.call(lambda e: e.adopt_request(state.to_json(), block_ids, mid))
+        except (ValueError, KeyError) as e:
+            await self.call(lambda e: e.free_reservation(mid))
+            self._count(AbortReason.DST_FAILED)
+            return AckResponse(False, f"cannot adopt the request: {e}")
+        self.committed += 1
+        return AckResponse(True)
+
+    async def abort(self, msg: AbortRequest) -> AckResponse:
+        await self._drop(msg.migration_id, AbortReason.SRC_CANCELLED)
+        return AckResponse(True)
+
+    # -- expiry ----------------------------------------------------------------------------------
+    async def expire(self) -> list[str]:
+        """Free every reservation whose source went silent; returns their migration ids."""
+        now = self.clock()
+        stale = [
+            r for r in self.table if now - r.last_seen > self.table.timeout_s and not self._busy(r)
+        ]
+        for reservation in stale:
+            log.warning(
+                "migration %s of %s from %s: source silent, freeing %d blocks",
+                reservation.migration_id,
+                reservation.request_id,
+                reservation.src,
+                len(reservation.block_ids),
+            )
+            await self._drop(reservation.migration_id, AbortReason.SRC_TIMEOUT)
+        return [r.migration_id for r in stale]
+
+    async def run_expiry(self, interval_s: float | None = None) -> None:
+        """Expire stale reservations forever (cancel the task to stop)."""
+        interval = interval_s if interval_s is not None else self.table.timeout_s / 4
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.expire()
+            except Exception:  # the loop must outlive one bad round (e.g. engine shutting down)
+                log.exception("migration reservation expiry failed")
+
+    async def close(self) -> None:
+        """Free every open reservation (agent shutdown)."""
+        for reservation in self.table:
+            await self._drop(reservation.migration_id, AbortReason.DST_FAILED)
+
+    # -- internals -------------------------------------------------------------------------------
+    def _check_geometry(self, msg: ReserveRequest) -> str | None:
+        if msg.block_size != self.block_size:
+            return f"block size {msg.block_size} differs from this instance's {self.block_size}"
+        if msg.kv_bytes_per_block != self.kv_bytes_per_block:
+            return (
+                f"KV of {msg.kv_bytes_per_block} bytes per block differs from this instance's "
+                f"{self.kv_bytes_per_block} (different model or dtype)"
+            )
+        return None
+
+    def _busy(self, reservation: Reservation) -> bool:
+        task = self._receiving.get(reservation.migration_id)
+        return task is not None and not task.done()
+
+    async def _receive(self, reservation: Reservation) -> None:
+        """Receive the stage in flight and write it into its reserved blocks."""
+        mid = reservation.migration_id
+        block_ids = list(reservation.pending_block_ids)
+        if block_ids:
+            group, tag = self._tags[mid]
+            nbytes = len(block_ids) * self.kv_bytes_per_block
+            channel = await asyncio.to_thread(self.hub.accepted, reservation.src, group)
+            try:
+                payload = await asyncio.to_thread(channel.recv, nbytes, tag)
+            except TransferError:
+                self.hub.drop(channel)
+                raise
+            # Checked and submitted without yielding: an abort either freed the blocks before
+            # (then the bytes are dropped) or frees them after the write.
+            if self.table.get(mid) is not reservation:
+                return
+            await self.call(_writer(block_ids, payload))
+        if self.table.get(mid) is reservation:
+            self.table.landed(mid, self.clock())
+
+    async def _wait_landed(self, reservation: Reservation) -> str | None:
+        """Wait for the stage in flight; returns why it failed, or None."""
+        task = self._receiving.get(reservation.migration_id)
+        if task is None:
+            return None
+        try:
+            await asyncio.shield(task)
+        except TransferError as e:
+            return f"receiving the KV failed: {e}"
+        except Exception as e:
+            log.exception("migration %s: receive failed", reservation.migration_id)
+            return f"receiving the KV failed: {e!r}"
+        return None
+
+    async def _drop(self, migration_id: str, reason: AbortReason) -> None:
+        reservation = self.table.pop(migration_id)
+        self._forget(migration_id)
+        if reservation is None:
+            return
+        self._count(reason)
+        await self.call(lambda e: e.free_reservation(migration_id))
+
+    def _forget(self, migration_id: str) -> None:
+        # A receive still in flight finishes on its own and drops its bytes (see `_receive`).
+        self._tags.pop(migration_id, None)
+        self._receiving.pop(migration_id, None)
+
+    def _count(self, reason: AbortReason) -> None:
+        self.aborted[reason.value] = self.aborted.get(reason.value, 0) + 1
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    """Mark a receive's failure as seen: it is reported through `_wait_landed`, or moot."""
+    if not task.cancelled():
+        task.exception()
+
+
+def _writer(block_ids: list[int], payload: Any) -> Callable[[MigratableEngine], None]:
+    def write(engine: MigratableEngine) -> None:
+        engine.write_kv(block_ids, payload)
+
+    return write

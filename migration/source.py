@@ -1,0 +1,188 @@
+"""The source side of live migration: run one request's multi-stage copy and commit, or abort.
+
+Contract:
+- `migrate_out` drives `StagePlanner` against the engine (through `call`, on the engine thread)
+  and one destination (`DestinationLink` for control, a `TransportHub` channel for KV bytes). Live
+  stages copy full blocks while the request keeps decoding; the stop-and-copy stage suspends it,
+  copies the rest and commits; only then is the request released here.
+- It never raises for a migration that fails: it returns a `MigrationOutcome` saying why. On every
+  abort path the request is left running on the source (resumed if it was suspended, untouched if
+  it finished or was preempted meanwhile) and the destination is told to free its reservation
+  (best effort: if the destination is unreachable it frees on its own after its timeout).
+- Downtime is measured from the suspension to the commit (or to the resume, on abort): the time
+  the request makes no progress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from typing import Any
+
+from migration.protocol import (
+    AbortReason,
+    AbortRequest,
+    CommitRequest,
+    DestinationError,
+    DestinationLink,
+    EngineCall,
+    MigratableEngine,
+    MigrationOutcome,
+    MigrationStatus,
+    RequestState,
+    ReserveRequest,
+    TransportEndpoint,
+)
+from migration.stages import MigrationAborted, Phase, StageConfig, StagePlanner
+from migration.transport import PairChannel, TransferError, TransportHub
+
+
+def _snapshot(request_id: str) -> Any:
+    def read(engine: MigratableEngine) -> tuple[str | None, list[int], int, list[int]]:
+        phase = engine.request_phase(request_id)
+        if phase is None:
+            return None, [], 0, []
+        blocks, num_kv = engine.request_blocks(request_id)
+        return phase, blocks, num_kv, engine.request_block_hashes(request_id)
+
+    return read
+
+
+def _check_live(phase: str | None, planner: StagePlanner) -> None:
+    if phase is None:
+        raise MigrationAborted(AbortReason.REQUEST_FINISHED, "finished or aborted on the source")
+    expected = "suspended" if planner.phase is Phase.SUSPENDED else "decoding"
+    if phase == expected:
+        return
+    if phase in ("waiting", "prefilling") and planner.stages:
+        raise MigrationAborted(AbortReason.REQUEST_PREEMPTED, f"request is {phase} again")
+    raise MigrationAborted(AbortReason.REQUEST_NOT_RUNNING, f"request is {phase}, not decoding")
+
+
+async def migrate_out(
+    call: EngineCall,
+    hub: TransportHub,
+    link: DestinationLink,
+    request_id: str,
+    src: str,
+    config: StageConfig | None = None,
+) -> MigrationOutcome:
+    """Migrate `request_id` to the destination behind `link`; `src` names this instance (its
+    transport peer identity, unique per incarnation)."""
+    migration_id = uuid.uuid4().hex
+    started = time.perf_counter()
+    block_size, bytes_per_block = await call(lambda e: (e.block_size, e.kv_bytes_per_block()))
+    planner = StagePlanner(request_id, block_size, config or StageConfig())
+    channel: PairChannel | None = None
+    endpoint: TransportEndpoint | None = None
+    suspended_at: float | None = None
+    reason: AbortReason
+    detail: str
+    try:
+        while True:
+            phase, blocks, num_kv, hashes = await call(_snapshot(request_id))
+            _check_live(phase, planner)
+            if planner.phase is Phase.LIVE and planner.needs_suspend(blocks, num_kv):
+                await call(lambda e: e.suspend(request_id))
+                suspended_at = time.perf_counter()
+                planner.suspended()
+                # The request may have decoded between the snapshot and the suspension.
+                phase, blocks, num_kv, hashes = await call(_snapshot(request_id))
+                _check_live(phase, planner)
+            stage = planner.next_stage(blocks, num_kv, hashes)
+            answer = await link.reserve(
+                ReserveRequest(
+                    migration_id=migration_id,
+                    request_id=request_id,
+                    src=src,
+                    stage=stage.index,
+                    num_blocks=stage.num_blocks,
+                    block_hashes=list(stage.block_hashes),
+                    block_size=block_size,
+                    kv_bytes_per_block=bytes_per_block,
+                )
+            )
+            if not answer.accepted:
+                raise MigrationAborted(AbortReason.DST_REFUSED, answer.reason or "")
+            stage = planner.reserved(stage, answer.num_cached_blocks, len(answer.dst_block_ids))
+            if stage.index == 0:
+                if answer.transport is None:
+                    raise MigrationAborted(AbortReason.DST_FAILED, "no transport endpoint")
+                endpoint = answer.transport
+                channel = await asyncio.to_thread(hub.connect, endpoint)
+            if stage.num_blocks:
+                assert channel is not None and endpoint is not None
+                kv = await call(_reader(list(stage.src_block_ids)))
+                await asyncio.to_thread(channel.send, kv, endpoint.tag)
+            planner.landed(stage)
+            if stage.final:
+                break
+        state = RequestState.from_json(await call(lambda e: e.export_request_state(request_id)))
+        ack = await link.commit(CommitRequest(migration_id, state))
+        if not ack.ok:
+            raise MigrationAborted(AbortReason.DST_FAILED, ack.reason or "commit refused")
+        await call(lambda e: e.release_migrated(request_id))
+        planner.committed()
+        return _outcome(planner, migration_id, bytes_per_block, started, suspended_at)
+    except MigrationAborted as e:
+        reason, detail = e.reason, e.detail
+    except TransferError as e:
+        reason, detail = AbortReason.TRANSFER_FAILED, str(e)
+        if channel is not None:
+            hub.drop(channel)
+    except DestinationError as e:
+        reason, detail = AbortReason.DST_FAILED, str(e)
+    except (KeyError, ValueError) as e:  # the engine refused: the request changed under us
+        reason, detail = AbortReason.REQUEST_FINISHED, f"engine: {e}"
+
+    if planner.abort(reason):
+        await call(_resume_if_suspended(request_id))
+    if reason is not AbortReason.DST_REFUSED or planner.stages:
+        # The destination may hold blocks for us; a refusal at stage 0 already freed them.
+        # If unreachable, it frees on its own once we stay silent past its timeout.
+        with contextlib.suppress(DestinationError):
+            await link.abort(AbortRequest(migration_id, reason.value))
+    return _outcome(planner, migration_id, bytes_per_block, started, suspended_at, reason, detail)
+
+
+def _reader(block_ids: list[int]) -> Any:
+    def read(engine: MigratableEngine) -> Any:
+        return engine.read_kv(block_ids)
+
+    return read
+
+
+def _resume_if_suspended(request_id: str) -> Any:
+    def resume(engine: MigratableEngine) -> None:
+        if engine.request_phase(request_id) == "suspended":
+            engine.resume(request_id)
+
+    return resume
+
+
+def _outcome(
+    planner: StagePlanner,
+    migration_id: str,
+    bytes_per_block: int,
+    started: float,
+    suspended_at: float | None,
+    reason: AbortReason | None = None,
+    detail: str = "",
+) -> MigrationOutcome:
+    now = time.perf_counter()
+    return MigrationOutcome(
+        migration_id=migration_id,
+        request_id=planner.request_id,
+        status=MigrationStatus.ABORTED if reason else MigrationStatus.COMMITTED,
+        reason=reason,
+        detail=detail or None,
+        stages=len(planner.stages),
+        blocks_sent=planner.blocks_sent,
+        blocks_skipped=planner.num_shared_blocks,
+        bytes_sent=planner.blocks_sent * bytes_per_block,
+        bytes_skipped=planner.num_shared_blocks * bytes_per_block,
+        downtime_s=now - suspended_at if suspended_at is not None else 0.0,
+        duration_s=now - started,
+    )
