@@ -8,9 +8,11 @@ Contract:
   ``loop.call_soon_threadsafe`` per step, records the step latency, updates the load gauges and
   latency histograms, and publishes the step's KV event batch.
 - `add` resolves once the engine accepted the request (or raises the engine's `InvalidRequestError`,
-  which it raises before allocating anything). The returned `RequestStream` yields the engine's
-  outputs until the one with ``finished``; closing it early (client gone, cancellation) aborts the
-  request on the engine thread, which frees its blocks. A request aborted by the agent itself (drain
+  which it raises before allocating anything); `open` does the same for any way of starting a
+  request on the engine thread (e.g. adopting a migrated one), and `call` runs any function there.
+  The returned `RequestStream` yields the engine's outputs until the one with ``finished``; closing
+  it early (client gone, cancellation) aborts the request on the engine thread, which frees its
+  blocks. A request aborted by the agent itself (drain
   timeout) ends its stream with `RequestAborted`.
 - If a step raises, the engine is considered dead: every open stream fails with `EngineDeadError`,
   new requests are refused, and `/health` reports it.
@@ -167,6 +169,19 @@ class EngineLoop:
         cache_salt: str | None = None,
     ) -> RequestStream:
         """Submit a request; raises `InvalidRequestError` if the engine refuses it."""
+
+        def start(engine: LLMEngine) -> None:
+            engine.add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt)
+
+        return await self.open(request_id, start)
+
+    async def open(self, request_id: str, start: Callable[[LLMEngine], object]) -> RequestStream:
+        """Run `start(engine)` on the engine thread and stream `request_id`'s outputs from then on.
+
+        `start` puts the request into the engine (``add_request``, or ``adopt_request`` for a
+        migrated-in request); no output can slip between it and the stream's registration. An
+        exception from `start` is raised here and leaves nothing behind.
+        """
         if self.dead is not None:
             raise EngineDeadError(f"engine failed: {self.dead!r}")
         stream = RequestStream(self, request_id)
@@ -176,9 +191,7 @@ class EngineLoop:
 
         def command() -> None:
             try:
-                self.engine.add_request(
-                    request_id, prompt, params, priority=priority, cache_salt=cache_salt
-                )
+                start(self.engine)
             except BaseException as exc:  # handed to the caller: the engine's own refusal
                 loop.call_soon_threadsafe(_settle, accepted, exc)
                 return
