@@ -29,8 +29,7 @@ import random
 
 import numpy as np
 
-from policies.base import candidates
-from policies.views import ClusterView, Decision, InstanceView, RequestView
+from policies.views import ClusterView, Decision, InstanceView, NoInstanceError, RequestView
 
 
 class KvherdDispatch:
@@ -66,10 +65,7 @@ class KvherdDispatch:
 
     def costs(self, request: RequestView, cluster: ClusterView) -> tuple[np.ndarray, np.ndarray]:
         """Cost of every instance (inf where it may not be chosen) and matched blocks, vectorised."""
-        matched = np.zeros(len(cluster))
-        for instance_id, blocks in cluster.prefix_match(request).items():
-            if instance_id in cluster:
-                matched[cluster.index_of(instance_id)] = blocks
+        matched = cluster.prefix_match_array(request)
         bs = request.block_size
         cached_tokens = np.minimum(float(request.num_tokens), matched * bs)
         cost = cluster.column("waiting_prefill_tokens") + (request.num_tokens - cached_tokens)
@@ -78,6 +74,8 @@ class KvherdDispatch:
         shortfall = np.maximum(0.0, (request.num_blocks - matched) - room)
         cost += np.where(cluster.column("capacity") > 0, self.memory_penalty * bs * shortfall, 0.0)
         allowed = cluster.column("dispatchable") > 0
+        if not allowed.any():
+            raise NoInstanceError(f"no dispatchable instance among {len(cluster)} registered")
         inflight = cluster.column("inflight")
         least = inflight[allowed].min()
         hot = (inflight - least > self.balance_abs_threshold) & (
@@ -87,7 +85,6 @@ class KvherdDispatch:
         return cost, matched
 
     def choose(self, request: RequestView, cluster: ClusterView) -> Decision:
-        candidates(cluster)  # raises when nothing is dispatchable
         cost, matched = self.costs(request, cluster)
         lowest = cost.min()
         tied = np.flatnonzero(cost == lowest)

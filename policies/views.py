@@ -99,6 +99,8 @@ class NoInstanceError(RuntimeError):
 
 
 PrefixMatcher = Callable[["RequestView"], Mapping[str, int]]
+# The same answer as a float64 array aligned with `ClusterView.instances` (large fleets).
+PrefixArrayMatcher = Callable[["RequestView"], np.ndarray]
 
 
 # InstanceView fields available as numpy columns (see `ClusterView.column`).
@@ -127,11 +129,14 @@ class ClusterView:
     registered instance, unhealthy and draining ones included; `dispatchable` is what a dispatch
     policy may choose from. `column(name)` gives a field of every instance as a float64 numpy array
     in `instances` order, for policies that score a large fleet vectorised; the scheduler core
-    maintains these incrementally, a hand-built view computes them on first use. A view is valid
-    for one decision: do not keep it.
+    maintains these incrementally, a hand-built view computes them on first use. Likewise
+    `prefix_match_array` is the prefix match as an array in `instances` order. A view is valid for
+    one decision: do not keep it.
     """
 
     __slots__ = (
+        "_array_cache",
+        "_array_matcher",
         "_columns",
         "_dispatchable",
         "_index",
@@ -148,11 +153,14 @@ class ClusterView:
         matcher: PrefixMatcher | None = None,
         columns: Mapping[str, np.ndarray] | None = None,
         index: Mapping[str, int] | None = None,
+        array_matcher: PrefixArrayMatcher | None = None,
     ) -> None:
         self.instances: tuple[InstanceView, ...] = tuple(instances)
         self.now = now
         self._matcher = matcher
+        self._array_matcher = array_matcher
         self._match_cache: dict[str, Mapping[str, int]] = {}
+        self._array_cache: dict[str, np.ndarray] = {}
         self._columns: dict[str, np.ndarray] = dict(columns or {})
         self._dispatchable: tuple[InstanceView, ...] | None = None
         if index is None:
@@ -194,9 +202,33 @@ class ClusterView:
         """Leading blocks of `request` cached per instance (instances with 0 may be absent)."""
         cached = self._match_cache.get(request.request_id)
         if cached is None:
-            matcher = self._matcher
-            cached = matcher(request) if matcher is not None and request.block_hashes else {}
+            if not request.block_hashes:
+                cached = {}
+            elif self._matcher is not None:
+                cached = self._matcher(request)
+            elif self._array_matcher is not None:
+                array = self.prefix_match_array(request)
+                cached = {
+                    self.instances[i].instance_id: int(array[i]) for i in np.flatnonzero(array)
+                }
+            else:
+                cached = {}
             self._match_cache[request.request_id] = cached
+        return cached
+
+    def prefix_match_array(self, request: RequestView) -> np.ndarray:
+        """`prefix_match` as a float64 array in `instances` order (read-only)."""
+        cached = self._array_cache.get(request.request_id)
+        if cached is None:
+            if self._array_matcher is not None and request.block_hashes:
+                cached = self._array_matcher(request)
+            else:
+                cached = np.zeros(len(self.instances))
+                for instance_id, blocks in self.prefix_match(request).items():
+                    if instance_id in self._index:
+                        cached[self._index[instance_id]] = blocks
+            cached.flags.writeable = False
+            self._array_cache[request.request_id] = cached
         return cached
 
 

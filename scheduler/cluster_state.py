@@ -32,7 +32,13 @@ from policies.views import COLUMNS, ClusterView, InstanceView, RequestView
 from scheduler.approx_index import ApproxIndex
 from scheduler.instance_state import InstanceState
 from scheduler.load_report import LoadReport
-from scheduler.prefix_index import ApplyResult, InstanceSlots, PrefixIndex, match_chain
+from scheduler.prefix_index import (
+    ApplyResult,
+    InstanceSlots,
+    PrefixIndex,
+    match_chain,
+    match_groups,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +79,7 @@ class ClusterState:
         self._views: list[InstanceView] = []
         self._columns: dict[str, np.ndarray] = {name: np.zeros(0) for name in COLUMNS}
         self._dirty: set[str] = set()
+        self._slot_pos: np.ndarray | None = None
 
     # -- registry ----------------------------------------------------------------------------
     def add_instance(
@@ -102,6 +109,7 @@ class ClusterState:
             for name, col in self._columns.items():
                 self._columns[name] = np.append(col, 0.0)
         self._dirty.add(instance_id)
+        self._slot_pos = None
         self._replay.pop(instance_id, None)
         if has_kv_events:
             self.prefix_index.add_instance(instance_id, trust_engine_hashes)
@@ -117,6 +125,7 @@ class ClusterState:
         self.prefix_index.remove_instance(instance_id)
         self.approx_index.remove_instance(instance_id)
         self.slots.release(instance_id)
+        self._slot_pos = None
         self._replay.pop(instance_id, None)
         self._dirty.discard(instance_id)
         position = self._position.pop(instance_id)
@@ -230,7 +239,51 @@ class ClusterState:
                     views[position] = self.instances[instance_id].view(healthy_override=False)
                     columns["dispatchable"][position] = 0.0
 
-        def matcher(request: RequestView) -> dict[str, int]:
-            return self.match(request.block_hashes, now)
+        def array_matcher(request: RequestView) -> np.ndarray:
+            return self.match_array(request.block_hashes, now)
 
-        return ClusterView(views, now, matcher, columns, self._position)
+        return ClusterView(views, now, None, columns, self._position, array_matcher)
+
+    def _slot_position(self) -> np.ndarray:
+        """Slot -> position in view order (-1 for a free slot), rebuilt after membership changes."""
+        if self._slot_pos is None or len(self._slot_pos) != len(self.slots.id_of):
+            table = np.full(len(self.slots.id_of), -1, dtype=np.int64)
+            for slot, instance_id in enumerate(self.slots.id_of):
+                if instance_id is not None and instance_id in self._position:
+                    table[slot] = self._position[instance_id]
+            self._slot_pos = table
+        return self._slot_pos
+
+    def match_array(self, chain: Sequence[int], now: float) -> np.ndarray:
+        """`match` as a float64 array in view order (registration order)."""
+        self.approx_index.expire(now)
+        maps = (self.prefix_index.owners.owners, self.approx_index.owners.owners)
+        out = np.zeros(len(self._order))
+        groups = match_groups(chain, maps)
+        if not groups:
+            return out
+        id_of, position = self.slots.id_of, self._position
+        if sum(bits.bit_count() for bits, _ in groups) <= 64:
+            for bits, depth in groups:
+                while bits:
+                    low = bits & -bits
+                    instance_id = id_of[low.bit_length() - 1]
+                    if instance_id is not None:
+                        out[position[instance_id]] = depth
+                    bits ^= low
+            return out
+        # Many matching instances: one (groups x slots) bit matrix; groups are disjoint, so
+        # depths @ matrix gives each slot its depth.
+        width = (len(id_of) + 7) // 8
+        raw = b"".join(bits.to_bytes(width, "little") for bits, _ in groups)
+        matrix = np.unpackbits(
+            np.frombuffer(raw, dtype=np.uint8).reshape(len(groups), width),
+            axis=1,
+            bitorder="little",
+        )
+        by_slot = np.array([depth for _, depth in groups], dtype=np.float64) @ matrix
+        slot_pos = self._slot_position()
+        hit = np.flatnonzero(by_slot[: len(slot_pos)])
+        hit = hit[slot_pos[hit] >= 0]
+        out[slot_pos[hit]] = by_slot[hit]
+        return out

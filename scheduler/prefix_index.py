@@ -94,13 +94,12 @@ class BlockOwners:
             self.owners.pop(block_hash, None)
 
 
-def match_chain(
-    chain: Sequence[int], maps: Sequence[dict[int, int]], slots: InstanceSlots
-) -> dict[str, int]:
-    """Leading blocks of `chain` held per instance, a block counting if any map holds it."""
-    result: dict[str, int] = {}
+def match_groups(chain: Sequence[int], maps: Sequence[dict[int, int]]) -> list[tuple[int, int]]:
+    """The walk itself: ``[(instance bits, leading blocks matched), ...]``, a block counting if
+    any of `maps` holds it. Each bit appears in at most one group."""
+    groups: list[tuple[int, int]] = []
     if not chain:
-        return result
+        return groups
     if len(maps) == 1:
         owners = maps[0]
         alive = owners.get(chain[0], 0)
@@ -108,7 +107,7 @@ def match_chain(
         while alive and depth < len(chain):
             nxt = alive & owners.get(chain[depth], 0)
             if nxt != alive:
-                _record(alive & ~nxt, depth, slots.id_of, result)
+                groups.append((alive & ~nxt, depth))
                 alive = nxt
             depth += 1
     else:
@@ -119,11 +118,21 @@ def match_chain(
             h = chain[depth]
             nxt = alive & (first.get(h, 0) | second.get(h, 0))
             if nxt != alive:
-                _record(alive & ~nxt, depth, slots.id_of, result)
+                groups.append((alive & ~nxt, depth))
                 alive = nxt
             depth += 1
     if alive:
-        _record(alive, depth, slots.id_of, result)
+        groups.append((alive, depth))
+    return groups
+
+
+def match_chain(
+    chain: Sequence[int], maps: Sequence[dict[int, int]], slots: InstanceSlots
+) -> dict[str, int]:
+    """Leading blocks of `chain` held per instance, a block counting if any map holds it."""
+    result: dict[str, int] = {}
+    for bits, depth in match_groups(chain, maps):
+        _record(bits, depth, slots.id_of, result)
     return result
 
 

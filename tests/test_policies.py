@@ -357,3 +357,21 @@ def test_drain_moves_everything_that_fits() -> None:
     # Shortest first: 10 -> x (40 room), 20 -> x (30 left), 90 fits nowhere.
     assert [(o.request_id, o.dst) for o in orders] == [("q0", "x"), ("q1", "x")]
     assert math.isinf(InstanceView("idle").freeness)
+
+
+def test_policies_import_nothing_else_of_kvherd() -> None:
+    """Plug-ins depend on `policies` alone; it must not pull in the engine or the scheduler."""
+    import ast
+    from pathlib import Path
+
+    forbidden = {"instance_agent", "scheduler", "simulator", "migration", "kvherd"}
+    root = Path(__file__).resolve().parent.parent / "policies"
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            for name in names:
+                assert name.split(".")[0] not in forbidden, f"{path.name} imports {name}"

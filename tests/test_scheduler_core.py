@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from instance_agent.engine.block_hash import block_hash_chain
@@ -329,3 +330,28 @@ def test_migration_loop_drops_orders_it_cannot_execute() -> None:
     loop = MigrationLoop(Naive(), lambda order: None)
     assert loop.tick(cluster.view(0.0), now=0.0) == []
     assert loop.stats.rejected == 3 and math.isinf(cluster.view(0.0)["a"].freeness)
+
+
+@pytest.mark.parametrize("fleet", [5, 150])  # few matches: per-bit path; many: bit-matrix path
+def test_match_array_agrees_with_match(fleet: int) -> None:
+    import random
+
+    rng = random.Random(fleet)
+    cluster = ClusterState(block_size=16)
+    doc = tokens(16 * 64, 3)
+    chain = block_hash_chain(doc, 16)
+    for k in range(fleet):
+        name = f"n{k}"
+        cluster.add_instance(name, has_kv_events=k % 3 != 0)
+        depth = rng.randrange(0, 65)
+        if k % 3:
+            prefix = doc[: 16 * depth]
+            cluster.apply_kv_events(name, [BlockStored(chain[:depth], None, prefix, 16)])
+        else:
+            cluster.note_routed(name, chain[:depth], now=0.0)
+    cluster.remove_instance("n1")  # a freed slot and shifted positions
+    expected = cluster.match(chain, now=1.0)
+    view = cluster.view(1.0)
+    array = cluster.match_array(chain, now=1.0)
+    assert {view.instances[i].instance_id: int(array[i]) for i in np.flatnonzero(array)} == expected
+    assert sum(1 for v in expected.values() if v) > (64 if fleet > 100 else 0)
