@@ -1,0 +1,392 @@
+"""A simulated fleet: trace arrivals -> global scheduler + policy -> simulated instances.
+
+Contract:
+- `SimCluster.run(trace)` replays every trace request on a virtual clock. Arrival -> the engine
+  `Request` (synthesised prompt, its block-hash chain) -> the dispatch policy chooses an instance from
+  the router's view -> the instance's batch scheduler runs it step by step -> metrics.
+- The global scheduler is production's own pure core: `scheduler.cluster_state.ClusterState` (load
+  state, precise prefix index) and `scheduler.router.Router` (view -> policy -> optimistic charge).
+  It sees the fleet as the proxy does: load reports (the agent's state snapshot as a `LoadReport`)
+  taken every `report_interval_s` reach it `report_delay_s` later, KV events reach the prefix index
+  `kv_event_delay_s` after the step that emitted them, and between reports the router charges its
+  own dispatches.
+- Migrations (`migration_policy` other than `none`): `scheduler.migration_loop.MigrationLoop` asks
+  the migration policy every `migration_interval_s`; each accepted order runs Llumnix's multi-stage
+  copy with `migration.stages.StagePlanner`, stage
+  transfer time = bytes / `migration_bandwidth` + `migration_stage_latency_s`; the request keeps
+  decoding during live stages and is suspended only for the stop-and-copy stage (between engine steps,
+  never mid-step), then adopted by the destination with its exact state.
+- A request the engine refuses (too long for an instance) is counted as failed, never crashes the run.
+- Deterministic: same trace, config and seed -> identical results.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from instance_agent.engine.kv_events import KVEvent
+from instance_agent.engine.request import InvalidRequestError, Request, RequestStatus
+from migration.protocol import AbortReason
+from migration.stages import MigrationAborted, Phase, Stage, StageConfig, StagePlanner
+from policies.base import DispatchPolicy, MigrationPolicy
+from policies.views import MigrationOrder, RunningRequestView
+from scheduler.cluster_state import ClusterState
+from scheduler.load_report import LoadReport
+from scheduler.migration_loop import MigrationLoop
+from scheduler.router import Router
+from simulator.instance import InstanceConfig, SimInstance, make_request
+from simulator.latency.base import LatencyModel
+from simulator.loop import EventLoop
+from simulator.metrics import MetricsCollector
+from simulator.traces import Trace, TraceRequest
+
+
+@dataclass(slots=True)
+class ClusterConfig:
+    num_instances: int
+    instance: InstanceConfig
+    report_interval_s: float = 0.1
+    report_delay_s: float = 0.002
+    kv_event_delay_s: float = 0.005
+    migration_interval_s: float = 0.5
+    max_migrations_in_flight: int = 16
+    migration_bandwidth: float = 25e9  # bytes/s between two instances
+    migration_stage_latency_s: float = 0.002  # control round trip per stage
+    migration_stages: StageConfig = field(default_factory=StageConfig)
+    sample_interval_s: float | None = None  # per-instance load samples; None: ~400 over the run
+
+
+@dataclass(slots=True)
+class _Migration:
+    order: MigrationOrder
+    request: Request
+    planner: StagePlanner
+    owner: str  # the destination's reservation owner id
+    suspended_at: float = math.nan
+
+
+@dataclass(slots=True)
+class MigrationStats:
+    started: int = 0
+    committed: int = 0
+    aborted: dict[str, int] = field(default_factory=dict)
+    bytes_sent: float = 0.0
+    blocks_shared: int = 0
+    downtime_s: list[float] = field(default_factory=list)
+
+
+class SimCluster:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        latency: LatencyModel,
+        dispatch: DispatchPolicy,
+        migration: MigrationPolicy | None = None,
+        vocab_size: int = 256,
+        on_progress: Callable[[int], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.latency = latency
+        self.dispatch_policy = dispatch
+        self.migration_policy = migration
+        self.vocab_size = vocab_size
+        self.loop = EventLoop()
+        self.metrics = MetricsCollector()
+        self.state = ClusterState(block_size=config.instance.block_size)
+        self.router = Router(self.state, dispatch)
+        self.migration_loop = (
+            None
+            if migration is None
+            else MigrationLoop(
+                migration,
+                self._start_migration,
+                interval_s=config.migration_interval_s,
+                max_in_flight=config.max_migrations_in_flight,
+            )
+        )
+        self.instances: dict[str, SimInstance] = {}
+        for i in range(config.num_instances):
+            iid = f"inst-{i}"
+            self.instances[iid] = SimInstance(iid, config.instance, latency, self)
+            # kvherd agents hash with the very same function, so their hashes are trusted.
+            self.state.add_instance(iid, has_kv_events=True, trust_engine_hashes=True, now=0.0)
+        self._trace_index: dict[str, int] = {}
+        self._migrations_of: dict[str, int] = {}
+        self._migrating: dict[str, _Migration] = {}  # by request id
+        self._between_steps: dict[str, list[Callable[[], None]]] = {}
+        self.migration_stats = MigrationStats()
+        self._remaining = 0
+        self._on_progress = on_progress
+        self.load_times: list[float] = []
+        self.load_samples: dict[str, list[int]] = {iid: [] for iid in self.instances}
+
+    # -- run -------------------------------------------------------------------------------------
+    def run(self, trace: Trace) -> MetricsCollector:
+        loop = self.loop
+        self._remaining = len(trace.requests)
+        for tr in trace.requests:
+            loop.call_at(tr.arrival_s, self._arrive, tr, trace.block_size)
+        if self._remaining:
+            loop.call_at(0.0, self._report_tick)
+            interval = self.config.sample_interval_s or max(trace.duration_s / 400.0, 0.05)
+            loop.call_at(0.0, self._sample_tick, interval)
+            if self.migration_loop is not None:
+                loop.call_at(self.config.migration_interval_s, self._migration_tick)
+        loop.run()
+        return self.metrics
+
+    def _done_one(self) -> None:
+        self._remaining -= 1
+        if self._on_progress is not None:
+            self._on_progress(1)
+
+    # -- arrivals and dispatch -------------------------------------------------------------------
+    def _arrive(self, tr: TraceRequest, id_block_size: int) -> None:
+        now = self.loop.now
+        request = make_request(
+            tr, id_block_size, self.config.instance.block_size, now, self.vocab_size
+        )
+        rid = request.request_id
+        self._trace_index[rid] = tr.index
+        self.metrics.on_arrival(rid, now, tr.input_length)
+        routed = self.router.route(
+            rid,
+            now=now,
+            num_tokens=request.num_tokens,
+            block_hashes=request.block_hashes,
+            max_tokens=tr.output_length,
+        )
+        instance = self.instances[routed.instance_id]
+        try:
+            instance.add_request(request)
+        except InvalidRequestError:
+            self.router.on_finish(rid, now)
+            self.metrics.on_failed(rid)
+            self._done_one()
+            return
+        if instance.idle:
+            self._start_step(instance)
+
+    # -- engine steps ----------------------------------------------------------------------------
+    def _start_step(self, instance: SimInstance) -> None:
+        end = instance.start_step(self.loop.now)
+        if end is not None:
+            self.loop.call_at(end, self._step_end, instance)
+
+    def _step_end(self, instance: SimInstance) -> None:
+        instance.finish_step(self.loop.now)
+        events = instance.take_events()
+        if events:
+            self.loop.call_later(
+                self.config.kv_event_delay_s, self._deliver_events, instance.instance_id, events
+            )
+        pending = self._between_steps.pop(instance.instance_id, None)
+        if pending:
+            for action in pending:
+                action()
+        self._start_step(instance)
+
+    def _deliver_events(self, instance_id: str, events: list[KVEvent]) -> None:
+        self.state.apply_kv_events(instance_id, events)
+
+    def _run_between_steps(self, instance: SimInstance, action: Callable[[], None]) -> None:
+        """Run `action` when no step is in flight on `instance` (now if idle)."""
+        if instance.idle:
+            action()
+        else:
+            self._between_steps.setdefault(instance.instance_id, []).append(action)
+
+    # -- TokenSink (called by instances) ---------------------------------------------------------
+    def on_scheduled(self, request_id: str, now: float) -> None:
+        self.metrics.on_scheduled(request_id, now)
+
+    def on_token(self, request_id: str, now: float) -> None:
+        self.metrics.on_token(request_id, now)
+        self.router.on_first_token(request_id, now)
+
+    def on_finished(self, request: Request, instance_id: str, now: float) -> None:
+        rid = request.request_id
+        self.router.on_finish(rid, now)
+        self.metrics.on_finished_ids(
+            rid,
+            self._trace_index.pop(rid),
+            request.num_cached_tokens,
+            request.num_preemptions,
+            self._migrations_of.pop(rid, 0),
+            instance_id,
+        )
+        self._done_one()
+
+    # -- periodic: load reports and samples ------------------------------------------------------
+    def _report_tick(self) -> None:
+        if self._remaining <= 0:
+            return
+        now = self.loop.now
+        with_running = self.migration_loop is not None
+        for iid, inst in self.instances.items():
+            report = load_report(inst, with_running)
+            self.loop.call_later(self.config.report_delay_s, self._deliver_report, iid, report, now)
+        self.loop.call_later(self.config.report_interval_s, self._report_tick)
+
+    def _deliver_report(self, instance_id: str, report: LoadReport, taken_at: float) -> None:
+        self.state.apply_report(instance_id, report, self.loop.now, taken_at)
+
+    def _sample_tick(self, interval: float) -> None:
+        if self._remaining <= 0:
+            return
+        self.load_times.append(self.loop.now)
+        for iid, inst in self.instances.items():
+            sched = inst.scheduler
+            self.load_samples[iid].append(sched.num_running + sched.num_waiting)
+        self.loop.call_later(interval, self._sample_tick, interval)
+
+    # -- migration -------------------------------------------------------------------------------
+    def _migration_tick(self) -> None:
+        if self._remaining <= 0:
+            return
+        assert self.migration_loop is not None
+        now = self.loop.now
+        self.migration_loop.tick(self.state.view(now), now)
+        self.loop.call_later(self.config.migration_interval_s, self._migration_tick)
+
+    def _start_migration(self, order: MigrationOrder) -> None:
+        """`MigrationLoop`'s executor: start the order, or report it failed at once."""
+        src = self.instances.get(order.src)
+        dst = self.instances.get(order.dst)
+        request = None if src is None else src.scheduler.requests.get(order.request_id)
+        if (
+            src is None
+            or dst is None
+            or request is None
+            or request.status is not RequestStatus.RUNNING
+            or order.request_id in self._migrating
+        ):
+            self._finish_migration(order.request_id, ok=False)
+            return
+        block_size = src.block_manager.block_size
+        planner = StagePlanner(request.request_id, block_size, self.config.migration_stages)
+        m = _Migration(order, request, planner, owner=f"migration:{request.request_id}")
+        self._migrating[request.request_id] = m
+        self.migration_stats.started += 1
+        self._run_between_steps(src, lambda: self._next_stage(m))
+
+    def _finish_migration(self, request_id: str, ok: bool) -> None:
+        assert self.migration_loop is not None
+        self.migration_loop.on_done(request_id, ok, self.loop.now)
+
+    def _alive_on_src(self, m: _Migration) -> bool:
+        src = self.instances[m.order.src]
+        return src.scheduler.requests.get(m.request.request_id) is m.request
+
+    def _next_stage(self, m: _Migration) -> None:
+        src = self.instances[m.order.src]
+        dst = self.instances[m.order.dst]
+        req = m.request
+        if not self._alive_on_src(m):
+            self._abort(m, AbortReason.REQUEST_FINISHED)
+            return
+        if m.planner.phase is Phase.LIVE and req.status is not RequestStatus.RUNNING:
+            self._abort(m, AbortReason.REQUEST_PREEMPTED)
+            return
+        block_ids = src.block_manager.block_ids(req.request_id)
+        try:
+            if m.planner.phase is Phase.LIVE and m.planner.needs_suspend(
+                block_ids, req.num_computed_tokens
+            ):
+                src.scheduler.suspend(req.request_id)
+                m.planner.suspended()
+                m.suspended_at = self.loop.now
+            stage = m.planner.next_stage(block_ids, req.num_computed_tokens, req.block_hashes)
+            shared: list[int] = []
+            if stage.block_hashes:
+                shared = dst.block_manager.lookup_cached_prefix(stage.block_hashes)
+                shared = shared[: stage.num_blocks]
+            need = stage.num_blocks - len(shared)
+            if need > dst.block_manager.num_free_blocks - dst.block_manager.watermark_blocks:
+                self._abort(m, AbortReason.DST_REFUSED)
+                return
+            if shared:
+                dst.block_manager.share_cached_blocks(m.owner, shared)
+                self.migration_stats.blocks_shared += len(shared)
+            reserved = dst.block_manager.reserve_blocks(m.owner, need)
+            assert reserved is not None  # checked above
+            stage = m.planner.reserved(stage, len(shared), need)
+        except MigrationAborted as exc:
+            self._abort(m, exc.reason)
+            return
+        kv_bytes = self.latency.kv_bytes_per_token or 0.0
+        nbytes = stage.num_blocks * src.block_manager.block_size * kv_bytes
+        self.migration_stats.bytes_sent += nbytes
+        delay = nbytes / self.config.migration_bandwidth + self.config.migration_stage_latency_s
+        self.loop.call_later(delay, self._stage_landed, m, stage)
+
+    def _stage_landed(self, m: _Migration, stage: Stage) -> None:
+        m.planner.landed(stage)
+        src = self.instances[m.order.src]
+        if m.planner.phase is Phase.COMMITTING:
+            self._commit(m)
+        else:
+            self._run_between_steps(src, lambda: self._next_stage(m))
+
+    def _commit(self, m: _Migration) -> None:
+        src = self.instances[m.order.src]
+        dst = self.instances[m.order.dst]
+        req = m.request
+        if not self._alive_on_src(m):
+            self._abort(m, AbortReason.REQUEST_FINISHED)
+            return
+        m.planner.committed()
+        src.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_MIGRATED)
+        dst.block_manager.transfer_owner(m.owner, req.request_id)
+        dst.scheduler.adopt(req)
+        del self._migrating[req.request_id]
+        self._migrations_of[req.request_id] = self._migrations_of.get(req.request_id, 0) + 1
+        stats = self.migration_stats
+        stats.committed += 1
+        stats.downtime_s.append(self.loop.now - m.suspended_at)
+        self.router.on_migrated(req.request_id, m.order.dst, self.loop.now)
+        self._finish_migration(req.request_id, ok=True)
+        if dst.idle:
+            self._start_step(dst)
+
+    def _abort(self, m: _Migration, reason: AbortReason) -> None:
+        src = self.instances[m.order.src]
+        dst = self.instances[m.order.dst]
+        if m.planner.phase not in (Phase.COMMITTED, Phase.ABORTED):
+            was_suspended = m.planner.abort(reason)
+            if was_suspended and self._alive_on_src(m):
+                src.scheduler.resume(m.request.request_id)
+                if src.idle:
+                    self._start_step(src)
+        dst.block_manager.free_owner(m.owner)
+        self._migrating.pop(m.request.request_id, None)
+        self._finish_migration(m.request.request_id, ok=False)
+        key = reason.value
+        self.migration_stats.aborted[key] = self.migration_stats.aborted.get(key, 0) + 1
+
+
+def load_report(inst: SimInstance, with_running: bool = False) -> LoadReport:
+    """What the instance's agent would report now (its state snapshot, as a `LoadReport`)."""
+    sched = inst.scheduler
+    bm = inst.block_manager
+    running = None
+    if with_running:
+        running = tuple(
+            RunningRequestView(r.request_id, r.num_tokens, len(bm.block_ids(r.request_id)))
+            for r in sched.running
+        )
+    return LoadReport(
+        num_running=sched.num_running,
+        num_waiting=sched.num_waiting,
+        kv_usage=bm.usage,
+        num_total_blocks=bm.num_blocks,
+        num_free_blocks=bm.num_free_blocks,
+        num_cached_blocks=bm.num_cached_blocks,
+        num_preemptions=sched.num_preemptions,
+        waiting_prefill_tokens=inst.waiting_prefill_tokens(),
+        head_waiting_blocks=inst.head_waiting_blocks(),
+        running=running,
+        block_size=bm.block_size,
+    )

@@ -1,0 +1,175 @@
+"""A simulated engine instance: the engine's own batch scheduler and block manager, timed by a model.
+
+Contract:
+- `SimInstance` owns a real `BlockManager` and `BatchScheduler` (instance_agent.engine). A step is
+  `scheduler.schedule()`; its duration is the latency model's `step_time` of exactly the batch the
+  scheduler produced (prefill chunks with their context, decode contexts); at the step's end the
+  instance calls `scheduler.update_from_output` with one synthetic token per sampling request. So
+  admission, chunked prefill, prefix hits, preemption and block accounting are the engine's, not an
+  imitation.
+- Every request is submitted with `ignore_eos` and `max_tokens` = its trace output length, so it
+  finishes by length after exactly that many tokens (or at the model's max length).
+- The instance reports each token's time to a `TokenSink` (metrics) and keeps the KV events the block
+  manager emits for the cluster to deliver (with delay) to the scheduler's prefix index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from instance_agent.engine.batch_scheduler import BatchScheduler, SchedulerConfig, SchedulerOutput
+from instance_agent.engine.block_manager import BlockManager
+from instance_agent.engine.kv_events import KVEvent
+from instance_agent.engine.request import Request, SamplingParams
+from simulator.latency.base import LatencyModel
+from simulator.prompts import synthesize_prompt
+from simulator.traces import TraceRequest
+
+# Synthetic sampled tokens: distinct per (request, position) so output blocks never alias across
+# requests, inside the same alphabet the prompts use.
+_TOKEN_LOW = 3
+_TOKEN_RANGE = 253
+
+
+class TokenSink(Protocol):
+    def on_scheduled(self, request_id: str, now: float) -> None: ...
+    def on_token(self, request_id: str, now: float) -> None: ...
+    def on_finished(self, request: Request, instance_id: str, now: float) -> None: ...
+
+
+@dataclass(slots=True)
+class InstanceConfig:
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 1 << 20
+    enable_prefix_caching: bool = True
+    watermark: float = 0.01
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=True,
+        )
+
+
+def make_request(
+    trace_request: TraceRequest,
+    id_block_size: int,
+    engine_block_size: int,
+    arrival_time: float,
+    vocab_size: int = 256,
+) -> Request:
+    """The engine request for a trace entry: synthesised prompt, ignore_eos, max_tokens = output."""
+    prompt = synthesize_prompt(
+        trace_request.hash_ids, trace_request.input_length, id_block_size, vocab_size, _TOKEN_LOW
+    )
+    params = SamplingParams(
+        max_tokens=trace_request.output_length,
+        temperature=0.0,
+        seed=trace_request.index,
+        ignore_eos=True,
+    )
+    return Request(
+        trace_request.request_id, prompt, params, engine_block_size, arrival_time=arrival_time
+    )
+
+
+def step_shape(output: SchedulerOutput) -> tuple[list[tuple[int, int]], list[int]]:
+    """Split a scheduler output into prefill chunks (new, before) and decode contexts."""
+    prefill: list[tuple[int, int]] = []
+    decode: list[int] = []
+    for item in output.scheduled:
+        if item.num_new_tokens == 1 and item.request.output_token_ids:
+            decode.append(item.num_computed_before + 1)
+        else:
+            prefill.append((item.num_new_tokens, item.num_computed_before))
+    return prefill, decode
+
+
+class SimInstance:
+    def __init__(
+        self, instance_id: str, config: InstanceConfig, latency: LatencyModel, sink: TokenSink
+    ) -> None:
+        self.instance_id = instance_id
+        self.config = config
+        self.latency = latency
+        self.sink = sink
+        self.block_manager = BlockManager(
+            config.num_blocks, config.block_size, config.enable_prefix_caching, config.watermark
+        )
+        self.scheduler = BatchScheduler(config.scheduler_config(), self.block_manager)
+        self._output: SchedulerOutput | None = None
+        self._scheduled_once: set[str] = set()
+        self.step_end: float | None = None  # virtual time the running step ends; None when idle
+        self.num_steps = 0
+        self.busy_time = 0.0
+        self.last_step_time = 0.0
+
+    @property
+    def idle(self) -> bool:
+        return self._output is None
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def start_step(self, now: float) -> float | None:
+        """Plan the next step at `now`; returns its end time, or None when there is nothing to run."""
+        output = self.scheduler.schedule()
+        if output.is_empty:
+            self._output = None
+            self.step_end = None
+            return None
+        prefill, decode = step_shape(output)
+        duration = self.latency.step_time(prefill, decode)
+        for item in output.scheduled:
+            rid = item.request.request_id
+            if rid not in self._scheduled_once:
+                self._scheduled_once.add(rid)
+                self.sink.on_scheduled(rid, now)
+        self._output = output
+        self.step_end = now + duration
+        self.num_steps += 1
+        self.busy_time += duration
+        self.last_step_time = duration
+        return self.step_end
+
+    def finish_step(self, now: float) -> list[Request]:
+        """Apply the running step's results at its end time; returns the finished requests."""
+        output = self._output
+        assert output is not None, "finish_step without a running step"
+        self._output = None
+        self.step_end = None
+        sampled: dict[str, int] = {}
+        for item in output.scheduled:
+            if item.samples:
+                req = item.request
+                sampled[req.request_id] = _TOKEN_LOW + (
+                    (req.sampling_seed * 40503 + req.num_output_tokens) % _TOKEN_RANGE
+                )
+        finished = self.scheduler.update_from_output(output, sampled)
+        for item in output.scheduled:
+            if item.samples and item.request.num_computed_tokens > item.num_computed_before:
+                self.sink.on_token(item.request.request_id, now)
+        for req in finished:
+            self._scheduled_once.discard(req.request_id)
+            self.sink.on_finished(req, self.instance_id, now)
+        return finished
+
+    def take_events(self) -> list[KVEvent]:
+        return self.block_manager.take_events()
+
+    # -- load, as an agent would report it -------------------------------------------------------
+    def head_waiting_blocks(self) -> int:
+        waiting = self.scheduler.waiting
+        if not waiting:
+            return 0
+        head: Request = waiting[0]
+        return self.block_manager.blocks_needed(head.num_tokens)
+
+    def waiting_prefill_tokens(self) -> int:
+        return sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting)

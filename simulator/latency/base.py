@@ -1,0 +1,55 @@
+"""The latency-model interface: how long one engine step takes, given what the step computes.
+
+Contract:
+- `LatencyModel.step_time(prefill, decode_contexts)` returns seconds (> 0) for one engine step that
+  computes, for each prefill chunk `(num_new_tokens, num_computed_before)`, and one token for each decode
+  request whose KV context holds `decode_contexts[i]` tokens. The simulated instance builds these from the
+  engine scheduler's `SchedulerOutput`, so any model sees exactly the batches the real engine would run.
+- `kv_capacity_tokens` (tokens of KV an instance holds, or None when the model does not know) sizes the
+  simulated block pool; `kv_bytes_per_token` (or None) prices migrations.
+- Models are pure and deterministic.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+
+PrefillChunk = tuple[int, int]  # (num_new_tokens, num_computed_before)
+
+
+class LatencyModel(ABC):
+    name: str = "latency-model"
+    kv_capacity_tokens: int | None = None
+    kv_bytes_per_token: float | None = None
+
+    @abstractmethod
+    def step_time(self, prefill: Sequence[PrefillChunk], decode_contexts: Sequence[int]) -> float:
+        """Seconds one step takes."""
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "kv_capacity_tokens": self.kv_capacity_tokens,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+        }
+
+
+class LatencyModelError(ValueError):
+    """A latency-model spec or profile file that cannot be used."""
+
+
+def profiles_dir() -> Path:
+    """Where the measured GPU profiles live: $KVHERD_PROFILES, else the shared traces folder."""
+    env = os.environ.get("KVHERD_PROFILES")
+    if env:
+        return Path(env)
+    # The repository sits next to ../shared/traces (see the traces README).
+    return Path(__file__).resolve().parents[3] / "shared" / "traces" / "profiles"
+
+
+def attention_pairs(num_new: int, num_before: int) -> int:
+    """Query-key pairs a causal prefill chunk computes: each new token attends to its context."""
+    return num_new * num_before + num_new * (num_new + 1) // 2

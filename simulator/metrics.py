@@ -1,0 +1,218 @@
+"""Per-request latency records and their summary, shared by `kvherd sim` and `kvherd replay`.
+
+Contract (definitions follow `vllm bench serve`):
+- TTFT: first token time - arrival. E2E: last token time - arrival.
+- TPOT per request: (E2E - TTFT) / (output tokens - 1), only for requests with more than one token.
+- ITL: every gap between consecutive tokens of a request, pooled over all requests. Gaps go into a
+  log-bucketed histogram (0.5% relative resolution) so memory stays flat for millions of requests;
+  means are exact, percentiles are within half a bucket.
+- Queueing: first time the engine scheduled the request - arrival (simulator only; NaN in replay).
+- Throughput: output tokens and requests per second over [first arrival, last completion].
+  Goodput: requests per second meeting both SLOs (TTFT <= slo_ttft and TPOT <= slo_tpot).
+- Prefix hit rate: prompt tokens served from the prefix cache / prompt tokens.
+Times are seconds internally; summaries report milliseconds for latencies.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+_BUCKETS_PER_DECADE = 460  # 10**(1/460) - 1 = 0.5% bucket width
+_MIN_GAP_S = 1e-7
+_DECADES = 12  # 1e-7 s .. 1e5 s
+
+
+@dataclass(slots=True)
+class LogHistogram:
+    counts: np.ndarray = field(
+        default_factory=lambda: np.zeros(_BUCKETS_PER_DECADE * _DECADES + 1, dtype=np.int64)
+    )
+    total: float = 0.0
+    n: int = 0
+
+    def add(self, value: float) -> None:
+        self.total += value
+        self.n += 1
+        if value <= _MIN_GAP_S:
+            self.counts[0] += 1
+            return
+        index = int(math.log10(value / _MIN_GAP_S) * _BUCKETS_PER_DECADE) + 1
+        self.counts[min(index, len(self.counts) - 1)] += 1
+
+    def add_many(self, value: float, count: int) -> None:
+        """`count` equal gaps at once (all decodes of one simulated step share their gap)."""
+        if count <= 0:
+            return
+        self.total += value * count
+        self.n += count
+        if value <= _MIN_GAP_S:
+            self.counts[0] += count
+            return
+        index = int(math.log10(value / _MIN_GAP_S) * _BUCKETS_PER_DECADE) + 1
+        self.counts[min(index, len(self.counts) - 1)] += count
+
+    def mean(self) -> float:
+        return self.total / self.n if self.n else math.nan
+
+    def percentile(self, q: float) -> float:
+        if not self.n:
+            return math.nan
+        rank = q / 100.0 * (self.n - 1)
+        cumulative = np.cumsum(self.counts)
+        index = int(np.searchsorted(cumulative, rank + 1, side="left"))
+        if index == 0:
+            return _MIN_GAP_S
+        # Geometric centre of the bucket.
+        return float(_MIN_GAP_S * 10 ** ((index - 0.5) / _BUCKETS_PER_DECADE))
+
+
+@dataclass(slots=True)
+class _Live:
+    arrival: float
+    prompt_tokens: int
+    scheduled: float = math.nan
+    first_token: float = math.nan
+    last_token: float = math.nan
+    num_tokens: int = 0
+
+
+class MetricsCollector:
+    """Collects per-request timelines as tokens arrive; `summary()` reduces them."""
+
+    def __init__(self) -> None:
+        self._live: dict[str, _Live] = {}
+        self.itl = LogHistogram()
+        # Finished requests, one row each (numpy-friendly columns).
+        self.rows: list[tuple[int, float, float, float, float, int, int, int, int, int, str]] = []
+        self.failed = 0
+        self.migrations = 0
+
+    def on_arrival(self, request_id: str, arrival: float, prompt_tokens: int) -> None:
+        self._live[request_id] = _Live(arrival, prompt_tokens)
+
+    def on_scheduled(self, request_id: str, now: float) -> None:
+        live = self._live[request_id]
+        if math.isnan(live.scheduled):
+            live.scheduled = now
+
+    def on_token(self, request_id: str, now: float) -> None:
+        live = self._live[request_id]
+        if live.num_tokens == 0:
+            live.first_token = now
+        else:
+            self.itl.add(now - live.last_token)
+        live.last_token = now
+        live.num_tokens += 1
+
+    def on_tokens(self, request_id: str, now: float, count: int) -> None:
+        """Several tokens arrived in one chunk (replay): the first gap is real, the rest are 0."""
+        for _ in range(count):
+            self.on_token(request_id, now)
+
+    def on_finished_ids(
+        self,
+        request_id: str,
+        index: int,
+        num_cached_tokens: int,
+        num_preemptions: int,
+        num_migrations: int,
+        instance_id: str,
+    ) -> None:
+        live = self._live.pop(request_id)
+        self.rows.append(
+            (
+                index,
+                live.arrival,
+                live.scheduled,
+                live.first_token,
+                live.last_token,
+                live.num_tokens,
+                live.prompt_tokens,
+                max(num_cached_tokens, 0),
+                num_preemptions,
+                num_migrations,
+                instance_id,
+            )
+        )
+
+    def on_failed(self, request_id: str) -> None:
+        self._live.pop(request_id, None)
+        self.failed += 1
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._live)
+
+    # -- reduction -------------------------------------------------------------------------------
+    def columns(self) -> dict[str, np.ndarray]:
+        rows = sorted(self.rows)
+        names = (
+            "index",
+            "arrival",
+            "scheduled",
+            "first_token",
+            "last_token",
+            "output_tokens",
+            "prompt_tokens",
+            "cached_tokens",
+            "preemptions",
+            "migrations",
+        )
+        out = {name: np.array([r[i] for r in rows], dtype=float) for i, name in enumerate(names)}
+        out["instance"] = np.array([r[10] for r in rows], dtype=object)
+        return out
+
+    def summary(
+        self, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None
+    ) -> dict[str, Any]:
+        cols = self.columns()
+        n = len(cols["index"])
+        ttft = (cols["first_token"] - cols["arrival"]) * 1000.0
+        e2e = (cols["last_token"] - cols["arrival"]) * 1000.0
+        queue = (cols["scheduled"] - cols["arrival"]) * 1000.0
+        out_tokens = cols["output_tokens"]
+        multi = out_tokens > 1
+        tpot = (e2e[multi] - ttft[multi]) / (out_tokens[multi] - 1)
+        duration = float(cols["last_token"].max() - cols["arrival"].min()) if n else 0.0
+        good = np.ones(n, dtype=bool)
+        if slo_ttft_ms is not None:
+            good &= ttft <= slo_ttft_ms
+        if slo_tpot_ms is not None:
+            tpot_all = np.zeros(n)
+            tpot_all[multi] = tpot
+            good &= tpot_all <= slo_tpot_ms
+        prompt = float(cols["prompt_tokens"].sum())
+        summary: dict[str, Any] = {
+            "completed": n,
+            "failed": self.failed,
+            "duration_s": duration,
+            "output_tokens": int(out_tokens.sum()),
+            "request_throughput": n / duration if duration > 0 else math.nan,
+            "output_throughput": float(out_tokens.sum()) / duration if duration > 0 else math.nan,
+            "goodput": float(good.sum()) / duration if duration > 0 else math.nan,
+            "slo_attainment": float(good.mean()) if n else math.nan,
+            "prefix_hit_rate": float(cols["cached_tokens"].sum()) / prompt if prompt else math.nan,
+            "preemptions": int(cols["preemptions"].sum()),
+            "migrations": int(cols["migrations"].sum()),
+        }
+        for name, values in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e), ("queue", queue)):
+            summary.update(_stats(name, values))
+        summary["itl_ms_mean"] = self.itl.mean() * 1000.0
+        for q in PERCENTILES:
+            summary[f"itl_ms_p{q}"] = self.itl.percentile(q) * 1000.0
+        return summary
+
+
+def _stats(name: str, values: np.ndarray) -> dict[str, float]:
+    values = values[~np.isnan(values)]
+    if not len(values):
+        return {f"{name}_ms_{k}": math.nan for k in ("mean", *(f"p{q}" for q in PERCENTILES))}
+    out = {f"{name}_ms_mean": float(values.mean())}
+    for q in PERCENTILES:
+        out[f"{name}_ms_p{q}"] = float(np.percentile(values, q))
+    return out

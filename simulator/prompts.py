@@ -1,0 +1,58 @@
+"""Deterministic token ids from prefix block ids: the one synthesis the simulator and replay share.
+
+Contract:
+- `synthesize_prompt(hash_ids, input_length, ...)` maps each block id to one fixed block of
+  `id_block_size` token ids (512 for Mooncake) and cuts the concatenation to `input_length`. Equal ids at
+  equal positions give equal tokens, so requests that share leading ids share a real token prefix, and
+  the engine's own block hashing finds it at any engine block size that divides the id block size.
+- Tokens lie in [low, vocab_size) so they avoid special tokens and fit the model's vocabulary.
+- Pure function of its arguments (a splitmix64 hash; no RNG state), stable across processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    # A bijection on 64-bit words with good avalanche; uint64 arrays wrap silently.
+    x = x + _GOLDEN
+    x = (x ^ (x >> np.uint64(30))) * _M1
+    x = (x ^ (x >> np.uint64(27))) * _M2
+    return x ^ (x >> np.uint64(31))
+
+
+def default_low_token(vocab_size: int) -> int:
+    """Lowest synthetic token id: skips the ids small vocabularies reserve for special tokens."""
+    return min(256, vocab_size // 4)
+
+
+def synthesize_prompt(
+    hash_ids: Sequence[int],
+    input_length: int,
+    id_block_size: int = 512,
+    vocab_size: int = 32000,
+    low: int | None = None,
+    seed: int = 0,
+) -> list[int]:
+    """Token ids for a prompt of `input_length` tokens described by its prefix block ids."""
+    lo = default_low_token(vocab_size) if low is None else low
+    if not 0 <= lo < vocab_size:
+        raise ValueError(f"need 0 <= low < vocab_size, got low={lo}, vocab_size={vocab_size}")
+    if input_length > len(hash_ids) * id_block_size:
+        raise ValueError(
+            f"{len(hash_ids)} block ids cover at most {len(hash_ids) * id_block_size} tokens, "
+            f"not {input_length}"
+        )
+    ids = np.asarray(hash_ids, dtype=np.uint64)
+    block_key = _splitmix64(ids ^ _splitmix64(np.asarray([seed], dtype=np.uint64)))
+    positions = np.arange(id_block_size, dtype=np.uint64) * _GOLDEN
+    words = _splitmix64(block_key[:, None] + positions[None, :]).reshape(-1)[:input_length]
+    tokens = np.uint64(lo) + words % np.uint64(vocab_size - lo)
+    return tokens.astype(np.int64).tolist()
