@@ -27,11 +27,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from instance_agent.engine.config import PRESETS  # noqa: E402
-from instance_agent.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
-from instance_agent.engine.request import SamplingParams  # noqa: E402
+from instance_agent.engine.config import PRESETS
+from instance_agent.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+from instance_agent.engine.request import SamplingParams
 
 
 def build_checkpoint(path: Path, seed: int) -> torch.nn.Module:
@@ -106,12 +104,19 @@ def part_a(hf: torch.nn.Module, ckpt: str, n: int, prompt_len: int, out_len: int
     agree = sum(a == b for a, b in zip(ours, hf_batched, strict=True))
     total = n * (prompt_len + out_len)
     generated = n * out_len
-    print(f"greedy outputs identical to HF batched generate: {agree}/{n}; to sequential: "
-          f"{sum(a == b for a, b in zip(ours, hf_seq, strict=True))}/{n}")
+    print(
+        f"greedy outputs identical to HF batched generate: {agree}/{n}; to sequential: "
+        f"{sum(a == b for a, b in zip(ours, hf_seq, strict=True))}/{n}"
+    )
     return [
         ("kvherd (continuous batching)", t_ours, total / t_ours, generated / t_ours, 1.0),
-        ("HF generate, one batch of 16", t_batched, total / t_batched, generated / t_batched,
-         t_batched / t_ours),
+        (
+            "HF generate, one batch of 16",
+            t_batched,
+            total / t_batched,
+            generated / t_batched,
+            t_batched / t_ours,
+        ),
         ("HF generate, sequential", t_seq, total / t_seq, generated / t_seq, t_seq / t_ours),
     ]
 
@@ -121,24 +126,29 @@ def part_b(hf: torch.nn.Module, ckpt: str, prompt_len: int, repeats: int) -> lis
         EngineConfig(model=ckpt, device="cpu", max_num_batched_tokens=max(2048, prompt_len))
     )
     one = SamplingParams(max_tokens=1, temperature=0.0)
-    cold, cached, hits = [], [], []
+    cold: list[float] = []
+    cached: list[float] = []
+    cached_tokens = 0
     for r in range(repeats):
         ids = prompts(1, prompt_len, seed=100 + r)[0]
         for sink in (cold, cached):
             t = time.perf_counter()
-            engine.add_request(f"t{r}-{len(sink)}", ids, one)
-            while not any(o.new_token_ids for o in engine.step()):
-                pass
+            engine.add_request(f"t{r}-{len(sink)}-{sink is cold}", ids, one)
+            first: list[RequestOutput] = []
+            while not first:
+                first = [o for o in engine.step() if o.new_token_ids]
             sink.append(time.perf_counter() - t)
-            hits.append(engine.scheduler.requests.get(f"t{r}-{len(sink)}") is None)
+            if sink is cached:
+                cached_tokens = first[0].num_cached_tokens
     hf_ttft = []
     with torch.inference_mode():
         for r in range(repeats):
-            ids = torch.tensor(prompts(1, prompt_len, seed=100 + r))
+            batch = torch.tensor(prompts(1, prompt_len, seed=100 + r))
             t = time.perf_counter()
-            hf(ids).logits[0, -1].argmax()  # type: ignore[operator]
+            hf(batch).logits[0, -1].argmax()
             hf_ttft.append(time.perf_counter() - t)
     c, h, base = statistics.median(cold), statistics.median(cached), statistics.median(hf_ttft)
+    print(f"prefix-cached request reused {cached_tokens} of {prompt_len} prompt tokens")
     return [
         ("HF forward (no cache)", base, base / c),
         ("kvherd cold", c, 1.0),
