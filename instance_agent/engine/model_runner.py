@@ -21,6 +21,7 @@ from instance_agent.engine.batch_scheduler import ScheduledRequest, SchedulerOut
 from instance_agent.engine.loader import LoadedModel
 from instance_agent.engine.model import allocate_kv_cache
 from instance_agent.engine.sampler import SamplingRow, sample
+from instance_agent.engine.triton_attention import supports
 
 
 class ModelRunner:
@@ -34,7 +35,8 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(
             self.config, num_blocks, block_size, self.dtype, self.device
         )
-        self.use_triton = self.device.type == "cuda"
+        # Triton decode kernel on CUDA (lazy import); the torch path elsewhere.
+        self.use_triton = self.device.type == "cuda" and supports(block_size)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
