@@ -207,10 +207,10 @@ class _QuietServer:
 
 async def serve_fleet(
     args: argparse.Namespace,
-    static_instances: list[dict[str, Any]],
     on_ready: Callable[[Fleet], Awaitable[None]] | None = None,
     stop: asyncio.Event | None = None,
     before_shutdown: Callable[[], Awaitable[None]] | None = None,
+    handle_signals: bool = True,
 ) -> int:
     """Run the proxy and admin servers until `stop` is set (or SIGINT/SIGTERM).
 
@@ -224,7 +224,12 @@ async def serve_fleet(
     from scheduler.proxy_metrics import ProxyMetrics
     from scheduler.tenancy import build_registry
 
-    config = load_config(args.config)
+    try:
+        static_instances = [parse_instance_spec(t) for t in getattr(args, "instance", [])]
+        config = load_config(args.config)
+    except (OSError, ValueError) as exc:
+        print(f"kvherd serve: {exc}", file=sys.stderr)
+        return 2
     policy = args.policy or config.get("policy") or "kvherd"
     params = _policy_params(args.policy_param)
     if isinstance(policy, dict):
@@ -287,7 +292,8 @@ async def serve_fleet(
     )
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    signals = (signal.SIGINT, signal.SIGTERM) if handle_signals else ()
+    for sig in signals:
         loop.add_signal_handler(sig, stop.set)
     await fleet.start()
     try:
@@ -330,7 +336,7 @@ async def serve_fleet(
         await asyncio.gather(*serving, return_exceptions=True)
         return 1 if failed and not stop.is_set() else 0
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in signals:
             loop.remove_signal_handler(sig)
         await fleet.stop()
         await proxy.pool.close()
@@ -355,9 +361,4 @@ def run_loop(main: Coroutine[Any, Any, int]) -> int:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
-    try:
-        static = [parse_instance_spec(text) for text in args.instance]
-    except ValueError as exc:
-        print(f"kvherd serve: {exc}", file=sys.stderr)
-        return 2
-    return run_loop(serve_fleet(args, static))
+    return run_loop(serve_fleet(args))

@@ -171,7 +171,7 @@ async def _up(args: argparse.Namespace) -> int:
 
     try:
         code = await serve_fleet(
-            args, [], on_ready=on_ready, stop=stop, before_shutdown=before_shutdown
+            args, on_ready=on_ready, stop=stop, before_shutdown=before_shutdown
         )
     finally:
         await agents.stop(args.stop_timeout)
