@@ -14,7 +14,9 @@ cache hits) and `--max-tokens` output tokens each (EOS ignored, seeded sampling)
 
 The two sides are interleaved (request by request in (a), round by round in (b), medians over
 `--rounds`), so load from anything else on the machine hits both alike; the idle side sleeps (the
-agent's engine thread waits on a condition). Both use `--threads` torch threads. The client runs on
+agent's engine thread waits on a condition). (b) also reports CPU time per request of the serving
+side (the agent process, from /proc) and of the HTTP client, which load on the box does not skew.
+Both use `--threads` torch threads. The client runs on
 the same machine as the agent, so the figures are an upper bound on what a remote client would see.
 
 Usage: ``python bench/agent_bench.py [--quick]``.
@@ -82,6 +84,13 @@ def engine_concurrent(
 
 
 # -- kvherd agent over HTTP --------------------------------------------------------------------
+def _process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (from /proc), robust to other load on the machine."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -183,6 +192,7 @@ def main() -> None:
     http_seq: list[float] = []
     base_conc: list[float] = []
     http_conc: list[float] = []
+    cpu = {"in-process": 0.0, "agent": 0.0, "client": 0.0}
     m = args.max_tokens
     try:
         warm = _prompts(4, args.prompt_len, seed=3)
@@ -194,8 +204,13 @@ def main() -> None:
                 base_seq += engine_sequential(engine, [prompt], m)
                 http_seq += asyncio.run(http_sequential(url, [prompt], m))
             conc_prompts = _prompts(args.requests, args.prompt_len, seed=100 + r)
+            started = time.process_time()
             base_conc.append(engine_concurrent(engine, conc_prompts, m, args.concurrency))
+            cpu["in-process"] += time.process_time() - started
+            started, agent_started = time.process_time(), _process_cpu_seconds(proc.pid)
             http_conc.append(asyncio.run(http_concurrent(url, conc_prompts, m, args.concurrency)))
+            cpu["agent"] += _process_cpu_seconds(proc.pid) - agent_started
+            cpu["client"] += time.process_time() - started
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
@@ -224,6 +239,12 @@ def main() -> None:
         f"{'    output tokens/s':36}{n * m / conc_base:12.0f}{n * m / conc_http:14.0f}"
         f"{conc_base / conc_http:8.2f}"
     )
+    per_request = args.rounds * n / 1e3  # CPU ms per request
+    print(
+        f"{'    CPU ms per request (server)':36}{cpu['in-process'] / per_request:12.2f}"
+        f"{cpu['agent'] / per_request:14.2f}{cpu['agent'] / cpu['in-process']:8.2f}"
+    )
+    print(f"{'    CPU ms per request (client)':36}{'':12}{cpu['client'] / per_request:14.2f}")
 
 
 if __name__ == "__main__":
