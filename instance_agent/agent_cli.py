@@ -74,6 +74,7 @@ def _advertised(endpoint: str | None, host: str) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
+    import zmq
 
     from instance_agent.engine.llm_engine import EngineConfig, LLMEngine
     from instance_agent.engine_loop import EngineLoop
@@ -107,16 +108,26 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.torch_threads)
-    engine = LLMEngine(config)
+    try:
+        engine = LLMEngine(config)
+    except (ValueError, OSError) as exc:  # a bad --model or engine setting: say so, no traceback
+        log.error("cannot start the engine: %s", exc)
+        return 2
     publisher = None
     if args.kv_events_endpoint:
         replay = args.kv_events_replay_endpoint or _replay_default(args.kv_events_endpoint)
-        publisher = KVEventPublisher(
-            args.kv_events_endpoint,
-            replay,
-            topic=args.kv_events_topic,
-            buffer_steps=args.kv_events_buffer,
-        )
+        try:
+            publisher = KVEventPublisher(
+                args.kv_events_endpoint,
+                replay,
+                topic=args.kv_events_topic,
+                buffer_steps=args.kv_events_buffer,
+            )
+        except zmq.ZMQError as exc:
+            log.error(
+                "cannot bind KV event sockets %s / %s: %s", args.kv_events_endpoint, replay, exc
+            )
+            return 2
         log.info("KV events on %s (replay %s)", publisher.endpoint, publisher.replay_endpoint)
     bm = engine.block_manager
     metrics = AgentMetrics(
