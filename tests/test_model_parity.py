@@ -9,6 +9,7 @@ every position; greedy generations token for token.
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -131,3 +132,74 @@ def test_greedy_generation_identical(pair) -> None:
             )
         assert out.output_token_ids == hf[0, len(prompt) :].tolist()
         assert out.finish_reason == "length"
+
+
+def test_sharded_checkpoint_loads_identically(
+    hf_checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(hf_checkpoints["llama"])
+    ref.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    whole = load_model(str(hf_checkpoints["llama"]), device="cpu").model.state_dict()
+    sharded = load_model(str(tmp_path), device="cpu").model.state_dict()
+    assert whole.keys() == sharded.keys()
+    assert all(torch.equal(whole[k], sharded[k]) for k in whole)
+
+
+def _edit_config(src: Path, dst: Path, **changes: object) -> None:
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.update(changes)
+    (dst / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "rope_type 'llama3'"),
+        ({"model_type": "mistral"}, "unsupported model_type 'mistral'"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"num_key_value_heads": 3}, "not a multiple"),
+        ({"hidden_size": 32}, "has shape"),  # weights no longer fit the config
+        ({"num_hidden_layers": 3}, "lacks tensors"),
+    ],
+)
+def test_bad_checkpoint_config_raises_clearly(
+    hf_checkpoints: dict[str, Path], tmp_path: Path, changes: dict, needle: str
+) -> None:
+    _edit_config(hf_checkpoints["llama"], tmp_path / "ckpt", **changes)
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        load_model(str(tmp_path / "ckpt"), device="cpu")
+
+
+def test_missing_files_raise_clearly(hf_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown model"):
+        load_model(str(tmp_path / "nope"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match=r"no config\.json"):
+        load_model(str(empty))
+    (empty / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read"):
+        load_model(str(empty))
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text((hf_checkpoints["llama"] / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"no \*\.safetensors"):
+        load_model(str(no_weights))
+    with pytest.raises(ValueError, match="unknown dtype"):
+        load_model("tiny", dtype="float8")
+
+
+def test_preset_is_seeded() -> None:
+    a, b, c = (load_model("tiny", seed=s, device="cpu").model for s in (0, 0, 1))
+    emb = "model.embed_tokens.weight"
+    assert torch.equal(a.state_dict()[emb], b.state_dict()[emb])
+    assert not torch.equal(a.state_dict()[emb], c.state_dict()[emb])
