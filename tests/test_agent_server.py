@@ -409,3 +409,23 @@ def test_openapi_lists_400_not_422(agent: AgentProcess) -> None:
 def test_models_endpoint(agent: AgentProcess) -> None:
     models = openai.OpenAI(base_url=f"{agent.url}/v1", api_key="unused").models.list()
     assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_request_id_in_use_is_refused_without_touching_the_first(agent: AgentProcess) -> None:
+    body = {"prompt": "dup", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    headers = {"X-Request-Id": "dup-1"}
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream("POST", f"{agent.url}/v1/completions", json=body, headers=headers) as first,
+    ):
+        lines = first.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        second = client.post(
+            f"{agent.url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=headers
+        )
+        assert second.status_code == 400 and "already in use" in second.json()["error"]["message"]
+        assert second.headers["x-request-id"] == "dup-1"
+        running = _state(agent)["running"]
+        assert [r["request_id"] for r in running] == ["dup-1"]  # the first one still runs
+        assert next(line for line in lines if line.startswith("data: {"))
+    _poll(lambda: _idle_and_no_leak(agent), what="first request aborted on disconnect")
