@@ -4,7 +4,9 @@ Contract (the same bytes vLLM's `ZmqEventPublisher` puts on the wire, so consume
 with both):
 - PUB socket: one multipart message per batch ``[topic, seq, payload]`` where ``seq`` is the batch's
   sequence number as 8 bytes big-endian and ``payload`` is `encode_batch` (msgpack EventBatch).
-  Sequence numbers are the engine's: consecutive, so a subscriber detects a gap.
+  Sequence numbers are the engine's: consecutive, so a subscriber detects a gap. As vLLM's
+  publisher does, a batch without a data-parallel rank is stamped with the publisher's (0), so the
+  EventBatch is always ``[ts, events, dp_rank]``.
 - ROUTER replay socket: a client (REQ, or DEALER sending an empty delimiter frame first) sends one
   frame, the 8-byte big-endian sequence number to start from. The reply is one message
   ``[seq, payload]`` per buffered batch with ``seq >= start`` in order, then the end marker
@@ -19,6 +21,7 @@ with both):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections import deque
@@ -41,7 +44,9 @@ class KVEventPublisher:
         topic: str = "",
         buffer_steps: int = 10_000,
         hwm: int = 100_000,
+        dp_rank: int = 0,
     ) -> None:
+        self.dp_rank = dp_rank
         self._ctx = zmq.Context()
         self._topic = topic.encode()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
@@ -66,6 +71,8 @@ class KVEventPublisher:
             self._thread.start()
 
     def publish(self, batch: KVEventBatch) -> None:
+        if batch.dp_rank is None:
+            batch = dataclasses.replace(batch, dp_rank=self.dp_rank)
         payload = encode_batch(batch)
         seq_bytes = batch.seq.to_bytes(8, "big")
         with self._lock:

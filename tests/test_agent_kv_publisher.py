@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 
+import msgpack
 import pytest
 import zmq
 
@@ -61,7 +63,8 @@ def test_pub_frames_are_topic_seq_payload(publisher: KVEventPublisher) -> None:
             topic, seq_bytes, payload = sub.recv_multipart()
             assert topic == b"kv-events"
             assert len(seq_bytes) == 8 and int.from_bytes(seq_bytes, "big") == seq
-            assert decode_batch(seq, payload) == _batch(seq)
+            assert decode_batch(seq, payload) == dataclasses.replace(_batch(seq), dp_rank=0)
+            assert msgpack.unpackb(payload)[2] == 0  # [ts, events, dp_rank], as vLLM sends
     finally:
         sub.close(linger=0)
         ctx.term()
@@ -102,7 +105,10 @@ def test_replay_returns_missed_batches_then_end_marker(publisher: KVEventPublish
     assert publisher.replay_endpoint is not None
     replies = _replay(publisher.replay_endpoint, 2, zmq.DEALER)
     assert [seq for seq, _ in replies] == [2, 3]
-    assert [decode_batch(seq, p) for seq, p in replies] == [_batch(2), _batch(3)]
+    assert [decode_batch(seq, p).events for seq, p in replies] == [
+        _batch(2).events,
+        _batch(3).events,
+    ]
     # vLLM's own example subscriber uses a REQ socket: its first reply is the first missed batch.
     assert _replay(publisher.replay_endpoint, 1, zmq.REQ)[0][0] == 1
     # Asking past the newest batch gets just the end marker.
