@@ -7,6 +7,8 @@ are drawn by transformers from a seed, saved with ``save_pretrained`` and loaded
     ignored). kvherd admits all 16 at once (continuous batching, chunked prefill). Baselines:
     transformers `generate` on the 16 prompts as one batch (equal lengths, so no padding is wasted:
     the strongest baseline) and one request at a time (what a simple server does).
+(a') The same with mixed lengths (prompts 64-512 tokens, 16-128 output tokens): HF's batch is
+    left-padded and runs until its longest output; kvherd admits and retires requests as they go.
 (b) TTFT of a 2,048-token prompt: cold vs fully prefix-cached (median of 3), plus HF's prefill.
 (c) Resident memory while serving waves of requests: RSS after each wave and the process peak.
 
@@ -59,59 +61,68 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_engine(engine: LLMEngine, reqs: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    for i, ids in enumerate(reqs):
+Workload = list[tuple[list[int], int]]  # (prompt token ids, output tokens)
+
+
+def run_engine(engine: LLMEngine, work: Workload) -> list[list[int]]:
+    for i, (ids, max_tokens) in enumerate(work):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         engine.add_request(f"b{i}", ids, params)
     done: dict[str, list[int]] = {}
     while engine.has_unfinished():
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.output_token_ids
-    return [done[f"b{i}"] for i in range(len(reqs))]
+    return [done[f"b{i}"] for i in range(len(work))]
 
 
 @torch.inference_mode()
-def hf_generate(model: torch.nn.Module, batch: list[list[int]], new_tokens: int) -> list[list[int]]:
-    ids = torch.tensor(batch)
+def hf_generate(model: torch.nn.Module, work: Workload) -> list[list[int]]:
+    """One `generate` call for the whole batch: prompts left-padded, run to the longest output."""
+    width = max(len(ids) for ids, _ in work)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in work])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in work])
+    new_tokens = max(n for _, n in work)
     out = model.generate(  # type: ignore[operator]
         ids,
-        attention_mask=torch.ones_like(ids),
+        attention_mask=mask,
         do_sample=False,
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
         pad_token_id=0,
     )
-    return [row[len(batch[0]) :] for row in out.tolist()]
+    return [row[width : width + n] for row, (_, n) in zip(out.tolist(), work, strict=True)]
 
 
-def part_a(hf: torch.nn.Module, ckpt: str, n: int, prompt_len: int, out_len: int) -> list[tuple]:
-    reqs = prompts(n, prompt_len, seed=1)
-    params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+def part_a(hf: torch.nn.Module, ckpt: str, work: Workload, label: str) -> list[tuple]:
     engine = LLMEngine(EngineConfig(model=ckpt, device="cpu", max_num_batched_tokens=2048))
-    run_engine(engine, prompts(2, 32, seed=9), params)  # warm-up (allocator, kernels)
-    hf_generate(hf, prompts(1, 32, seed=9), 4)
+    warm = [(p, 4) for p in prompts(2, 32, seed=9)]
+    run_engine(engine, warm)  # warm-up (allocator, kernels)
+    hf_generate(hf, warm[:1])
 
     t = time.perf_counter()
-    ours = run_engine(engine, reqs, params)
+    ours = run_engine(engine, work)
     t_ours = time.perf_counter() - t
     t = time.perf_counter()
-    hf_batched = hf_generate(hf, reqs, out_len)
+    hf_batched = hf_generate(hf, work)
     t_batched = time.perf_counter() - t
     t = time.perf_counter()
-    hf_seq = [hf_generate(hf, [r], out_len)[0] for r in reqs]
+    hf_seq = [hf_generate(hf, [w])[0] for w in work]
     t_seq = time.perf_counter() - t
 
-    agree = sum(a == b for a, b in zip(ours, hf_batched, strict=True))
-    total = n * (prompt_len + out_len)
-    generated = n * out_len
+    n = len(work)
+    total = sum(len(p) + m for p, m in work)
+    generated = sum(m for _, m in work)
+    same_batched = sum(a == b for a, b in zip(ours, hf_batched, strict=True))
+    same_seq = sum(a == b for a, b in zip(ours, hf_seq, strict=True))
     print(
-        f"greedy outputs identical to HF batched generate: {agree}/{n}; to sequential: "
-        f"{sum(a == b for a, b in zip(ours, hf_seq, strict=True))}/{n}"
+        f"{label}: greedy outputs identical to HF batched {same_batched}/{n}, "
+        f"to HF sequential {same_seq}/{n}"
     )
     return [
         ("kvherd (continuous batching)", t_ours, total / t_ours, generated / t_ours, 1.0),
         (
-            "HF generate, one batch of 16",
+            f"HF generate, one batch of {n}",
             t_batched,
             total / t_batched,
             generated / t_batched,
@@ -182,19 +193,41 @@ def main() -> int:
     n, plen, olen = (4, 64, 8) if args.quick else (16, 256, 64)
     ttft_len, repeats = (256, 1) if args.quick else (2048, 3)
     waves, per_wave = (2, 4) if args.quick else (6, 32)
+    uniform = [(p, olen) for p in prompts(n, plen, seed=1)]
+    rng = random.Random(2)
+    mixed = [
+        (
+            prompts(1, rng.randint(plen // 4, plen * 2), seed=50 + i)[0],
+            rng.randint(olen // 4, olen * 2),
+        )
+        for i in range(n)
+    ]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU fp32, preset small")
     with tempfile.TemporaryDirectory() as tmp:
         hf = build_checkpoint(Path(tmp), seed=0)
         ckpt = tmp
         # (c) first: its RSS readings should not inherit the peaks of (a) and (b).
         mem = part_c(ckpt, waves, per_wave)
-        thr = part_a(hf, ckpt, n, plen, olen)
+        tables = [
+            (
+                f"(a) {n} concurrent requests, {plen}-token prompts, {olen} output tokens each",
+                part_a(hf, ckpt, uniform, "uniform"),
+            ),
+            (
+                f"(a') {n} concurrent requests, prompts {plen // 4}-{plen * 2} tokens, "
+                f"{olen // 4}-{olen * 2} output tokens",
+                part_a(hf, ckpt, mixed, "mixed"),
+            ),
+        ]
         ttft = part_b(hf, ckpt, ttft_len, repeats)
 
-    print(f"\n(a) {n} concurrent requests, {plen}-token prompts, {olen} output tokens each")
-    print(f"{'system':<32}{'seconds':>9}{'total tok/s':>13}{'output tok/s':>14}{'kvherd x':>10}")
-    for name, secs, tot, gen, ratio in thr:
-        print(f"{name:<32}{secs:>9.2f}{tot:>13.0f}{gen:>14.1f}{ratio:>10.2f}")
+    for title, thr in tables:
+        print(f"\n{title}")
+        print(
+            f"{'system':<32}{'seconds':>9}{'total tok/s':>13}{'output tok/s':>14}{'kvherd x':>10}"
+        )
+        for name, secs, tot, gen, ratio in thr:
+            print(f"{name:<32}{secs:>9.2f}{tot:>13.0f}{gen:>14.1f}{ratio:>10.2f}")
     print(f"\n(b) TTFT of a {ttft_len}-token prompt (median of {repeats})")
     print(f"{'case':<32}{'TTFT ms':>9}{'vs cold':>10}")
     for name, secs, ratio in ttft:
