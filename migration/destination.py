@@ -36,7 +36,7 @@ from migration.protocol import (
 )
 from migration.reservations import Reservation, ReservationError, ReservationTable
 from migration.stages import blocks_for
-from migration.transport import TransferError, TransportHub
+from migration.transport import TransferError, TransportHub, blocks_per_piece
 
 log = logging.getLogger(__name__)
 
@@ -188,23 +188,27 @@ class MigrationDestination:
         return task is not None and not task.done()
 
     async def _receive(self, reservation: Reservation) -> None:
-        """Receive the stage in flight and write it into its reserved blocks."""
+        """Receive the stage in flight, piece by piece, into its reserved blocks."""
         mid = reservation.migration_id
         block_ids = list(reservation.pending_block_ids)
         if block_ids:
             group, tag = self._tags[mid]
-            nbytes = len(block_ids) * self.kv_bytes_per_block
             channel = await asyncio.to_thread(self.hub.accepted, reservation.src, group)
-            try:
-                payload = await asyncio.to_thread(channel.recv, nbytes, tag)
-            except TransferError:
-                self.hub.drop(channel)
-                raise
-            # Checked and submitted without yielding: an abort either freed the blocks before
-            # (then the bytes are dropped) or frees them after the write.
-            if self.table.get(mid) is not reservation:
-                return
-            await self.call(_writer(block_ids, payload))
+            per = blocks_per_piece(channel.chunk_bytes, self.kv_bytes_per_block)
+            for start in range(0, len(block_ids), per):
+                piece = block_ids[start : start + per]
+                try:
+                    payload = await asyncio.to_thread(
+                        channel.recv, len(piece) * self.kv_bytes_per_block, tag
+                    )
+                except TransferError:
+                    self.hub.drop(channel)
+                    raise
+                # Checked and submitted without yielding: an abort either freed the blocks
+                # before (then the bytes are dropped) or frees them after the write.
+                if self.table.get(mid) is not reservation:
+                    return
+                await self.call(_writer(piece, payload))
         if self.table.get(mid) is reservation:
             self.table.landed(mid, self.clock())
 

@@ -6,7 +6,8 @@ Contract:
   submitted with `call` run on that thread between two steps, in order, and their result (or
   exception) is returned to the awaiting coroutine: exactly the `EngineCall` the migration drivers
   need. `adapter` is what those functions receive (the engine's `MigratableEngine` view).
-- Every output's new token ids are appended to `tokens[request_id]`; `finish_reasons` records how
+- Every output's new token ids are appended to `tokens[request_id]` (and its arrival time to
+  `token_times[request_id]`); `finish_reasons` records how
   each request ended here. `after_step` hooks run on the thread after each step (fault injection,
   measuring progress).
 - The agent runs its own `EngineLoop` instead; this runner serves benchmarks and tests that put
@@ -32,6 +33,7 @@ class EngineThread:
         self.engine = engine
         self.adapter = adapter
         self.tokens: dict[str, list[int]] = {}
+        self.token_times: dict[str, list[float]] = {}  # when each request's outputs arrived
         self.finish_reasons: dict[str, str | None] = {}
         self.step_times: list[float] = []  # wall-clock end of every step
         self.after_step: list[Callable[[Any], None]] = []
@@ -94,9 +96,11 @@ class EngineThread:
                         if not self._commands and not self._stopping:
                             self._cond.wait(0.001)
                     continue
-                self.step_times.append(time.perf_counter())
+                now = time.perf_counter()
+                self.step_times.append(now)
                 for out in outputs:
                     self.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                    self.token_times.setdefault(out.request_id, []).append(now)
                     if out.finished:
                         self.finish_reasons[out.request_id] = out.finish_reason
                 for hook in self.after_step:

@@ -222,7 +222,7 @@ class TransportEndpoint:
     group: str  # unique per (source, destination, destination incarnation)
     tag: int  # distinguishes concurrent migrations over the same pair group
     backend: str = "gloo"
-    chunk_bytes: int = 64 << 20  # both ends must split payloads alike: the destination decides
+    chunk_bytes: int = 16 << 20  # both ends must split payloads alike: the destination decides
 
 
 @dataclass(slots=True)

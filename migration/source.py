@@ -36,7 +36,7 @@ from migration.protocol import (
     TransportEndpoint,
 )
 from migration.stages import MigrationAborted, Phase, StageConfig, StagePlanner
-from migration.transport import PairChannel, TransferError, TransportHub
+from migration.transport import PairChannel, TransferError, TransportHub, blocks_per_piece
 
 
 def _snapshot(request_id: str) -> Any:
@@ -114,8 +114,12 @@ async def migrate_out(
                 channel = await asyncio.to_thread(hub.connect, endpoint)
             if stage.num_blocks:
                 assert channel is not None and endpoint is not None
-                kv = await call(_reader(list(stage.src_block_ids)))
-                await asyncio.to_thread(channel.send, kv, endpoint.tag)
+                ids = list(stage.src_block_ids)
+                # One engine call per piece: decoding steps interleave with a live stage's reads.
+                per = blocks_per_piece(endpoint.chunk_bytes, bytes_per_block)
+                for start in range(0, len(ids), per):
+                    kv = await call(_reader(ids[start : start + per]))
+                    await asyncio.to_thread(channel.send, kv, endpoint.tag)
             planner.landed(stage)
             if stage.final:
                 break

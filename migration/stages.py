@@ -31,6 +31,7 @@ class StageConfig:
 
     last_stage_max_blocks: int = 4  # K: stop-and-copy once at most this many blocks remain
     max_live_stages: int = 8  # after this many live stages, stop-and-copy whatever remains
+    cache_aware: bool = True  # offer block hashes so the destination shares its cached prefix
 
     def __post_init__(self) -> None:
         # K >= 1 guarantees every live stage moves at least one block (see `needs_suspend`).
@@ -157,7 +158,7 @@ class StagePlanner:
             )
         start = len(self._on_dst)
         hashes: tuple[int, ...] = ()
-        if not self.stages:
+        if not self.stages and self.config.cache_aware:
             full = min(end, num_kv_tokens // self.block_size)
             hashes = tuple(block_hashes[:full])
         stage = Stage(

@@ -10,7 +10,8 @@ Contract:
   a stale group.
 - Groups are cached per peer and reused by later migrations. Concurrent migrations over one group
   are kept apart by gloo/NCCL message tags (the endpoint's `tag`).
-- Every send and receive waits at most `timeout_s`; on any failure the channel is aborted and
+- Every send and receive waits at most `timeout_s`, a rendezvous at most `rendezvous_timeout_s`
+  (it includes the peer getting round to joining); on any failure the channel is aborted and
   dropped (both sides), and `TransferError` is raised. A dead peer therefore costs at most one
   timeout, never a hang.
 - Payloads are flat byte tensors: the engine decides the layout (`MigratableEngine.read_kv`).
@@ -34,7 +35,12 @@ import torch.distributed as dist
 
 from migration.protocol import TransportEndpoint
 
-DEFAULT_CHUNK_BYTES = 64 << 20
+DEFAULT_CHUNK_BYTES = 16 << 20
+
+
+def blocks_per_piece(chunk_bytes: int, bytes_per_block: int) -> int:
+    """Blocks per message when a stage's KV goes out piece by piece (both ends agree on it)."""
+    return max(1, chunk_bytes // bytes_per_block)
 
 
 class TransferError(RuntimeError):
@@ -142,6 +148,7 @@ class TransportHub:
         port: int = 0,
         backend: str = "gloo",
         timeout_s: float = 10.0,
+        rendezvous_timeout_s: float = 30.0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> None:
         if backend not in ("gloo", "nccl"):
@@ -149,10 +156,11 @@ class TransportHub:
         self.host = host
         self.backend = backend
         self.timeout_s = timeout_s
+        self.rendezvous_timeout_s = rendezvous_timeout_s
         self.chunk_bytes = chunk_bytes
         self.device = "cuda" if backend == "nccl" else "cpu"
         self._store = dist.TCPStore(
-            host, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False
+            host, port, None, True, timedelta(seconds=rendezvous_timeout_s), wait_for_workers=False
         )
         self.port: int = self._store.port
         self.incarnation = uuid.uuid4().hex[:12]
@@ -193,7 +201,7 @@ class TransportHub:
         if current is None or current[0] != group:
             raise TransferError(f"no pending group {group!r} for {peer}")
         try:
-            return current[1].result(timeout=self.timeout_s)
+            return current[1].result(timeout=self.rendezvous_timeout_s)
         except FutureTimeout:
             self._forget(peer, group)
             raise TransferError(f"{peer} did not join group {group!r} in time") from None
@@ -225,7 +233,7 @@ class TransportHub:
                 endpoint.port,
                 None,
                 False,
-                timedelta(seconds=self.timeout_s),
+                timedelta(seconds=self.rendezvous_timeout_s),
             )
         except (RuntimeError, OSError) as e:
             raise TransferError(f"cannot reach {endpoint.host}:{endpoint.port}: {e}") from e
@@ -255,7 +263,8 @@ class TransportHub:
 
     def _join(self, store: Any, name: str, rank: int, chunk_bytes: int) -> PairChannel:
         try:
-            group = _new_group(self.backend, dist.PrefixStore(name, store), rank, self.timeout_s)
+            store = dist.PrefixStore(name, store)
+            group = _new_group(self.backend, store, rank, self.rendezvous_timeout_s)
         except RuntimeError as e:
             raise TransferError(f"rendezvous of {name!r} failed: {e}") from e
         return PairChannel(group, name, rank, self.timeout_s, self.device, chunk_bytes)

@@ -73,12 +73,20 @@ class Instance:
 
 
 def make_instance(
-    name: str, num_blocks: int = 400, max_incoming: int = 1, transfer_timeout_s: float = 5.0
+    name: str,
+    num_blocks: int = 400,
+    max_incoming: int = 1,
+    transfer_timeout_s: float = 5.0,
+    chunk_bytes: int = 8 << 10,  # 4 tiny-model blocks: stages go out in several pieces
 ) -> Instance:
     engine = make_engine(num_blocks)
     adapter = EngineMigrationAdapter(engine)
     thread = EngineThread(engine, adapter, name=name)
-    hub = TransportHub(timeout_s=transfer_timeout_s)
+    hub = TransportHub(
+        timeout_s=transfer_timeout_s,
+        rendezvous_timeout_s=transfer_timeout_s,
+        chunk_bytes=chunk_bytes,
+    )
     clock = Clock()
     destination = MigrationDestination(
         thread.call,
@@ -369,13 +377,21 @@ async def test_cached_prefix_is_shared_not_sent(
     await dst.thread.run(lambda e: e.add_request("warm", PROMPT, SamplingParams(max_tokens=1)))
     await wait_for(lambda: "warm" in dst.thread.finish_reasons)
     await start(src, "r", params)
+    await start(src, "plain", params)
     await wait_for(lambda: len(src.thread.tokens.get("r", [])) >= 5)
+    # Without cache-aware transfer every block is sent, cached there or not.
+    plain = await migrate(src, dst.destination, "plain", StageConfig(cache_aware=False))
+    assert plain.status is MigrationStatus.COMMITTED and plain.blocks_skipped == 0
+    assert plain.blocks_sent * BLOCK_SIZE > len(PROMPT)
     outcome = await migrate(src, dst.destination, "r")
     assert outcome.status is MigrationStatus.COMMITTED, outcome
-    assert outcome.blocks_skipped == len(PROMPT) // BLOCK_SIZE
+    # The prompt's blocks at least; "plain" (same prompt, same greedy output) left its decoded
+    # blocks cached there too.
+    assert outcome.blocks_skipped >= len(PROMPT) // BLOCK_SIZE
     assert outcome.bytes_skipped == outcome.blocks_skipped * _bytes_per_block(dst)
-    await wait_for(lambda: "r" in dst.thread.finish_reasons)
+    await wait_for(lambda: all(r in dst.thread.finish_reasons for r in ("r", "plain")))
     assert output_of(src, dst, "r") == reference(params)
+    assert output_of(src, dst, "plain") == reference(params)
     assert_clean(src, dst)
 
 

@@ -77,7 +77,7 @@ def test_payloads_arrive_intact_in_chunks_and_by_tag(hub: TransportHub) -> None:
 
 
 def test_a_receive_nobody_sends_times_out_and_drops_the_group() -> None:
-    hub = TransportHub(timeout_s=2.0)
+    hub = TransportHub(timeout_s=2.0)  # the rendezvous may take longer: the child imports torch
     try:
         endpoint = hub.offer("src-b")
         proc = start_source(endpoint, [])
@@ -106,7 +106,7 @@ def test_a_dead_source_fails_the_receive_instead_of_hanging(hub: TransportHub) -
 
 
 def test_a_source_that_never_joins_fails_the_rendezvous() -> None:
-    hub = TransportHub(timeout_s=1.0)
+    hub = TransportHub(timeout_s=1.0, rendezvous_timeout_s=1.0)
     try:
         endpoint = hub.offer("src-d")
         with pytest.raises(TransferError):
@@ -119,7 +119,7 @@ def test_a_source_that_never_joins_fails_the_rendezvous() -> None:
 
 
 def test_unreachable_destination_and_backend_mismatch() -> None:
-    hub = TransportHub(timeout_s=1.0)
+    hub = TransportHub(timeout_s=1.0, rendezvous_timeout_s=1.0)
     try:
         with pytest.raises(TransferError, match="nccl"):
             hub.connect(TransportEndpoint("127.0.0.1", hub.port, "g", 1, backend="nccl"))
