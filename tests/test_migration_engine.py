@@ -190,9 +190,11 @@ async def test_output_is_bit_identical_after_migration(
         assert "r" not in src.engine.scheduler.requests  # released on the source
         assert outcome.blocks_sent * BLOCK_SIZE >= len(PROMPT)
         assert outcome.downtime_s > 0 and outcome.stages >= 1
-    else:  # the last token came first: nothing to migrate, and nothing may be lost
-        assert after_tokens == 39, outcome
-        assert outcome.reason is AbortReason.REQUEST_FINISHED
+    else:
+        # The request finished before the stop-and-copy (on a loaded machine a migration can
+        # outlast the remaining tokens): nothing to move, and nothing may be lost.
+        assert outcome.reason is AbortReason.REQUEST_FINISHED, outcome
+        assert src.thread.finish_reasons["r"] == "length"
     assert output_of(src, dst, "r") == expected
     assert_clean(src, dst)
 
