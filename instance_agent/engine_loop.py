@@ -215,6 +215,15 @@ class EngineLoop:
         """Abort a request from any thread; its stream ends with `RequestAborted`."""
         self._submit(lambda: self._abort_on_engine(request_id, notify=True))
 
+    def abort_all(self) -> None:
+        """Abort every open request (drain timeout); their streams end with `RequestAborted`."""
+
+        def command() -> None:
+            for request_id in list(self._streams):
+                self._abort_on_engine(request_id, notify=True)
+
+        self._submit(command)
+
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run `fn(engine)` on the engine thread between steps and return its result."""
         loop = asyncio.get_running_loop()

@@ -9,9 +9,9 @@ Contract (`create_app(agent)` returns the FastAPI app):
 - Every error is the OpenAI error object: 400 for any invalid body (FastAPI's 422 is replaced, in
   the OpenAPI schema too), 404 for an unknown model or route, 413 for a body over
   `MAX_BODY_BYTES`, 503 while draining, 500 if the engine died.
-- ``GET /health`` (200 ok, 503 draining, 500 engine dead), ``GET /metrics`` (Prometheus, vLLM
-  names), ``GET /kvherd/v1/state`` (see `state.snapshot`; ``?block_hashes=true`` adds the cached
-  block hashes).
+- ``GET /health`` (200 ok, 503 draining, 500 engine dead), ``GET /version``, ``GET /metrics``
+  (Prometheus, vLLM names), ``GET /kvherd/v1/state`` (see `state.snapshot`;
+  ``?block_hashes=true`` adds the cached block hashes).
 - `Agent` holds what the routes share: the engine loop, metrics, identity, and the draining flag.
   `Agent.drain` stops accepting work and waits for open requests to finish (or aborts them after
   a timeout).
@@ -25,13 +25,13 @@ import logging
 import re
 import signal
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -50,6 +50,10 @@ from instance_agent.protocol import (
 )
 from instance_agent.registration import Registrar
 from instance_agent.state import snapshot
+from kvherd import __version__
+
+if TYPE_CHECKING:
+    from instance_agent.engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -68,14 +72,14 @@ class Agent:
     created: int = field(default_factory=protocol.now)
 
     @property
-    def engine(self) -> Any:
+    def engine(self) -> LLMEngine:
         return self.engine_loop.engine
 
     async def state(self, include_block_hashes: bool = False) -> dict[str, Any]:
         loop = self.engine_loop
         draining = self.draining
 
-        def read(engine: Any) -> dict[str, Any]:
+        def read(engine: LLMEngine) -> dict[str, Any]:
             return snapshot(
                 engine.scheduler,
                 engine.block_manager,
@@ -97,16 +101,8 @@ class Agent:
             await asyncio.wait_for(self.engine_loop.wait_idle(), timeout)
         except TimeoutError:
             log.warning("drain timeout: aborting %d requests", self.engine_loop.num_open_requests)
-            await self.engine_loop.call(_abort_all(self.engine_loop))
+            self.engine_loop.abort_all()
             await self.engine_loop.wait_idle()
-
-
-def _abort_all(engine_loop: EngineLoop) -> Callable[[Any], None]:
-    def abort(engine: Any) -> None:
-        for request_id in list(engine_loop._streams):
-            engine_loop._abort_on_engine(request_id, notify=True)
-
-    return abort
 
 
 def _error_response(exc: OpenAIError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -183,7 +179,9 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-def create_app(agent: Agent) -> FastAPI:
+def create_app(agent: Agent, routers: Sequence[APIRouter] = ()) -> FastAPI:
+    """The agent's app; `routers` add endpoints (e.g. migration) that share `app.state.agent`."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         agent.engine_loop.start()
@@ -300,6 +298,12 @@ def create_app(agent: Agent) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await _generate(agent, body, request)
 
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    for router in routers:
+        app.include_router(router)
     return app
 
 

@@ -145,6 +145,23 @@ def test_sigterm_drains_then_exits_zero() -> None:
         assert agent.process.wait(30) == 0
 
 
+def test_drain_timeout_aborts_what_is_left_and_exits_zero() -> None:
+    with agent_process("--drain-timeout", "0.3") as agent:
+        body = {"prompt": "too long", "max_tokens": 1900, "ignore_eos": True, "stream": True}
+        with (
+            httpx.Client(timeout=60) as client,
+            client.stream("POST", f"{agent.url}/v1/completions", json=body) as response,
+        ):
+            lines = response.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            agent.process.send_signal(15)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][len("data: ") :])["error"]
+        assert "aborted" in error["message"] and error["type"] == "server_error"
+        assert agent.process.wait(30) == 0
+
+
 @dataclass
 class FakeScheduler:
     """A real HTTP server speaking the scheduler's admin API, recording what agents send."""
