@@ -212,6 +212,9 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=5.0)
     parser.add_argument("--json", default=None, help="also write the figures here")
     parser.add_argument("--no-nginx", action="store_true")
+    parser.add_argument(
+        "--kvherd-arg", action="append", default=[], help="extra kvherd serve flag; repeatable"
+    )
     args = parser.parse_args()
     try:
         import uvloop
@@ -247,6 +250,7 @@ def main() -> int:
         ]
         for port in backends:
             cmd += ["--instance", f"http://127.0.0.1:{port}"]
+        cmd += args.kvherd_arg
         env = {**os.environ, "KVHERD_ADMIN_TOKEN": "bench"}
         procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT))
         wait_port(proxy_port, procs[-1])

@@ -138,6 +138,7 @@ class Fleet:
         )
         self._reaper: asyncio.Task[None] | None = None
         self._keys = 0
+        self._saturated: set[str] = set()  # instances at max_inflight_per_instance
 
     @property
     def block_size(self) -> int:
@@ -230,6 +231,7 @@ class Fleet:
             return False
         await self.subscriber.remove(instance_id)
         self.router.forget_instance(instance_id)
+        self._saturated.discard(instance_id)
         self.outliers.remove(instance_id)
         self.poller.forget(instance_id)
         self.metrics.forget_instance(instance_id)
@@ -308,11 +310,11 @@ class Fleet:
         max_tokens: int | None = None,
         exclude: Collection[str] = (),
     ) -> tuple[FleetInstance, int]:
-        limit = self.settings.max_inflight_per_instance
-        saturated = [
-            i for i, inst in self.instances.items() if inst.inflight >= limit and i not in exclude
-        ]
-        skip = set(exclude).union(saturated) if saturated else exclude
+        saturated = self._saturated
+        if saturated:
+            skip: Collection[str] = saturated.union(exclude)
+        else:
+            skip = exclude
         try:
             routed = self.router.route(
                 key,
@@ -331,6 +333,8 @@ class Fleet:
         inst = self.instances[routed.instance_id]
         inst.inflight += 1
         inst.keys.add(key)
+        if inst.inflight >= self.settings.max_inflight_per_instance:
+            saturated.add(inst.instance_id)
         self.metrics.inflight(inst.instance_id).set(inst.inflight)
         return inst, routed.matched_blocks
 
@@ -342,6 +346,8 @@ class Fleet:
         if key in inst.keys:
             inst.keys.discard(key)
             inst.inflight -= 1
+            if inst.inflight < self.settings.max_inflight_per_instance:
+                self._saturated.discard(inst.instance_id)
             if inst.instance_id in self.instances:
                 self.metrics.inflight(inst.instance_id).set(inst.inflight)
         self.on_capacity()

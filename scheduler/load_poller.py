@@ -4,6 +4,8 @@ Contract:
 - A kvherd agent is polled at ``GET {url}/kvherd/v1/state`` (parsed by
   `scheduler.load_report.parse_agent_state`). An instance that answers that path with 404 is a plain
   vLLM/SGLang server: from then on its ``GET {url}/metrics`` is scraped (`parse_prometheus`).
+- An instance that serves neither (404 on both) is asked again only every `idle_recheck_s`: a
+  poll that can never succeed should not cost the proxy's event loop a request per interval.
 - Each successful poll hands a `LoadReport` to `on_report(instance_id, report)`. A failed or
   unreadable poll is logged and skipped: the scheduler keeps its last report plus its own
   accounting, and health is the health checker's business, not the poller's.
@@ -35,6 +37,7 @@ class LoadPoller:
         block_size: Callable[[], int],
         interval_s: float = 0.25,
         timeout_s: float = 2.0,
+        idle_recheck_s: float = 30.0,
     ) -> None:
         self._targets = targets  # instance id -> base URL
         self._on_report = on_report
@@ -42,10 +45,15 @@ class LoadPoller:
         self.interval_s = interval_s
         self._client = httpx.AsyncClient(timeout=timeout_s, trust_env=False)
         self._scrape_only: set[str] = set()  # instances without the agent state endpoint
+        self._no_source_until: dict[str, float] = {}  # instances with no load endpoint at all
+        self.idle_recheck_s = idle_recheck_s
         self._task: asyncio.Task[None] | None = None
 
     async def poll(self, instance_id: str, url: str) -> LoadReport | None:
         base = url.rstrip("/")
+        loop = asyncio.get_running_loop()
+        if self._no_source_until.get(instance_id, 0.0) > loop.time():
+            return None
         try:
             if instance_id not in self._scrape_only:
                 response = await self._client.get(base + STATE_PATH)
@@ -57,6 +65,10 @@ class LoadPoller:
                     report = parse_agent_state(response.json())
             if instance_id in self._scrape_only:
                 response = await self._client.get(base + "/metrics")
+                if response.status_code == 404:
+                    self._no_source_until[instance_id] = loop.time() + self.idle_recheck_s
+                    self._scrape_only.discard(instance_id)
+                    return None
                 response.raise_for_status()
                 report = parse_prometheus(response.text, self._block_size())
         except (httpx.HTTPError, LoadReportError, ValueError) as exc:
@@ -67,6 +79,7 @@ class LoadPoller:
 
     def forget(self, instance_id: str) -> None:
         self._scrape_only.discard(instance_id)
+        self._no_source_until.pop(instance_id, None)
 
     async def poll_all(self) -> None:
         targets = self._targets()

@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
+import os
 import time
-import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
@@ -186,6 +187,9 @@ class Proxy:
             read_timeout=config.stream_idle_timeout_s,
         )
         self._admission = _Admission()
+        # Generated request ids: a random per-process prefix and a counter (cheaper than uuid4).
+        self._id_prefix = os.urandom(6).hex().encode()
+        self._id_counter = itertools.count(1)
         fleet.on_capacity = self._admission.wake_one
 
     # -- ASGI endpoints ---------------------------------------------------------------------------
@@ -229,7 +233,8 @@ class Proxy:
             elif name in _FORWARD_HEADERS:
                 forward.append((name, value))
         if not request_id:
-            request_id = uuid.uuid4().hex.encode()
+            request_id = b"%s-%x" % (self._id_prefix, next(self._id_counter))
+        status: int | str
         try:
             status = await self._serve(receive, send, path, chat, request_id, auth, forward)
         except ClientError as exc:
@@ -237,6 +242,14 @@ class Proxy:
             await _send_simple(send, exc.status, exc.body(), request_id)
         except ConnectionResetError:
             status = "client_closed"
+        except Exception:
+            # A bug must cost one request, not the proxy; the client still gets an error object.
+            log.exception("request %s failed", request_id.decode("latin-1"))
+            status = 500
+            with contextlib.suppress(Exception):  # fails if the response had already started
+                await _send_simple(
+                    send, 500, error_body(500, "internal proxy error", "server_error"), request_id
+                )
         self.metrics.request_done(status)
 
     async def _serve(
@@ -454,6 +467,33 @@ class _Endpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._handler(scope, receive, send)
+
+
+class ProxyASGI:
+    """The client-facing ASGI app: generation requests go straight to the proxy, the rest to
+    FastAPI. FastAPI's middleware and routing cost ~40 µs of CPU per request on the reference
+    machine, a fifth of the proxy's budget, so the two hot routes skip them."""
+
+    def __init__(self, proxy: Proxy, app: FastAPI) -> None:
+        self.proxy = proxy
+        self.fastapi = app
+        self._hot = {
+            "/v1/completions": proxy.completions,
+            "/v1/chat/completions": proxy.chat_completions,
+        }
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            handler = self._hot.get(scope["path"])
+            if handler is not None:
+                await handler(scope, receive, send)
+                return
+        await self.fastapi(scope, receive, send)
+
+
+def build_asgi(proxy: Proxy) -> ProxyASGI:
+    """What ``kvherd serve`` serves on its client port."""
+    return ProxyASGI(proxy, build_app(proxy))
 
 
 def build_app(proxy: Proxy, lifespan: Any = None) -> FastAPI:

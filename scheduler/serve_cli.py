@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -220,7 +221,7 @@ async def serve_fleet(
     from instance_agent.engine.tokenizer import load_tokenizer
     from scheduler.admin import LOOPBACK_PATTERNS, RegistrationPolicy, build_admin_app
     from scheduler.fleet import Fleet, FleetError, FleetSettings
-    from scheduler.proxy import Proxy, ProxyConfig, build_app
+    from scheduler.proxy import Proxy, ProxyConfig, build_asgi
     from scheduler.proxy_metrics import ProxyMetrics
     from scheduler.tenancy import build_registry
 
@@ -286,7 +287,7 @@ async def serve_fleet(
         metrics,
     )
     level = args.log_level.lower()
-    proxy_server = _QuietServer.make(build_app(proxy), args.host, args.port, level)
+    proxy_server = _QuietServer.make(build_asgi(proxy), args.host, args.port, level)
     admin_server = _QuietServer.make(
         build_admin_app(fleet, token, allow), args.admin_host, args.admin_port, level
     )
@@ -323,6 +324,10 @@ async def serve_fleet(
                 args.admin_port,
                 policy,
             )
+            # Startup objects (modules, apps, the policy) live for the whole process: keeping them
+            # out of the collector's generations keeps its pauses off the request path's p99.
+            gc.collect()
+            gc.freeze()
             if on_ready is not None:
                 ready: asyncio.Future[None] = asyncio.ensure_future(on_ready(fleet))
                 ready.add_done_callback(lambda t: t.cancelled() or t.exception())
