@@ -129,6 +129,31 @@ class _Admission:
                 return
 
 
+class _DisconnectWatch:
+    """Cancels the request's task when the client disconnects before the response is complete,
+    so the upstream connection is closed and the instance aborts the request (frees its KV)."""
+
+    __slots__ = ("_future", "_task", "gone")
+
+    def __init__(self, receive: Receive) -> None:
+        self.gone = False
+        self._task = asyncio.current_task()
+        self._future = asyncio.ensure_future(receive())
+        self._future.add_done_callback(self._on_message)
+
+    def _on_message(self, future: asyncio.Future[Message]) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return
+        if future.result().get("type") == "http.disconnect" and self._task is not None:
+            self.gone = True
+            self._task.cancel()
+
+    def stop(self) -> None:
+        """Stop watching (before completing the response, which also ends `receive`)."""
+        self._future.remove_done_callback(self._on_message)
+        self._future.cancel()
+
+
 def prompt_token_ids(body: dict[str, Any], chat: bool, tokenizer: Tokenizer) -> list[int]:
     """Token ids the routing decision hashes; raises `ClientError` for bodies it cannot route."""
     if chat:
@@ -235,44 +260,66 @@ class Proxy:
         if not request_id:
             request_id = b"%s-%x" % (self._id_prefix, next(self._id_counter))
         status: int | str
+        watch: _DisconnectWatch | None = None
         try:
-            status = await self._serve(receive, send, path, chat, request_id, auth, forward)
+            tenant = self._authenticate(auth)
+            raw = await self._read_body(receive)
+            watch = _DisconnectWatch(receive)
+            status = await self._serve(raw, send, path, chat, request_id, tenant, forward, watch)
         except ClientError as exc:
             status = exc.status
+            if watch is not None:
+                watch.stop()
             await _send_simple(send, exc.status, exc.body(), request_id)
         except ConnectionResetError:
+            status = "client_closed"
+        except asyncio.CancelledError:
+            if watch is None or not watch.gone:
+                raise  # the server is shutting down
+            # The client went away; the upstream request was closed on the way out.
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
             status = "client_closed"
         except Exception:
             # A bug must cost one request, not the proxy; the client still gets an error object.
             log.exception("request %s failed", request_id.decode("latin-1"))
             status = 500
+            if watch is not None:
+                watch.stop()
             with contextlib.suppress(Exception):  # fails if the response had already started
                 await _send_simple(
                     send, 500, error_body(500, "internal proxy error", "server_error"), request_id
                 )
+        finally:
+            if watch is not None:
+                watch.stop()
         self.metrics.request_done(status)
+
+    def _authenticate(self, auth: bytes | None) -> Tenant | None:
+        if not self.tenants.enabled:
+            return None
+        tenant = self.tenants.authenticate(auth)
+        if tenant is None:
+            raise ClientError(
+                401,
+                "invalid or missing API key",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
+        return tenant
 
     async def _serve(
         self,
-        receive: Receive,
+        raw: bytes,
         send: Send,
         path: bytes,
         chat: bool,
         request_id: bytes,
-        auth: bytes | None,
+        tenant: Tenant | None,
         headers: list[tuple[bytes, bytes]],
+        watch: _DisconnectWatch,
     ) -> int | str:
-        tenant: Tenant | None = None
-        if self.tenants.enabled:
-            tenant = self.tenants.authenticate(auth)
-            if tenant is None:
-                raise ClientError(
-                    401,
-                    "invalid or missing API key",
-                    type="authentication_error",
-                    code="invalid_api_key",
-                )
-        raw = await self._read_body(receive)
         started = time.perf_counter()
         try:
             body = orjson.loads(raw)
@@ -326,7 +373,8 @@ class Proxy:
                 last_status = response
                 response.close()
                 continue
-            return await self._relay(send, response, instance, key, request_id)
+            return await self._relay(send, response, instance, key, request_id, watch)
+        watch.stop()
         if last_status is not None and last_status.body is not None:
             await _send_simple(send, last_status.status, last_status.body, request_id)
             return last_status.status
@@ -404,6 +452,7 @@ class Proxy:
         instance: FleetInstance,
         key: str,
         request_id: bytes,
+        watch: _DisconnectWatch,
     ) -> int | str:
         headers = [h for h in response.headers if h[0] != b"x-request-id"]
         headers.append((b"x-request-id", request_id))
@@ -411,6 +460,7 @@ class Proxy:
             headers.append((b"x-kvherd-instance", instance.instance_id.encode()))
         ok = response.status < 400
         if response.body is not None:
+            watch.stop()  # from here on uvicorn itself notices a client that goes away
             body = response.body
             headers.append((b"content-length", str(len(body)).encode()))
             try:
@@ -431,6 +481,7 @@ class Proxy:
                     self.fleet.first_token(key)
                     first = False
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            watch.stop()  # completing the response wakes the watcher with http.disconnect
             await send({"type": "http.response.body", "body": b""})
         except UpstreamError as exc:
             log.warning("request %s: stream from %s broke: %s", key, instance.instance_id, exc)

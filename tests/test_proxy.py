@@ -416,3 +416,39 @@ async def test_two_proxies_share_nothing_but_both_route_by_cache(
             response = await complete(client, proxy.url, prompt + proxy.url)
             assert response.headers["x-kvherd-instance"] == holder
             assert cached_tokens(response) > 0
+
+
+def abort_count(metrics_text: str) -> float:
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics_text.splitlines()
+        if line.startswith("vllm:request_success_total") and 'finished_reason="abort"' in line
+    )
+
+
+async def test_client_disconnect_aborts_the_upstream_request(
+    fleet_agents: list[AgentProcess],
+) -> None:
+    long = {"max_tokens": 1000, "ignore_eos": True}
+    async with running_proxy(fleet_agents[:1]) as proxy, httpx.AsyncClient(timeout=60) as client:
+        agent_metrics = f"{fleet_agents[0].url}/metrics"
+        before = abort_count((await client.get(agent_metrics)).text)
+        # Streamed: the client reads one chunk and hangs up.
+        async with client.stream(
+            "POST", f"{proxy.url}/v1/completions", json={"prompt": "go", "stream": True, **long}
+        ) as response:
+            assert response.status_code == 200
+            async for _ in response.aiter_raw():
+                break
+        # Not streamed: the client gives up while the instance is still generating.
+        with pytest.raises(httpx.ReadTimeout):
+            await client.post(
+                f"{proxy.url}/v1/completions", json={"prompt": "go", **long}, timeout=0.5
+            )
+        deadline = asyncio.get_running_loop().time() + 30
+        while abort_count((await client.get(agent_metrics)).text) < before + 2:
+            assert asyncio.get_running_loop().time() < deadline, "upstream requests not aborted"
+            await asyncio.sleep(0.05)
+        await wait_for(lambda: all(i.inflight == 0 for i in proxy.fleet.instances.values()))
+        metrics = (await client.get(f"{proxy.url}/metrics")).text
+        assert 'kvherd_requests_total{status="client_closed"} 2.0' in metrics
