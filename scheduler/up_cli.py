@@ -127,6 +127,8 @@ class AgentGroup:
 async def _up(args: argparse.Namespace) -> int:
     from scheduler.serve_cli import serve_fleet
 
+    # The proxy tokenizes like the agents: the checkpoint's tokenizer, or the byte tokenizer.
+    args.tokenizer = args.tokenizer or args.model
     token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV)
     generated = not token
     token = token or secrets.token_urlsafe(24)

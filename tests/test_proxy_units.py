@@ -317,3 +317,35 @@ def test_prompt_token_ids_for_routing() -> None:
     for bad_chat in bad_chats:
         with pytest.raises(ClientError):
             prompt_token_ids(bad_chat, True, tok)
+
+
+# -- command line and config file -------------------------------------------------------------------
+def test_instance_specs_and_config_file(tmp_path: Path) -> None:
+    from scheduler.serve_cli import load_config, parse_instance_spec
+
+    assert parse_instance_spec("http://h:1/") == {"url": "http://h:1"}
+    assert parse_instance_spec("http://h:1,kv_events=tcp://h:2,replay=tcp://h:3,id=x") == {
+        "url": "http://h:1",
+        "kv_events_endpoint": "tcp://h:2",
+        "replay_endpoint": "tcp://h:3",
+        "id": "x",
+    }
+    for bad in ("h:1", "http://h:1,color=red", "http://h:1,kv_events"):
+        with pytest.raises(ValueError):
+            parse_instance_spec(bad)
+    config = tmp_path / "kvherd.yaml"
+    config.write_text(
+        "policy: {name: llmd, parameters: {seed: 3}}\n"
+        "instances: [http://127.0.0.1:9, {url: 'http://127.0.0.1:10', id: b}]\n"
+        "api_keys: ['k=alice']\n"
+    )
+    loaded = load_config(str(config))
+    assert loaded["policy"]["name"] == "llmd" and len(loaded["instances"]) == 2
+    pipeline = tmp_path / "pipeline.yaml"
+    pipeline.write_text("scorers: [{type: queue-scorer, weight: 1}]\n")
+    assert load_config(str(pipeline)) == {"policy": str(pipeline)}
+    assert load_config(None) == {}
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError):
+        load_config(str(listing))
