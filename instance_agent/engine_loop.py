@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -90,6 +90,21 @@ class RequestStream:
             self.finished = True
             self.close()
         return item
+
+    async def batches(self) -> AsyncIterator[list[RequestOutput]]:
+        """Like iterating, but yields every output already queued at once (at least one)."""
+        while not self.finished:
+            try:
+                batch = [await self.__anext__()]
+            except StopAsyncIteration:
+                return
+            while not self.finished and not self._queue.empty():
+                try:
+                    batch.append(await self.__anext__())  # queued already: no waiting
+                except (RequestAborted, EngineDeadError):
+                    yield batch  # what came before the failure still reaches the client
+                    raise
+            yield batch
 
     def _put(self, item: Any) -> None:
         self._queue.put_nowait(item)

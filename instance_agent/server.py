@@ -452,26 +452,33 @@ async def _sse(
             if want_ids:
                 first["choices"][0]["prompt_token_ids"] = meta.prompt_ids
             yield protocol.sse(first)
-        async for output in stream:
-            cached = output.num_cached_tokens
-            new_ids = list(output.new_token_ids)
-            finish = output.finish_reason if output.finished else None
-            text = output.text_delta
-            if text or finish is not None or (want_ids and new_ids):
-                ids = new_ids if want_ids else None
-                if meta.chat:
-                    delta = {"content": text} if text else {}
-                    chunk = protocol.chat_chunk(rid, created, model, delta, finish, ids, index)
-                else:
-                    chunk = protocol.completion_chunk(rid, created, model, text, finish, ids, index)
-                    if want_ids and index == 0:
-                        chunk["choices"][0]["prompt_token_ids"] = meta.prompt_ids
-                if continuous_usage:
-                    chunk["usage"] = protocol.usage(
-                        meta.prompt_len, index + len(new_ids), output.num_cached_tokens
-                    )
-                yield protocol.sse(chunk)
-            index += len(new_ids)
+        # Outputs that queued up while this stream waited for the event loop go out in one write.
+        async for outputs in stream.batches():
+            frames = []
+            for output in outputs:
+                cached = output.num_cached_tokens
+                new_ids = list(output.new_token_ids)
+                finish = output.finish_reason if output.finished else None
+                text = output.text_delta
+                if text or finish is not None or (want_ids and new_ids):
+                    ids = new_ids if want_ids else None
+                    if meta.chat:
+                        delta = {"content": text} if text else {}
+                        chunk = protocol.chat_chunk(rid, created, model, delta, finish, ids, index)
+                    else:
+                        chunk = protocol.completion_chunk(
+                            rid, created, model, text, finish, ids, index
+                        )
+                        if want_ids and index == 0:
+                            chunk["choices"][0]["prompt_token_ids"] = meta.prompt_ids
+                    if continuous_usage:
+                        chunk["usage"] = protocol.usage(
+                            meta.prompt_len, index + len(new_ids), output.num_cached_tokens
+                        )
+                    frames.append(protocol.sse(chunk))
+                index += len(new_ids)
+            if frames:
+                yield b"".join(frames)
         if body.include_usage:
             usage = protocol.usage(meta.prompt_len, index, cached)
             yield protocol.sse(protocol.usage_chunk(rid, created, model, meta.chat, usage))

@@ -92,3 +92,25 @@ async def test_idle_engine_thread_sleeps(engine: LLMEngine) -> None:
         assert time.process_time() - cpu < 0.05 * (time.monotonic() - wall) + 0.01
     finally:
         loop.stop()
+
+
+async def test_batches_coalesce_outputs_that_queued_up(engine: LLMEngine) -> None:
+    expected = engine.generate([[4, 4, 4]], _params(40, seed=3))[0].output_token_ids
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        stream = await loop.add("pile", [4, 4, 4], _params(40, seed=3))
+
+        def generated(e: LLMEngine) -> int:
+            request = e.scheduler.requests.get("pile")
+            return 40 if request is None else request.num_output_tokens
+
+        while await loop.call(generated) < 5:  # outputs pile up while nobody reads
+            pass
+        # Deliveries are FIFO on the event loop, so those outputs are queued by now.
+        batches = [batch async for batch in stream.batches()]
+        assert len(batches[0]) >= 5
+        assert [t for batch in batches for out in batch for t in out.new_token_ids] == expected
+        assert batches[-1][-1].finished
+    finally:
+        loop.stop()
