@@ -58,6 +58,37 @@ class ClusterConfig:
     sample_interval_s: float | None = None  # per-instance load samples; None: ~400 over the run
 
 
+class _Periodic:
+    """A fixed-phase periodic task (ticks at k * interval) that sleeps while the fleet is idle.
+
+    Ticks of an idle fleet would repeat the last idle tick exactly (reports, samples, migration
+    plans of an empty fleet), so skipping them changes nothing, and a stretched trace does not cost
+    millions of empty ticks. `wake` re-arms the next tick on the same phase.
+    """
+
+    __slots__ = ("_armed", "_callback", "_loop", "interval")
+
+    def __init__(self, loop: EventLoop, interval: float, callback: Callable[[], bool]) -> None:
+        self._loop = loop
+        self.interval = interval
+        self._callback = callback
+        self._armed = False
+
+    def wake(self) -> None:
+        if self._armed:
+            return
+        self._armed = True
+        now = self._loop.now
+        phase = math.ceil(now / self.interval - 1e-9) * self.interval
+        self._loop.call_at(max(phase, now), self._tick)
+
+    def _tick(self) -> None:
+        self._armed = False
+        if self._callback():
+            self._armed = True
+            self._loop.call_later(self.interval, self._tick)
+
+
 @dataclass(slots=True)
 class _Migration:
     order: MigrationOrder
@@ -118,6 +149,7 @@ class SimCluster:
         self._between_steps: dict[str, list[Callable[[], None]]] = {}
         self.migration_stats = MigrationStats()
         self._remaining = 0
+        self._periodic: list[_Periodic] = []
         self._on_progress = on_progress
         self.load_times: list[float] = []
         self.load_samples: dict[str, list[int]] = {iid: [] for iid in self.instances}
@@ -128,12 +160,15 @@ class SimCluster:
         self._remaining = len(trace.requests)
         for tr in trace.requests:
             loop.call_at(tr.arrival_s, self._arrive, tr, trace.block_size)
-        if self._remaining:
-            loop.call_at(0.0, self._report_tick)
-            interval = self.config.sample_interval_s or max(trace.duration_s / 400.0, 0.05)
-            loop.call_at(0.0, self._sample_tick, interval)
-            if self.migration_loop is not None:
-                loop.call_at(self.config.migration_interval_s, self._migration_tick)
+        sample_interval = self.config.sample_interval_s or max(trace.duration_s / 400.0, 0.05)
+        self._periodic = [
+            _Periodic(loop, self.config.report_interval_s, self._report_tick),
+            _Periodic(loop, sample_interval, self._sample_tick),
+        ]
+        if self.migration_loop is not None:
+            self._periodic.append(
+                _Periodic(loop, self.config.migration_interval_s, self._migration_tick)
+            )
         loop.run()
         return self.metrics
 
@@ -151,6 +186,8 @@ class SimCluster:
         rid = request.request_id
         self._trace_index[rid] = tr.index
         self.metrics.on_arrival(rid, now, tr.input_length)
+        for periodic in self._periodic:
+            periodic.wake()
         routed = self.router.route(
             rid,
             now=now,
@@ -220,36 +257,33 @@ class SimCluster:
         self._done_one()
 
     # -- periodic: load reports and samples ------------------------------------------------------
-    def _report_tick(self) -> None:
-        if self._remaining <= 0:
-            return
+    def _fleet_busy(self) -> bool:
+        return any(inst.scheduler.has_unfinished() for inst in self.instances.values())
+
+    def _report_tick(self) -> bool:
         now = self.loop.now
         with_running = self.migration_loop is not None
         for iid, inst in self.instances.items():
             report = load_report(inst, with_running)
             self.loop.call_later(self.config.report_delay_s, self._deliver_report, iid, report, now)
-        self.loop.call_later(self.config.report_interval_s, self._report_tick)
+        return self._fleet_busy()
 
     def _deliver_report(self, instance_id: str, report: LoadReport, taken_at: float) -> None:
         self.state.apply_report(instance_id, report, self.loop.now, taken_at)
 
-    def _sample_tick(self, interval: float) -> None:
-        if self._remaining <= 0:
-            return
+    def _sample_tick(self) -> bool:
         self.load_times.append(self.loop.now)
         for iid, inst in self.instances.items():
             sched = inst.scheduler
             self.load_samples[iid].append(sched.num_running + sched.num_waiting)
-        self.loop.call_later(interval, self._sample_tick, interval)
+        return self._fleet_busy()
 
     # -- migration -------------------------------------------------------------------------------
-    def _migration_tick(self) -> None:
-        if self._remaining <= 0:
-            return
+    def _migration_tick(self) -> bool:
         assert self.migration_loop is not None
         now = self.loop.now
         self.migration_loop.tick(self.state.view(now), now)
-        self.loop.call_later(self.config.migration_interval_s, self._migration_tick)
+        return self._fleet_busy() or bool(self._migrating)
 
     def _start_migration(self, order: MigrationOrder) -> None:
         """`MigrationLoop`'s executor: start the order, or report it failed at once."""

@@ -23,13 +23,13 @@ from instance_agent.engine.block_manager import BlockManager
 from instance_agent.engine.kv_events import KVEvent
 from instance_agent.engine.request import Request, SamplingParams
 from simulator.latency.base import LatencyModel
-from simulator.prompts import synthesize_prompt
+from simulator.prompts import DEFAULT_LOW_TOKEN, DEFAULT_VOCAB_SIZE, synthesize_prompt
 from simulator.traces import TraceRequest
 
 # Synthetic sampled tokens: distinct per (request, position) so output blocks never alias across
 # requests, inside the same alphabet the prompts use.
-_TOKEN_LOW = 3
-_TOKEN_RANGE = 253
+_TOKEN_LOW = DEFAULT_LOW_TOKEN
+_TOKEN_RANGE = DEFAULT_VOCAB_SIZE - DEFAULT_LOW_TOKEN
 
 
 class TokenSink(Protocol):
@@ -62,7 +62,7 @@ def make_request(
     id_block_size: int,
     engine_block_size: int,
     arrival_time: float,
-    vocab_size: int = 256,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
 ) -> Request:
     """The engine request for a trace entry: synthesised prompt, ignore_eos, max_tokens = output."""
     prompt = synthesize_prompt(

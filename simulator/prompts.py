@@ -5,7 +5,9 @@ Contract:
   `id_block_size` token ids (512 for Mooncake) and cuts the concatenation to `input_length`. Equal ids at
   equal positions give equal tokens, so requests that share leading ids share a real token prefix, and
   the engine's own block hashing finds it at any engine block size that divides the id block size.
-- Tokens lie in [low, vocab_size) so they avoid special tokens and fit the model's vocabulary.
+- Tokens lie in [low, vocab_size). The defaults [3, 256) are regular tokens in every vocabulary kvherd
+  runs (byte-level ids of the built-in tokenizer, byte-fallback or plain ids of real models) and skip
+  the ids models commonly reserve (0-2: pad/bos/eos); pass a larger `vocab_size` for a wider alphabet.
 - Pure function of its arguments (a splitmix64 hash; no RNG state), stable across processes.
 """
 
@@ -28,21 +30,20 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def default_low_token(vocab_size: int) -> int:
-    """Lowest synthetic token id: skips the ids small vocabularies reserve for special tokens."""
-    return min(256, vocab_size // 4)
+DEFAULT_VOCAB_SIZE = 256
+DEFAULT_LOW_TOKEN = 3
 
 
 def synthesize_prompt(
     hash_ids: Sequence[int],
     input_length: int,
     id_block_size: int = 512,
-    vocab_size: int = 32000,
-    low: int | None = None,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    low: int = DEFAULT_LOW_TOKEN,
     seed: int = 0,
 ) -> list[int]:
     """Token ids for a prompt of `input_length` tokens described by its prefix block ids."""
-    lo = default_low_token(vocab_size) if low is None else low
+    lo = low
     if not 0 <= lo < vocab_size:
         raise ValueError(f"need 0 <= low < vocab_size, got low={lo}, vocab_size={vocab_size}")
     if input_length > len(hash_ids) * id_block_size:

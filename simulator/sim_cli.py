@@ -1,0 +1,252 @@
+"""`kvherd sim`: replay a trace through a simulated fleet, dispatch policies side by side.
+
+Every policy runs on the same arrivals (a fresh fleet each). Prints a markdown table to stdout and
+writes `summary.json`, `summary.csv`, `requests_<policy>.csv`, `ttft_cdf.png` and
+`load_<policy>.png` to --out. Bad traces, latency-model specs or policy names exit with status 2 and
+one clear line on stderr (no traceback). Deterministic for a seed: run times go to `timing.json`, not
+`summary.json`, so two runs with the same seed write identical summaries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+_DEFAULT_MODEL = "roofline:llama-2-70b:a100-80gb:tp4"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from simulator.latency import SPEC_HELP
+
+    parser.add_argument(
+        "trace",
+        help="trace file (Mooncake/generic .jsonl, Azure/generic .csv) or a synthetic trace "
+        "'synthetic:requests=N,rate=R,cv=C,input_mean=I,output_mean=O,num_groups=G,"
+        "prefix_tokens=P,zipf_s=S,seed=X'",
+    )
+    parser.add_argument("--instances", type=int, default=4, help="number of instances (default 4)")
+    parser.add_argument(
+        "--policy",
+        default="kvherd",
+        help="comma-separated dispatch policies to compare (built-in names, module:attr, .yaml)",
+    )
+    parser.add_argument(
+        "--migration-policy", default="none", help="migration policy (default none)"
+    )
+    parser.add_argument(
+        "--latency-model", default=_DEFAULT_MODEL, help=f"{SPEC_HELP} (default {_DEFAULT_MODEL})"
+    )
+    parser.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate")
+    parser.add_argument("--max-requests", type=int, default=None, help="first K requests only")
+    parser.add_argument(
+        "--time-window",
+        default=None,
+        metavar="START:END",
+        help="only requests arriving in [START, END) seconds (either side may be empty)",
+    )
+    parser.add_argument("--sample", type=float, default=None, help="keep this fraction (0-1]")
+    parser.add_argument("--slo-ttft", type=float, default=None, metavar="MS", help="TTFT SLO (ms)")
+    parser.add_argument("--slo-tpot", type=float, default=None, metavar="MS", help="TPOT SLO (ms)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for policies and sampling")
+    engine = parser.add_argument_group("simulated engine (defaults: from the latency model)")
+    engine.add_argument("--block-size", type=int, default=None, help="KV block size (default 16)")
+    engine.add_argument(
+        "--num-blocks", type=int, default=None, help="KV blocks per instance (default: capacity)"
+    )
+    engine.add_argument("--max-num-seqs", type=int, default=None, help="default 256")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None, help="default 8192")
+    engine.add_argument("--max-model-len", type=int, default=None, help="default 1M tokens")
+    engine.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    fleet = parser.add_argument_group("router and migration")
+    fleet.add_argument("--report-interval-ms", type=float, default=100.0, help="load report period")
+    fleet.add_argument("--kv-event-delay-ms", type=float, default=5.0, help="KV event latency")
+    fleet.add_argument(
+        "--migration-interval-ms", type=float, default=500.0, help="migration loop period"
+    )
+    fleet.add_argument(
+        "--migration-bandwidth-gbps",
+        type=float,
+        default=200.0,
+        help="KV transfer bandwidth between instances in Gbit/s (default 200)",
+    )
+    parser.add_argument("--out", required=True, type=Path, help="output directory")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _fail(message: str) -> int:
+    print(f"kvherd sim: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _window(text: str) -> tuple[float, float | None]:
+    start, sep, end = text.partition(":")
+    if not sep:
+        raise ValueError(f"--time-window must be START:END, got {text!r}")
+    return float(start or 0.0), (float(end) if end else None)
+
+
+def run(args: argparse.Namespace) -> int:
+    from policies.registry import PolicyLoadError, load_dispatch_policy, load_migration_policy
+    from simulator.experiment import SimSettings
+    from simulator.latency import LatencyModelError, load_latency_model
+    from simulator.latency.calibrated import CalibratedModel
+    from simulator.synthetic import generate, parse_spec
+    from simulator.traces import TraceError, head, load_trace, sample, scale_rate, time_window
+
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    if not policies:
+        return _fail("--policy names no policy")
+    if len(set(policies)) != len(policies):
+        return _fail("--policy lists a policy twice")
+    if args.instances < 1:
+        return _fail("--instances must be at least 1")
+    try:
+        latency = load_latency_model(args.latency_model)
+        for name in policies:  # fail before a long run, not after the first policy
+            load_dispatch_policy(name)
+        if args.migration_policy != "none":
+            load_migration_policy(args.migration_policy)
+    except (LatencyModelError, PolicyLoadError) as exc:
+        return _fail(str(exc))
+    try:
+        if args.trace.startswith("synthetic:"):
+            trace = generate(parse_spec(args.trace))
+        else:
+            trace = load_trace(args.trace)
+        if args.time_window:
+            trace = time_window(trace, *_window(args.time_window))
+        if args.sample is not None:
+            trace = sample(trace, args.sample, args.seed)
+        if args.max_requests is not None:
+            trace = head(trace, args.max_requests)
+        trace = scale_rate(trace, args.rate_scale)
+    except TraceError as exc:
+        return _fail(str(exc))
+    except ValueError as exc:
+        return _fail(str(exc))
+    if not trace.requests:
+        return _fail("no requests left after --time-window/--sample/--max-requests")
+
+    engine: dict[str, int] = latency.engine if isinstance(latency, CalibratedModel) else {}
+    try:
+        instance = _instance_config(args, latency.kv_capacity_tokens, engine)
+    except ValueError as exc:
+        return _fail(str(exc))
+    settings = SimSettings(
+        num_instances=args.instances,
+        latency=latency,
+        instance=instance,
+        migration_policy=args.migration_policy,
+        seed=args.seed,
+        slo_ttft_ms=args.slo_ttft,
+        slo_tpot_ms=args.slo_tpot,
+        report_interval_s=args.report_interval_ms / 1000.0,
+        kv_event_delay_s=args.kv_event_delay_ms / 1000.0,
+        migration_interval_s=args.migration_interval_ms / 1000.0,
+        migration_bandwidth=args.migration_bandwidth_gbps * 1e9 / 8,
+    )
+    meta = {
+        "trace": str(args.trace),
+        "requests": len(trace),
+        "trace_duration_s": trace.duration_s,
+        "rate_scale": args.rate_scale,
+        "instances": args.instances,
+        "latency_model": latency.describe(),
+        "engine": {
+            "block_size": instance.block_size,
+            "num_blocks": instance.num_blocks,
+            "max_num_seqs": instance.max_num_seqs,
+            "max_num_batched_tokens": instance.max_num_batched_tokens,
+            "max_model_len": instance.max_model_len,
+            "enable_prefix_caching": instance.enable_prefix_caching,
+        },
+        "migration_policy": args.migration_policy,
+        "seed": args.seed,
+        "slo_ttft_ms": args.slo_ttft,
+        "slo_tpot_ms": args.slo_tpot,
+    }
+    return _simulate(args, trace, settings, policies, meta)
+
+
+def _instance_config(args: argparse.Namespace, capacity: int | None, engine: dict[str, int]) -> Any:
+    from simulator.instance import InstanceConfig
+
+    block_size = args.block_size or engine.get("block_size", 16)
+    num_blocks = args.num_blocks or engine.get("num_blocks")
+    if num_blocks is None:
+        if capacity is None:
+            raise ValueError("the latency model does not know the KV capacity; pass --num-blocks")
+        num_blocks = capacity // block_size
+    config = InstanceConfig(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_num_seqs=args.max_num_seqs or engine.get("max_num_seqs", 256),
+        max_num_batched_tokens=args.max_num_batched_tokens
+        or engine.get("max_num_batched_tokens", 8192),
+        max_model_len=args.max_model_len or engine.get("max_model_len", 1 << 20),
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+    if min(config.num_blocks, config.block_size, config.max_num_seqs) < 1:
+        raise ValueError("--num-blocks, --block-size and --max-num-seqs must be positive")
+    config.scheduler_config().validate()
+    return config
+
+
+def _simulate(
+    args: argparse.Namespace,
+    trace: Any,
+    settings: Any,
+    policies: list[str],
+    meta: dict[str, Any],
+) -> int:
+    import json
+
+    from tqdm import tqdm
+
+    from simulator import report
+    from simulator.experiment import run_policy
+
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[str, Any]] = {}
+    ttfts = {}
+    timing: dict[str, Any] = {}
+    bar = tqdm(
+        total=len(trace) * len(policies),
+        unit="req",
+        file=sys.stderr,
+        disable=True if args.quiet else None,
+        dynamic_ncols=True,
+    )
+    try:
+        for name in policies:
+            bar.set_description(name)
+            result = run_policy(trace, settings, name, on_progress=bar.update)
+            results[name] = result.summary
+            cols = result.columns
+            ttfts[name] = (cols["first_token"] - cols["arrival"]) * 1000.0
+            timing[name] = {"wall_s": result.wall_s, "engine_steps": result.num_steps}
+            report.write_requests_csv(out, name, cols)
+            if not args.no_plots and result.load_times:
+                report.plot_load(out, name, result.load_times, result.load_samples)
+    finally:
+        bar.close()
+    report.write_json(out, meta, results)
+    report.write_summary_csv(out, results)
+    (out / "timing.json").write_text(json.dumps(timing, indent=2) + "\n")
+    if not args.no_plots:
+        report.plot_ttft_cdf(out, ttfts)
+    print(
+        f"{meta['requests']} requests, {meta['instances']} instances, "
+        f"{settings.latency.name}, rate x{meta['rate_scale']:g}"
+    )
+    print(report.markdown_table(results))
+    for name, t in timing.items():
+        print(
+            f"{name}: simulated in {t['wall_s']:.2f} s ({t['engine_steps']} engine steps)",
+            file=sys.stderr,
+        )
+    return 0

@@ -1,0 +1,252 @@
+"""The simulator: conservation, determinism, migration, ideal hit rate, CLI behaviour."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from instance_agent.engine.block_hash import block_hash_chain
+from kvherd.cli import main
+from policies import ClusterView, Decision, RequestView, load_dispatch_policy, load_migration_policy
+from simulator.cluster import ClusterConfig, SimCluster
+from simulator.instance import InstanceConfig
+from simulator.latency import LatencyModelError, load_latency_model
+from simulator.prompts import synthesize_prompt
+from simulator.synthetic import SyntheticSpec, generate
+from simulator.traces import Trace, load_trace, scale_rate
+
+MOONCAKE = (
+    Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake" / "synthetic_trace.jsonl"
+)
+LATENCY = "roofline:llama-2-7b:a100-80gb"
+
+
+def _trace(n: int = 150, seed: int = 1, rate: float = 8.0) -> Trace:
+    return generate(
+        SyntheticSpec(
+            requests=n,
+            rate=rate,
+            input_mean=700,
+            output_mean=40,
+            num_groups=6,
+            prefix_tokens=1024,
+            max_input=3000,
+            seed=seed,
+        )
+    )
+
+
+def _cluster(
+    instances: int, num_blocks: int, dispatch: object, migration: object = None
+) -> SimCluster:
+    config = ClusterConfig(
+        num_instances=instances,
+        instance=InstanceConfig(
+            num_blocks=num_blocks, block_size=16, max_num_seqs=32, max_num_batched_tokens=2048
+        ),
+        migration_interval_s=0.05,
+    )
+    return SimCluster(config, load_latency_model(LATENCY), dispatch, migration)  # type: ignore[arg-type]
+
+
+def _assert_conserved(cluster: SimCluster, trace: Trace) -> None:
+    cols = cluster.metrics.columns()
+    assert cluster.metrics.failed == 0
+    assert sorted(cols["index"].astype(int).tolist()) == [r.index for r in trace.requests]
+    expected = {r.index: r.output_length for r in trace.requests}
+    for index, out in zip(
+        cols["index"].astype(int), cols["output_tokens"].astype(int), strict=True
+    ):
+        assert out == expected[index]
+    assert (cols["first_token"] >= cols["arrival"]).all()
+    assert (cols["last_token"] >= cols["first_token"]).all()
+    for inst in cluster.instances.values():
+        inst.block_manager.check_integrity()
+        assert not inst.scheduler.has_unfinished()
+        assert inst.block_manager.owners() == []  # nothing leaked, migration reservations included
+
+
+def test_conservation_under_preemption() -> None:
+    trace = _trace(rate=60.0)
+    # A small pool per instance: requests preempt each other and are recomputed.
+    cluster = _cluster(3, 260, load_dispatch_policy("round_robin"))
+    cluster.run(trace)
+    _assert_conserved(cluster, trace)
+    assert cluster.metrics.summary()["preemptions"] > 0
+
+
+class _AllToFirst:
+    """Overloads one instance so the migration policy has work."""
+
+    name = "all_to_first"
+
+    def choose(self, request: RequestView, cluster: ClusterView) -> Decision:
+        return Decision(cluster.instances[0].instance_id)
+
+
+def test_conservation_with_live_migration() -> None:
+    trace = _trace(n=120, seed=2, rate=20.0)
+    cluster = _cluster(3, 600, _AllToFirst(), load_migration_policy("llumnix"))
+    cluster.run(trace)
+    _assert_conserved(cluster, trace)
+    stats = cluster.migration_stats
+    assert stats.committed > 0
+    assert cluster.metrics.summary()["migrations"] == stats.committed
+    assert stats.bytes_sent > 0 and all(d >= 0 for d in stats.downtime_s)
+    served_elsewhere = {i for i in cluster.metrics.columns()["instance"]} - {"inst-0"}
+    assert served_elsewhere  # migrated requests finished on another instance
+
+
+def _engine_ideal_hit_rate(trace: Trace, block_size: int) -> float:
+    """Prompt tokens an unbounded, single-instance prefix cache serves: the leading engine blocks
+    seen before, never the last prompt token (the engine must compute one position)."""
+    seen: set[int] = set()
+    hit = total = 0
+    for r in trace.requests:
+        prompt = synthesize_prompt(r.hash_ids, r.input_length, trace.block_size)
+        chain = block_hash_chain(prompt, block_size)
+        usable = (len(prompt) - 1) // block_size
+        n = 0
+        while n < usable and chain[n] in seen:
+            n += 1
+        hit += n * block_size
+        total += len(prompt)
+        seen.update(chain)
+    return hit / total
+
+
+@pytest.mark.skipif(not MOONCAKE.is_file(), reason=f"{MOONCAKE} not present")
+def test_unbounded_cache_reaches_the_traces_ideal_hit_rate() -> None:
+    full = load_trace(MOONCAKE)
+    # One output token per request and arrivals 1000x apart: each request runs alone, so the hit
+    # rate is the cache's alone (no concurrent prefills of the same prefix).
+    rows = [type(r)(r.index, r.arrival_s, r.input_length, 1, r.hash_ids) for r in full.requests]
+    trace = scale_rate(Trace(full.name, rows, full.block_size, True), 0.001)
+    block_size = 512
+    blocks = sum(-(-r.input_length // block_size) + 1 for r in trace.requests)
+    config = ClusterConfig(
+        num_instances=1,
+        instance=InstanceConfig(
+            num_blocks=blocks, block_size=block_size, max_num_batched_tokens=65536
+        ),
+    )
+    cluster = SimCluster(config, load_latency_model(LATENCY), load_dispatch_policy("round_robin"))
+    cluster.run(trace)
+    summary = cluster.metrics.summary()
+    assert summary["completed"] == len(trace)
+    ideal_engine = _engine_ideal_hit_rate(trace, block_size)
+    assert summary["prefix_hit_rate"] == pytest.approx(ideal_engine, abs=1e-12)
+    # ... which is the trace's 64% block hit ratio, less partial blocks and last tokens.
+    assert trace.ideal_block_hit_ratio() == pytest.approx(0.64, abs=0.005)
+    assert summary["prefix_hit_rate"] == pytest.approx(trace.ideal_block_hit_ratio(), abs=0.03)
+
+
+def _write_trace(tmp_path: Path, trace: Trace) -> Path:
+    path = tmp_path / "t.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "timestamp": round(r.arrival_s * 1000),
+                    "input_length": r.input_length,
+                    "output_length": r.output_length,
+                    "hash_ids": [h % 100_000 for h in r.hash_ids],
+                }
+            )
+            + "\n"
+            for r in trace.requests
+        )
+    )
+    return path
+
+
+def test_cli_is_deterministic_and_writes_every_output(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _write_trace(tmp_path, _trace(n=60, rate=10.0))
+    args = [
+        "sim",
+        str(path),
+        "--instances",
+        "2",
+        "--policy",
+        "random,kvherd",
+        "--latency-model",
+        LATENCY,
+        "--slo-ttft",
+        "2000",
+        "--slo-tpot",
+        "100",
+        "--seed",
+        "7",
+        "--quiet",
+    ]
+    assert main([*args, "--out", str(tmp_path / "a")]) == 0
+    table = capsys.readouterr().out
+    assert "| TTFT p99 (ms) |" in table and "| random | kvherd |" in table
+    assert main([*args, "--out", str(tmp_path / "b"), "--no-plots"]) == 0
+    a = (tmp_path / "a" / "summary.json").read_text()
+    assert a == (tmp_path / "b" / "summary.json").read_text()
+    assert (tmp_path / "a" / "summary.csv").read_text() == (
+        tmp_path / "b" / "summary.csv"
+    ).read_text()
+    for name in (
+        "ttft_cdf.png",
+        "load_random.png",
+        "load_kvherd.png",
+        "requests_kvherd.csv",
+        "timing.json",
+    ):
+        assert (tmp_path / "a" / name).stat().st_size > 0
+    results = json.loads(a)["results"]
+    assert results["kvherd"]["completed"] == 60 and results["random"]["completed"] == 60
+    assert 0.0 <= results["kvherd"]["slo_attainment"] <= 1.0
+
+
+def test_cli_bad_inputs_exit_2_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1}\n{"timestamp": 1}\n')
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1}\n')
+    cases = [
+        ([str(bad)], f"{bad}:2: missing field 'input_length'"),
+        ([str(tmp_path / "none.csv")], "no such file"),
+        ([str(bad), "--latency-model", "roofline:gpt-9:a100"], "unknown roofline model"),
+        ([str(bad), "--policy", "no_such_policy"], "unknown dispatch policy"),
+        ([str(good), "--max-requests", "0"], "no requests left"),
+        ([str(good), "--instances", "0"], "--instances must be at least 1"),
+    ]
+    for extra, needle in cases:
+        assert main(["sim", *extra, "--out", str(tmp_path / "o"), "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err
+        assert err.startswith("kvherd sim: error: ")
+
+
+def test_latency_models_are_sane() -> None:
+    for spec in (
+        "roofline:llama-2-70b:a100-80gb:tp4",
+        "roofline:llama-2-70b:h200:tp4",
+        "splitwise:llama2-70b:a100:tp4",
+        "distserve:opt-13b",
+    ):
+        try:
+            model = load_latency_model(spec)
+        except LatencyModelError as exc:  # the measured profiles live outside the repository
+            pytest.skip(str(exc))
+        prefill = [model.step_time([(n, 0)], []) for n in (128, 1024, 8192)]
+        decode = [model.step_time([], [1000] * b) for b in (1, 16, 64)]
+        assert 0 < prefill[0] < prefill[1] < prefill[2], spec
+        assert 0 < decode[0] <= decode[1] <= decode[2], spec
+        assert decode[0] < prefill[2], spec
+        assert model.kv_capacity_tokens and model.kv_capacity_tokens > 10_000
+    fast = load_latency_model("roofline:llama-2-70b:h200:tp4")
+    slow = load_latency_model("roofline:llama-2-70b:a100-80gb:tp4")
+    assert fast.step_time([], [4096] * 32) < slow.step_time([], [4096] * 32)
+    for bad in ("roofline:llama-2-7b", "splitwise:llama2-70b:a100:tpx", "calibrated:", "nope:x"):
+        with pytest.raises(LatencyModelError):
+            load_latency_model(bad)
