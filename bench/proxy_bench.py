@@ -25,6 +25,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -210,6 +211,7 @@ def main() -> int:
     parser.add_argument("--latency-requests", type=int, default=3000)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--duration", type=float, default=5.0)
+    parser.add_argument("--rounds", type=int, default=3, help="figures are medians over rounds")
     parser.add_argument("--json", default=None, help="also write the figures here")
     parser.add_argument("--no-nginx", action="store_true")
     parser.add_argument(
@@ -263,7 +265,21 @@ def main() -> int:
             targets.append(("nginx", nginx_port))
 
         async def run_all() -> list[Result]:
-            return [await bench_target(name, port, args) for name, port in targets]
+            # Rounds interleave the targets so a noisy neighbour hurts all of them alike;
+            # each figure is the median over the rounds.
+            rounds = [
+                [await bench_target(name, port, args) for name, port in targets]
+                for _ in range(args.rounds)
+            ]
+            return [
+                Result(
+                    name,
+                    statistics.median(r[i].p50_ms for r in rounds),
+                    statistics.median(r[i].p99_ms for r in rounds),
+                    statistics.median(r[i].rps for r in rounds),
+                )
+                for i, (name, _) in enumerate(targets)
+            ]
 
         results = asyncio.run(run_all())
 
@@ -274,7 +290,7 @@ def main() -> int:
     by_name = {r.target: r for r in results}
     print(
         f"\nproxy overhead, non-streamed /v1/completions, {os.cpu_count()} cores, "
-        f"kvherd policy {args.policy!r}"
+        f"kvherd policy {args.policy!r}, medians of {args.rounds} rounds"
     )
     print(f"{'target':<8} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} {'req/s':>8}")
     for r in results:
