@@ -411,7 +411,8 @@ class Proxy:
                     return None  # nothing dispatchable (or everything already tried)
             else:
                 if not tried:
-                    self.metrics.decision_seconds.observe(time.perf_counter() - started)
+                    if deadline is None:  # time spent queueing is not decision time
+                        self.metrics.decision_seconds.observe(time.perf_counter() - started)
                     self.metrics.matched_blocks.observe(matched)
                 return instance
             admission = self._admission
