@@ -165,14 +165,15 @@ class LLMEngine:
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes):
             ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            for t in ids:
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                    raise InvalidRequestError(
-                        f"prompt token id {t!r} is out of range [0, {vocab})", "prompt"
-                    )
         else:
             raise InvalidRequestError("prompt must be a string or a list of token ids", "prompt")
+        # Also for text: a checkpoint's tokenizer may know more ids than its embedding has rows.
+        vocab = self.model_config.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise InvalidRequestError(
+                    f"prompt token id {t!r} is out of range [0, {vocab})", "prompt"
+                )
         if not ids:
             raise InvalidRequestError("the prompt must not be empty", "prompt")
         return ids
