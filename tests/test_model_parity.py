@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from instance_agent.engine.attention import build_metadata
+from instance_agent.engine.config import PRESETS, ModelConfig
 from instance_agent.engine.llm_engine import EngineConfig, LLMEngine
 from instance_agent.engine.loader import LoadedModel, load_model
 from instance_agent.engine.model import allocate_kv_cache
@@ -203,3 +204,13 @@ def test_preset_is_seeded() -> None:
     emb = "model.embed_tokens.weight"
     assert torch.equal(a.state_dict()[emb], b.state_dict()[emb])
     assert not torch.equal(a.state_dict()[emb], c.state_dict()[emb])
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_config_round_trips_through_hf(name: str) -> None:
+    from transformers import LlamaConfig
+
+    preset = PRESETS[name]
+    assert ModelConfig.from_hf_dict(preset.to_hf_dict()) == preset
+    hf = LlamaConfig(**{k: v for k, v in preset.to_hf_dict().items() if k != "model_type"})
+    assert ModelConfig.from_hf_dict(hf.to_dict()) == preset

@@ -13,7 +13,7 @@ Contract:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from instance_agent.engine.tokenizer import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_VOCAB_SIZE
@@ -132,9 +132,6 @@ class ModelConfig:
             d.pop("attention_bias")
             d["use_sliding_window"] = False
         return d
-
-    def with_overrides(self, **changes: Any) -> ModelConfig:
-        return replace(self, **changes)
 
 
 def _rope_theta(d: dict[str, Any]) -> float:
