@@ -120,10 +120,13 @@ class EngineMigrationAdapter:
     def free_reservation(self, owner_id: str) -> None:
         self.engine.free_reservation(owner_id)
 
-    def write_kv(self, block_ids: Sequence[int], kv: Any) -> None:
+    def write_kv(self, owner_id: str, block_ids: Sequence[int], kv: Any) -> bool:
+        if not set(block_ids) <= set(self.engine.block_manager.block_ids(owner_id)):
+            return False
         shape = list(self._block_shape)
         shape[2] = len(block_ids)
         self.engine.write_kv(block_ids, kv.view(self._dtype).view(shape))
+        return True
 
     def adopt_request(self, state: dict[str, Any], block_ids: Sequence[int], owner_id: str) -> Any:
         return self.engine.adopt_request(state, block_ids, owner_id)

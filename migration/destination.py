@@ -8,8 +8,9 @@ Contract:
 - A refusal or failure at any stage frees everything the migration held here before answering, so
   the source can simply continue; `commit` adopts the request with exactly the blocks received, in
   order; `abort` frees them. Either is answered for an unknown migration too (idempotent).
-- KV is written into reserved blocks only while the reservation still holds them: an abort that
-  arrives while bytes are in flight wins, and the late bytes are dropped.
+- KV is written into reserved blocks only while the reservation still holds them (checked by the
+  engine at write time): an abort that arrives while bytes are in flight wins, and the late bytes
+  are dropped.
 - `expire()` frees reservations whose source has gone silent for the table's timeout (a dead
   source); the agent calls it periodically (`run_expiry`).
 - All engine calls go through `call` (the engine thread); the table is touched only from the
@@ -24,6 +25,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from migration.protocol import (
     AbortReason,
     AbortRequest,
@@ -36,7 +39,7 @@ from migration.protocol import (
 )
 from migration.reservations import Reservation, ReservationError, ReservationTable
 from migration.stages import blocks_for
-from migration.transport import TransferError, TransportHub, blocks_per_piece
+from migration.transport import PairChannel, TransferError, TransportHub, blocks_per_piece
 
 log = logging.getLogger(__name__)
 
@@ -194,23 +197,44 @@ class MigrationDestination:
         if block_ids:
             group, tag = self._tags[mid]
             channel = await asyncio.to_thread(self.hub.accepted, reservation.src, group)
-            per = blocks_per_piece(channel.chunk_bytes, self.kv_bytes_per_block)
-            for start in range(0, len(block_ids), per):
+            if not await self._receive_pieces(reservation, channel, tag, block_ids):
+                return
+        if self.table.get(mid) is reservation:
+            self.table.landed(mid, self.clock())
+
+    async def _receive_pieces(
+        self, reservation: Reservation, channel: PairChannel, tag: int, block_ids: list[int]
+    ) -> bool:
+        """Receive piece i+1 while piece i is written; False if the reservation went away.
+
+        Two staging buffers alternate: piece i+1 lands in one while the other is written."""
+        mid = reservation.migration_id
+        per = blocks_per_piece(channel.chunk_bytes, self.kv_bytes_per_block)
+        size = min(per, len(block_ids)) * self.kv_bytes_per_block
+        buffers = [torch.empty(size, dtype=torch.uint8, device=channel.device) for _ in range(2)]
+        writing: asyncio.Future[bool] | None = None
+        try:
+            for n, start in enumerate(range(0, len(block_ids), per)):
                 piece = block_ids[start : start + per]
+                staging = buffers[n % 2][: len(piece) * self.kv_bytes_per_block]
                 try:
-                    payload = await asyncio.to_thread(
-                        channel.recv, len(piece) * self.kv_bytes_per_block, tag
-                    )
+                    payload = await asyncio.to_thread(channel.recv_into, staging, tag)
                 except TransferError:
                     self.hub.drop(channel)
                     raise
-                # Checked and submitted without yielding: an abort either freed the blocks
-                # before (then the bytes are dropped) or frees them after the write.
+                if writing is not None:
+                    await writing
                 if self.table.get(mid) is not reservation:
-                    return
-                await self.call(_writer(piece, payload))
-        if self.table.get(mid) is reservation:
-            self.table.landed(mid, self.clock())
+                    return False
+                # The engine re-checks ownership when it runs the write: an abort that frees
+                # the blocks first makes it drop the bytes.
+                writing = asyncio.ensure_future(self.call(_writer(mid, piece, payload)))
+            if writing is not None:
+                await writing
+        finally:
+            if writing is not None and not writing.done():
+                await asyncio.wait([writing])
+        return True
 
     async def _wait_landed(self, reservation: Reservation) -> str | None:
         """Wait for the stage in flight; returns why it failed, or None."""
@@ -249,8 +273,10 @@ def _retrieve(task: asyncio.Task[None]) -> None:
         task.exception()
 
 
-def _writer(block_ids: list[int], payload: Any) -> Callable[[MigratableEngine], None]:
-    def write(engine: MigratableEngine) -> None:
-        engine.write_kv(block_ids, payload)
+def _writer(
+    owner_id: str, block_ids: list[int], payload: Any
+) -> Callable[[MigratableEngine], bool]:
+    def write(engine: MigratableEngine) -> bool:
+        return engine.write_kv(owner_id, block_ids, payload)
 
     return write

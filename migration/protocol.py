@@ -158,9 +158,10 @@ class MigratableEngine(Protocol):
         """Drop every block `owner_id` holds (shared ones lose one reference)."""
         ...
 
-    def write_kv(self, block_ids: Sequence[int], kv: Any) -> None:
-        """Store the KV received for `block_ids`: a flat uint8 tensor with the bytes `read_kv`
-        produced on the source."""
+    def write_kv(self, owner_id: str, block_ids: Sequence[int], kv: Any) -> bool:
+        """Store the KV received for `block_ids` (a flat uint8 tensor with the bytes `read_kv`
+        produced on the source), only if `owner_id` still holds every one of them; returns
+        whether it wrote. Late bytes of an aborted migration thus never touch reused blocks."""
         ...
 
     def adopt_request(self, state: dict[str, Any], block_ids: Sequence[int], owner_id: str) -> Any:

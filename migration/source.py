@@ -115,11 +115,7 @@ async def migrate_out(
             if stage.num_blocks:
                 assert channel is not None and endpoint is not None
                 ids = list(stage.src_block_ids)
-                # One engine call per piece: decoding steps interleave with a live stage's reads.
-                per = blocks_per_piece(endpoint.chunk_bytes, bytes_per_block)
-                for start in range(0, len(ids), per):
-                    kv = await call(_reader(ids[start : start + per]))
-                    await asyncio.to_thread(channel.send, kv, endpoint.tag)
+                await _send_stage(call, channel, endpoint, ids, bytes_per_block)
             planner.landed(stage)
             if stage.final:
                 break
@@ -149,6 +145,33 @@ async def migrate_out(
         with contextlib.suppress(DestinationError):
             await link.abort(AbortRequest(migration_id, reason.value))
     return _outcome(planner, migration_id, bytes_per_block, started, suspended_at, reason, detail)
+
+
+async def _send_stage(
+    call: EngineCall,
+    channel: PairChannel,
+    endpoint: TransportEndpoint,
+    block_ids: list[int],
+    bytes_per_block: int,
+) -> None:
+    """Send a stage's KV piece by piece, reading piece i+1 while piece i is on the wire.
+
+    One engine call per piece, so decoding steps interleave with a live stage's reads."""
+    per = blocks_per_piece(endpoint.chunk_bytes, bytes_per_block)
+    sending: asyncio.Future[None] | None = None
+    try:
+        for start in range(0, len(block_ids), per):
+            kv = await call(_reader(block_ids[start : start + per]))
+            if sending is not None:
+                await sending
+            sending = asyncio.ensure_future(asyncio.to_thread(channel.send, kv, endpoint.tag))
+        if sending is not None:
+            await sending
+    finally:
+        if sending is not None and not sending.done():
+            # A read failed while a send is in flight: let it finish before the channel is
+            # reused or dropped (it fails by itself within the transfer timeout).
+            await asyncio.wait([sending])
 
 
 def _reader(block_ids: list[int]) -> Any:

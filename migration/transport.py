@@ -86,10 +86,7 @@ class PairChannel:
         With `sink`, each chunk is handed over as it lands (`sink(offset, chunk)`) and the returned
         tensor is the staging buffer of the last chunk; without, the whole payload is returned."""
         if sink is None:
-            out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            for chunk in _chunks(out, self.chunk_bytes):
-                self._transfer(self._group.recv, chunk, tag, "recv")
-            return out
+            return self.recv_into(torch.empty(nbytes, dtype=torch.uint8, device=self.device), tag)
         staging = torch.empty(min(nbytes, self.chunk_bytes), dtype=torch.uint8, device=self.device)
         offset = 0
         while offset < nbytes:
@@ -98,6 +95,13 @@ class PairChannel:
             sink(offset, chunk)
             offset += chunk.numel()
         return staging
+
+    def recv_into(self, out: torch.Tensor, tag: int) -> torch.Tensor:
+        """Receive exactly `out`'s bytes into it (a reused staging buffer skips page faults)."""
+        flat = as_bytes(out)
+        for chunk in _chunks(flat, self.chunk_bytes):
+            self._transfer(self._group.recv, chunk, tag, "recv")
+        return out
 
     def close(self) -> None:
         """Abort the group: pending operations on both ends fail instead of waiting."""
