@@ -11,10 +11,11 @@ Contract:
 - ``X-Request-Id`` is taken from the client (or generated) and sent to the instance and back.
   Which instance served is never revealed (the upstream ``server`` header is dropped) unless
   ``expose_instance`` is set, which adds ``X-Kvherd-Instance``.
-- Failures: a connect error, a broken connection before the response head, a head timeout, or a 5xx
-  from the instance is retried on another instance (never one already tried) while nothing has
-  been sent to the client, up to ``max_attempts`` in all; then the client gets a 502/504 error object.
-  After the first byte is relayed, an upstream failure ends the client's stream.
+- Failures: a connect error, a broken connection before the response head, a head timeout, a 5xx
+  from the instance, or a stream that breaks before its first chunk is retried on another instance
+  (never one already tried) while nothing has been sent to the client (the response head is held
+  back until the first chunk), up to ``max_attempts`` in all; then the client gets a 502/504 error
+  object. After the first byte is relayed, an upstream failure ends the client's stream.
 - Admission: an instance is saturated when the proxy has ``max_inflight_per_instance`` requests in
   flight on it. When every dispatchable instance is saturated a request waits in a FIFO admission
   queue of at most ``queue_size`` entries for up to ``queue_timeout_s``; past either bound it gets
@@ -33,7 +34,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -373,7 +374,26 @@ class Proxy:
                 last_status = response
                 response.close()
                 continue
-            return await self._relay(send, response, instance, key, request_id, watch)
+            chunks: AsyncIterator[bytes] | None = None
+            first = b""
+            if response.streaming:
+                # Nothing reaches the client before the first chunk: an instance that dies during
+                # prefill (after sending its stream headers) is still retried elsewhere.
+                chunks = response.iter_body()
+                try:
+                    first = await anext(chunks, b"")
+                except UpstreamError as exc:
+                    self.fleet.request_failed(key, instance)
+                    last_error = exc
+                    log.warning("request %s: %s", rid, exc)
+                    continue
+                except BaseException:
+                    response.close()
+                    self.fleet.request_finished(key, instance)
+                    raise
+            return await self._relay(
+                send, response, instance, key, request_id, watch, chunks, first
+            )
         watch.stop()
         if last_status is not None and last_status.body is not None:
             await _send_simple(send, last_status.status, last_status.body, request_id)
@@ -454,15 +474,17 @@ class Proxy:
         key: str,
         request_id: bytes,
         watch: _DisconnectWatch,
+        chunks: AsyncIterator[bytes] | None,
+        first: bytes,
     ) -> int | str:
         headers = [h for h in response.headers if h[0] != b"x-request-id"]
         headers.append((b"x-request-id", request_id))
         if self.config.expose_instance:
             headers.append((b"x-kvherd-instance", instance.instance_id.encode()))
         ok = response.status < 400
-        if response.body is not None:
+        if chunks is None:
             watch.stop()  # from here on uvicorn itself notices a client that goes away
-            body = response.body
+            body = response.body or b""
             headers.append((b"content-length", str(len(body)).encode()))
             try:
                 await send(
@@ -472,15 +494,14 @@ class Proxy:
             finally:
                 self.fleet.request_finished(key, instance, ok=ok)
             return response.status
-        first = True
+        self.fleet.first_token(key)
         try:
             await send(
                 {"type": "http.response.start", "status": response.status, "headers": headers}
             )
-            async for chunk in response.iter_body():
-                if first:
-                    self.fleet.first_token(key)
-                    first = False
+            if first:
+                await send({"type": "http.response.body", "body": first, "more_body": True})
+            async for chunk in chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             watch.stop()  # completing the response wakes the watcher with http.disconnect
             await send({"type": "http.response.body", "body": b""})

@@ -349,3 +349,74 @@ def test_instance_specs_and_config_file(tmp_path: Path) -> None:
     listing.write_text("- 1\n- 2\n")
     with pytest.raises(ValueError):
         load_config(str(listing))
+
+
+# -- retries before the first byte, through a whole proxy -------------------------------------------
+async def test_stream_dying_before_first_chunk_is_retried_elsewhere() -> None:
+    import argparse
+
+    import httpx
+
+    from scheduler.serve_cli import add_arguments, serve_fleet
+    from tests.agent_process import free_port
+
+    sse = b'data: {"choices":[{"index":0,"text":"ok"}]}\n\n'
+
+    async def dies_after_head(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
+        await writer.drain()
+        writer.close()  # killed during prefill: headers out, no token yet
+
+    async def healthy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                await _read_request(reader)
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                    b"transfer-encoding: chunked\r\n\r\n"
+                )
+                for piece in (sse, b"data: [DONE]\n\n"):
+                    writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
+
+    async with tcp_server(dies_after_head) as bad, tcp_server(healthy) as good:
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        port = free_port()
+        args = parser.parse_args(
+            ["--port", str(port), "--admin-port", str(free_port()), "--admin-token", "t",
+             "--policy", "round_robin", "--instance", f"{bad},id=bad",
+             "--instance", f"{good},id=good", "--log-level", "error", "--health-interval", "60"]
+        )  # fmt: skip
+        stop = asyncio.Event()
+        ready = asyncio.Event()
+
+        async def on_ready(_: object) -> None:
+            ready.set()
+
+        task = asyncio.create_task(
+            serve_fleet(args, on_ready=on_ready, stop=stop, handle_signals=False)
+        )
+        await asyncio.wait_for(ready.wait(), 30)
+        async with httpx.AsyncClient(timeout=30) as client:
+            for i in range(4):
+                response = await client.post(
+                    f"http://127.0.0.1:{port}/v1/completions",
+                    json={"prompt": f"p{i}", "stream": True},
+                )
+                assert response.status_code == 200
+                assert response.content == sse + b"data: [DONE]\n\n"
+            metrics = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
+        stop.set()
+        assert await task == 0
+    retries = next(
+        float(line.split()[1])
+        for line in metrics.splitlines()
+        if line.startswith("kvherd_retries_total")
+    )
+    assert retries >= 1  # round robin sent at least one request to the dying instance first
