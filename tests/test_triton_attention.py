@@ -68,6 +68,34 @@ def test_triton_kernel_matches_torch_under_interpreter() -> None:
     assert float(run.stdout.strip().splitlines()[-1]) < 1e-5
 
 
+def engine_greedy(device: str, use_triton: bool) -> list[list[int]]:
+    """Greedy outputs of the tiny engine on mixed-length prompts, decodes on the chosen path."""
+    from instance_agent.engine.llm_engine import EngineConfig, LLMEngine
+    from instance_agent.engine.request import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model="tiny", device=device, dtype="float32", block_size=4))
+    engine.runner.use_triton = use_triton
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5], list(range(40, 90)), [7]]
+    return [o.output_token_ids for o in engine.generate(prompts, params)]
+
+
+@pytest.mark.slow
+def test_engine_triton_decode_path_under_interpreter() -> None:
+    pytest.importorskip("triton")
+    code = (
+        "import importlib.util, sys; "
+        "spec = importlib.util.spec_from_file_location('triton_case', sys.argv[1]); "
+        "t = importlib.util.module_from_spec(spec); spec.loader.exec_module(t); "
+        "assert t.engine_greedy('cpu', True) == t.engine_greedy('cpu', False)"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run(
+        [sys.executable, "-c", code, __file__], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_triton_kernel_matches_torch_on_gpu() -> None:
@@ -78,13 +106,4 @@ def test_triton_kernel_matches_torch_on_gpu() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_engine_on_gpu_matches_cpu_greedy() -> None:
-    from instance_agent.engine.llm_engine import EngineConfig, LLMEngine
-    from instance_agent.engine.request import SamplingParams
-
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    prompts = [[1, 2, 3, 4, 5], list(range(40, 90))]
-    outs = {}
-    for device in ("cpu", "cuda"):
-        engine = LLMEngine(EngineConfig(model="tiny", device=device, dtype="float32"))
-        outs[device] = [o.output_token_ids for o in engine.generate(prompts, params)]
-    assert outs["cuda"] == outs["cpu"]
+    assert engine_greedy("cuda", True) == engine_greedy("cpu", False)
