@@ -8,8 +8,10 @@ the same chunk sizes from the same computed positions, the same preemptions.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
@@ -123,3 +125,22 @@ def test_simulated_instance_schedules_the_real_engines_batches() -> None:
     for step, (sim_batch, real_batch) in enumerate(zip(simulated, real, strict=True)):
         assert sim_batch == real_batch, f"step {step} differs"
     assert cluster.metrics.summary()["completed"] == len(trace)
+
+
+def test_profile_file_drives_the_calibrated_model(tmp_path: Path) -> None:
+    """`kvherd profile` and the simulator's calibrated model agree on every measured point."""
+    from kvherd.cli import main
+    from simulator.latency import load_latency_model
+
+    out = tmp_path / "tiny.json"
+    args = ["profile", "--model", "tiny", "--out", str(out), "--max-context", "64"]
+    assert main([*args, "--max-batch", "4", "--repeats", "1", "--device", "cpu"]) == 0
+    profile = json.loads(out.read_text())
+    assert profile["fit"]["num_points"] == len(profile["points"]) > 10
+    assert profile["engine"]["block_size"] == 16 and profile["engine"]["num_blocks"] > 0
+    model = load_latency_model(f"calibrated:{out}")
+    assert model.kv_capacity_tokens == 16 * profile["engine"]["num_blocks"]
+    for point in profile["points"]:
+        prefill = [tuple(chunk) for chunk in point["prefill"]]
+        predicted = model.step_time(prefill, point["decode"])
+        assert predicted == pytest.approx(point["predicted_s"], rel=1e-9)

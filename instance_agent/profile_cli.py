@@ -1,0 +1,246 @@
+"""`kvherd profile`: measure the built-in engine's step time and fit the simulator's latency model.
+
+Contract:
+- Runs the real `LLMEngine` (``--model tiny|small|PATH``) over a grid of workloads: cold prefills
+  of several lengths, prefills after a cached prefix (chunks with context), and decode batches of
+  several sizes and context lengths (mixed prefill+decode steps occur naturally between them).
+  Every engine step is timed and its batch shape recorded from the scheduler's own plan; each
+  workload runs `--repeats` times and a batch shape keeps its fastest time (the usual defence
+  against interference from other processes on a shared machine).
+- Fits, by least squares (numpy), one linear model over the named features
+  ``const, prefill_tokens, prefill_attention_pairs, decode_batch, decode_context_tokens``
+  (attention pairs of a chunk of n new tokens after c computed ones: n*c + n(n+1)/2) and writes
+  ``--out FILE.json`` in the format ``kvherd-latency-profile/v1``: features, coefficients (seconds),
+  fit quality (RMSE, mean absolute percentage error, R^2), the engine configuration measured
+  (block size, pool size, batch limits: `kvherd sim` adopts them), KV bytes per token, and every
+  measured point with its prediction. The feature names are the file's contract with the simulator
+  (`simulator.latency.calibrated` evaluates the same names; a test checks both agree on every point).
+- Bad arguments exit with status 2 and one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+PROFILE_FORMAT = "kvherd-latency-profile/v1"
+FEATURES = (
+    "const",
+    "prefill_tokens",
+    "prefill_attention_pairs",
+    "decode_batch",
+    "decode_context_tokens",
+)
+
+
+def step_features(prefill: list[tuple[int, int]], decode: list[int]) -> list[float]:
+    return [
+        1.0,
+        float(sum(n for n, _ in prefill)),
+        float(sum(n * c + n * (n + 1) // 2 for n, c in prefill)),
+        float(len(decode)),
+        float(sum(decode)),
+    ]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny", help="preset (tiny, small) or HF checkpoint dir")
+    parser.add_argument("--out", required=True, type=Path, help="profile JSON to write")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-blocks", type=int, default=None, help="KV pool (default: engine's)")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument(
+        "--max-context", type=int, default=1024, help="largest context length measured"
+    )
+    parser.add_argument("--max-batch", type=int, default=32, help="largest decode batch measured")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of every workload")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _fail(message: str) -> int:
+    print(f"kvherd profile: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _grid(limit: int, start: int) -> list[int]:
+    values, v = [], start
+    while v < limit:
+        values.append(v)
+        v *= 2
+    return [*values, limit]
+
+
+class _Profiler:
+    def __init__(self, engine: Any, seed: int) -> None:
+        self.engine = engine
+        self.points: list[dict[str, Any]] = []
+        self._rng = random.Random(seed)
+        self._ids = 0
+        vocab = engine.model_config.vocab_size
+        self._low, self._high = 3, min(vocab, 256)  # regular tokens of every kvherd vocabulary
+
+    def tokens(self, n: int) -> list[int]:
+        return [self._rng.randrange(self._low, self._high) for _ in range(n)]
+
+    def add(self, prompt: list[int], max_tokens: int) -> None:
+        from instance_agent.engine.request import SamplingParams
+
+        self._ids += 1
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        self.engine.add_request(f"profile-{self._ids}", prompt, params)
+
+    def drain(self, record: bool = True) -> None:
+        engine = self.engine
+        scheduler = engine.scheduler
+        while engine.has_unfinished():
+            shapes: list[tuple[list[tuple[int, int]], list[int]]] = []
+            schedule = scheduler.schedule
+
+            def planned(schedule: Any = schedule, shapes: Any = shapes) -> Any:
+                output = schedule()
+                prefill, decode = [], []
+                for item in output.scheduled:
+                    if item.num_new_tokens == 1 and item.request.output_token_ids:
+                        decode.append(item.num_computed_before + 1)
+                    else:
+                        prefill.append((item.num_new_tokens, item.num_computed_before))
+                shapes.append((prefill, decode))
+                return output
+
+            scheduler.schedule = planned
+            try:
+                start = time.perf_counter()
+                engine.step()
+                elapsed = time.perf_counter() - start
+            finally:
+                del scheduler.schedule  # back to the class method
+            prefill, decode = shapes[0]
+            if record and (prefill or decode):
+                self.points.append({"prefill": prefill, "decode": decode, "measured_s": elapsed})
+
+
+def _workloads(prof: _Profiler, args: argparse.Namespace, max_len: int) -> None:
+    max_ctx = min(args.max_context, max_len - 16)
+    lengths = _grid(max_ctx, 16)
+    for _ in range(args.repeats):
+        for length in lengths:  # cold prefills (chunked beyond the token budget)
+            prof.add(prof.tokens(length), 1)
+            prof.drain()
+        for context in lengths[1:]:  # a chunk after a cached prefix
+            prefix = prof.tokens(context - context % args.block_size)
+            prof.add(prefix, 1)
+            prof.drain(record=False)
+            for new in (16, 128):
+                if len(prefix) + new < max_len:
+                    prof.add(prefix + prof.tokens(new), 1)
+                    prof.drain()
+        for batch in _grid(args.max_batch, 1):  # decode batches at several contexts
+            for context in (16, *lengths[2::2]):
+                if context + 8 >= max_len:
+                    continue
+                for _ in range(batch):
+                    prof.add(prof.tokens(context), 8)
+                prof.drain()
+
+
+def _fastest_per_shape(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    best: dict[str, dict[str, Any]] = {}
+    for point in points:
+        key = json.dumps([point["prefill"], point["decode"]])
+        if key not in best or point["measured_s"] < best[key]["measured_s"]:
+            best[key] = point
+    return list(best.values())
+
+
+def _fit(points: list[dict[str, Any]]) -> tuple[list[float], dict[str, float], list[float]]:
+    import numpy as np
+
+    x = np.array([step_features(p["prefill"], p["decode"]) for p in points])
+    y = np.array([p["measured_s"] for p in points])
+    # Relative least squares: long and short steps weigh alike (weights 1/y).
+    w = 1.0 / np.maximum(y, 1e-6)
+    coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
+    pred = np.maximum(x @ coef, 1e-5)
+    residual = y - pred
+    stats = {
+        "num_points": len(y),
+        "rmse_ms": float(np.sqrt(np.mean(residual**2)) * 1000.0),
+        "mean_abs_pct_error": float(np.mean(np.abs(residual) / y) * 100.0),
+        "r2": float(1.0 - np.sum(residual**2) / np.sum((y - y.mean()) ** 2)),
+    }
+    return [float(c) for c in coef], stats, [float(v) for v in pred]
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.repeats < 1 or args.max_context < 32 or args.max_batch < 1:
+        return _fail("--repeats >= 1, --max-context >= 32 and --max-batch >= 1 are required")
+    from instance_agent.engine.llm_engine import EngineConfig, LLMEngine
+    from instance_agent.engine.model import kv_bytes_per_block
+
+    try:
+        engine = LLMEngine(
+            EngineConfig(
+                model=args.model,
+                seed=args.seed,
+                block_size=args.block_size,
+                num_gpu_blocks=args.num_blocks,
+                max_num_seqs=max(args.max_num_seqs, args.max_batch),
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=args.max_model_len,
+                device=args.device,
+                dtype=args.dtype,
+            )
+        )
+    except (ValueError, OSError) as exc:
+        return _fail(str(exc))
+    prof = _Profiler(engine, args.seed)
+    prof.add(prof.tokens(64), 4)  # warm-up: first calls allocate and compile
+    prof.drain(record=False)
+    started = time.perf_counter()
+    _workloads(prof, args, engine.max_model_len)
+    points = _fastest_per_shape(prof.points)
+    coef, stats, predicted = _fit(points)
+    for point, pred in zip(points, predicted, strict=True):
+        point["predicted_s"] = pred
+    cfg = engine.config
+    bm = engine.block_manager
+    profile = {
+        "format": PROFILE_FORMAT,
+        "model": args.model,
+        "device": str(engine.device),
+        "features": list(FEATURES),
+        "coefficients_s": coef,
+        "fit": stats,
+        "engine": {
+            "block_size": bm.block_size,
+            "num_blocks": bm.num_blocks,
+            "max_num_seqs": cfg.max_num_seqs,
+            "max_num_batched_tokens": cfg.max_num_batched_tokens,
+            "max_model_len": engine.max_model_len,
+        },
+        "kv_bytes_per_token": kv_bytes_per_block(
+            engine.model_config, bm.block_size, engine.runner.dtype
+        )
+        / bm.block_size,
+        "points": points,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(profile, indent=1) + "\n")
+    print(
+        f"{len(prof.points)} steps ({len(points)} distinct batch shapes) measured in "
+        f"{time.perf_counter() - started:.1f} s on "
+        f"{engine.device}; fit: RMSE {stats['rmse_ms']:.3f} ms, "
+        f"mean |error| {stats['mean_abs_pct_error']:.1f}%, R^2 {stats['r2']:.4f}"
+    )
+    print("  t = " + " + ".join(f"{c:.3e}*{f}" for c, f in zip(coef, FEATURES, strict=True)))
+    print(f"wrote {args.out}; use it with: kvherd sim TRACE --latency-model calibrated:{args.out}")
+    return 0
