@@ -252,3 +252,18 @@ def test_adopt_refuses_blocks_not_held() -> None:
         dest.adopt_request(state, [b + 1 for b in reserved], reservation_id="incoming")
     dest.free_reservation("incoming")
     assert dest.block_manager.num_free_blocks == dest.block_manager.num_blocks
+
+
+def test_untaken_kv_events_are_bounded_with_a_seq_gap(monkeypatch: pytest.MonkeyPatch) -> None:
+    from instance_agent.engine import llm_engine
+
+    monkeypatch.setattr(llm_engine, "MAX_PENDING_KV_EVENTS", 4)
+    engine = make_engine(block_size=4)
+    for i in range(6):  # every request stores new blocks; nobody takes the events
+        engine.generate([prompt(17, seed=40 + i)], GREEDY)
+        assert engine.num_pending_kv_events <= 4
+    batch = engine.take_kv_event_batch()
+    assert batch is None or batch.seq > 0  # dropped batches left a gap in the numbering
+    engine.generate([prompt(17, seed=99)], GREEDY)
+    later = engine.take_kv_event_batch()
+    assert later is not None and later.seq > (batch.seq if batch else 0)

@@ -10,6 +10,9 @@ Contract:
   no stop string is ever partially streamed. A stop string ends the request with reason "stop" and the
   text is cut before it (OpenAI's behaviour).
 - `take_kv_event_batch()` wraps the block manager's KV events in batches with increasing `seq`.
+  Untaken events are bounded (`MAX_PENDING_KV_EVENTS`): past it they are dropped and their batch
+  number skipped, so a consumer sees a gap and resyncs, and an engine nobody reads events from (a
+  CLI run, a benchmark) does not grow.
 - Migration hooks: `request_blocks`, `suspend` / `resume`, `release_migrated`, `read_kv` / `write_kv` (tensors
   ``[layers, 2, n, block_size, kv_heads, head_dim]``), `reserve_blocks` / `free_reservation`,
   `export_request_state` and `adopt_request`. An adopted request continues bit-identically: its
@@ -30,7 +33,7 @@ import torch
 from instance_agent.engine.batch_scheduler import BatchScheduler, SchedulerConfig
 from instance_agent.engine.block_hash import HashAlgo
 from instance_agent.engine.block_manager import BlockManager
-from instance_agent.engine.kv_events import KVEventBatch
+from instance_agent.engine.kv_events import KVEvent, KVEventBatch
 from instance_agent.engine.loader import load_model
 from instance_agent.engine.model import kv_bytes_per_block
 from instance_agent.engine.model_runner import ModelRunner
@@ -41,6 +44,8 @@ from instance_agent.engine.request import (
     SamplingParams,
 )
 from instance_agent.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+MAX_PENDING_KV_EVENTS = 65536
 
 
 @dataclass(slots=True)
@@ -156,6 +161,7 @@ class LLMEngine:
         self._texts: dict[str, _TextState] = {}
         self.num_computed_tokens_total = 0  # tokens run through the model (prefix hits skip it)
         self._event_seq = 0
+        self._pending_events: list[KVEvent] = []
         self._auto_ids = itertools.count()
 
     # -- requests ----------------------------------------------------------------------------
@@ -235,6 +241,7 @@ class LLMEngine:
         sampled = self.runner.execute(plan)
         self.num_computed_tokens_total += plan.num_batched_tokens
         finished = {r.request_id for r in self.scheduler.update_from_output(plan, sampled)}
+        self._collect_kv_events()
         outputs = []
         for item in plan.scheduled:
             request = item.request
@@ -299,11 +306,22 @@ class LLMEngine:
         return [final[rid] for rid in ids]
 
     # -- KV events ---------------------------------------------------------------------------
+    def _collect_kv_events(self) -> None:
+        self._pending_events.extend(self.block_manager.take_events())
+        if len(self._pending_events) > MAX_PENDING_KV_EVENTS:
+            self._pending_events = []
+            self._event_seq += 1  # the dropped batch: consumers see the gap
+
+    @property
+    def num_pending_kv_events(self) -> int:
+        return len(self._pending_events)
+
     def take_kv_event_batch(self) -> KVEventBatch | None:
-        events = self.block_manager.take_events()
-        if not events:
+        self._collect_kv_events()
+        if not self._pending_events:
             return None
-        batch = KVEventBatch(seq=self._event_seq, ts=time.time(), events=events)
+        batch = KVEventBatch(seq=self._event_seq, ts=time.time(), events=self._pending_events)
+        self._pending_events = []
         self._event_seq += 1
         return batch
 
