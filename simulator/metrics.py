@@ -44,18 +44,6 @@ class LogHistogram:
         index = int(math.log10(value / _MIN_GAP_S) * _BUCKETS_PER_DECADE) + 1
         self.counts[min(index, len(self.counts) - 1)] += 1
 
-    def add_many(self, value: float, count: int) -> None:
-        """`count` equal gaps at once (all decodes of one simulated step share their gap)."""
-        if count <= 0:
-            return
-        self.total += value * count
-        self.n += count
-        if value <= _MIN_GAP_S:
-            self.counts[0] += count
-            return
-        index = int(math.log10(value / _MIN_GAP_S) * _BUCKETS_PER_DECADE) + 1
-        self.counts[min(index, len(self.counts) - 1)] += count
-
     def mean(self) -> float:
         return self.total / self.n if self.n else math.nan
 
@@ -109,11 +97,6 @@ class MetricsCollector:
         live.last_token = now
         live.num_tokens += 1
 
-    def on_tokens(self, request_id: str, now: float, count: int) -> None:
-        """Several tokens arrived in one chunk (replay): the first gap is real, the rest are 0."""
-        for _ in range(count):
-            self.on_token(request_id, now)
-
     def on_finished_ids(
         self,
         request_id: str,
@@ -122,7 +105,10 @@ class MetricsCollector:
         num_preemptions: int,
         num_migrations: int,
         instance_id: str,
+        num_output_tokens: int | None = None,
     ) -> None:
+        """Close a request's record; `num_output_tokens` overrides the token count (a replay reads
+        it from the server's usage, since one streamed chunk may carry several tokens)."""
         live = self._live.pop(request_id)
         self.rows.append(
             (
@@ -131,7 +117,7 @@ class MetricsCollector:
                 live.scheduled,
                 live.first_token,
                 live.last_token,
-                live.num_tokens,
+                live.num_tokens if num_output_tokens is None else num_output_tokens,
                 live.prompt_tokens,
                 max(num_cached_tokens, 0),
                 num_preemptions,
