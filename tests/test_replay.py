@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from agent_process import agent_process, free_port
@@ -25,7 +26,7 @@ def _trace_file(tmp_path: Path) -> tuple[Path, dict[int, int]]:
             seed=3,
         )
     )
-    lines = [
+    lines: list[dict[str, Any]] = [
         {
             "timestamp": round(r.arrival_s * 1000),
             "input_length": r.input_length,
