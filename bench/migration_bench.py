@@ -136,6 +136,15 @@ def token_gaps(times: list[float]) -> list[float]:
     return [b - a for a, b in itertools.pairwise(times)]
 
 
+async def warm_pair(src: Instance, dst: Instance) -> None:
+    """Form the pair group before measuring: a rendezvous is a one-time cost per instance pair."""
+    endpoint = dst.hub.offer(src.src_name)
+    await asyncio.gather(
+        asyncio.to_thread(src.hub.connect, endpoint),
+        asyncio.to_thread(dst.hub.accepted, src.src_name, endpoint.group),
+    )
+
+
 async def measure_context(a: Instance, b: Instance, length: int, seed: int) -> dict[str, Any]:
     rid = f"ctx{length}"
     tokens = prompt(length, seed)
@@ -242,6 +251,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     a = make_instance("a", preset, max_len, num_blocks)
     b = make_instance("b", preset, max_len, num_blocks)
     try:
+        await warm_pair(a, b)
+        await warm_pair(b, a)
         per_context = []
         for i, length in enumerate(contexts):
             per_context.append(await measure_context(a, b, length, seed=100 + i))

@@ -80,7 +80,11 @@ class RequestState:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        # Shallow on purpose: `dataclasses.asdict` deep-copies every token id, which costs
+        # milliseconds of downtime at 8k tokens.
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["sampling_params"] = dict(self.sampling_params)
+        return data
 
     @classmethod
     def from_json(cls, data: Any) -> RequestState:
@@ -389,7 +393,8 @@ def _convert(cls: type, name: str, annotation: str, value: Any) -> Any:
     if name in _NESTED:
         return RequestState.from_json(value) if name == "state" else _parse(_NESTED[name], value)
     if name in _INT_LISTS:
-        if not isinstance(value, list) or not all(_is_int(v) for v in value):
+        # type() first: this runs over every token id of a request, inside the downtime.
+        if not isinstance(value, list) or not all(type(v) is int or _is_int(v) for v in value):
             raise MessageError(f"{name} must be a list of integers", name)
         return list(value)
     base = annotation.replace(" | None", "")
@@ -407,4 +412,4 @@ def _convert(cls: type, name: str, annotation: str, value: Any) -> Any:
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return type(value) is int or (isinstance(value, int) and not isinstance(value, bool))

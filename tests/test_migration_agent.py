@@ -24,6 +24,9 @@ from instance_agent.migration_routes import (
     create_migration_router,
 )
 from instance_agent.server import Agent, create_app
+from migration.executor import MigrationExecutor
+from migration.protocol import MigrationOutcome, MigrationStatus
+from policies.views import MigrationOrder
 from tests.agent_process import free_port
 
 pytestmark = pytest.mark.timeout(120)
@@ -217,3 +220,29 @@ async def test_unknown_migration_commit_and_abort_are_answered(
             f"{b.url}/kvherd/v1/migration/abort", json={"migration_id": "m", "reason": "x"}
         )
         assert abort.json() == {"ok": True, "reason": None}
+
+
+async def test_scheduler_executor_runs_orders_against_the_source_agent(
+    agents: tuple[LiveAgent, LiveAgent],
+) -> None:
+    a, b = agents
+    urls = {"a": a.url, "b": b.url}
+    done: list[tuple[Any, MigrationOutcome | None]] = []
+    async with httpx.AsyncClient(timeout=60) as client:
+        executor = MigrationExecutor(client, urls.get, lambda o, out: done.append((o, out)))
+        seen: list[int] = []
+        streaming = asyncio.create_task(stream_tokens(client, a.url, "r4", seen))
+        await poll(lambda: len(seen) >= 3)
+        executor.execute(MigrationOrder("r4", "a", "b"))
+        executor.execute(MigrationOrder("r4", "a", "gone"))  # unknown destination
+        await executor.close()
+        streaming.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await streaming
+    outcomes = {order.dst: outcome for order, outcome in done}
+    assert outcomes["gone"] is None
+    committed = outcomes["b"]
+    assert committed is not None and committed.status is MigrationStatus.COMMITTED
+    assert "r4" in b.engine.scheduler.requests
+    await b.service.engine_loop.call(lambda e: e.abort("r4"))
+    await poll(lambda: no_blocks_held(a) and no_blocks_held(b))
