@@ -240,8 +240,8 @@ class SimCluster:
         self.metrics.on_scheduled(request_id, now)
 
     def on_token(self, request_id: str, now: float) -> None:
-        self.metrics.on_token(request_id, now)
-        self.router.on_first_token(request_id, now)
+        if self.metrics.on_token(request_id, now):
+            self.router.on_first_token(request_id, now)
 
     def on_finished(self, request: Request, instance_id: str, now: float) -> None:
         rid = request.request_id

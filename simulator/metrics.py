@@ -34,15 +34,21 @@ class LogHistogram:
     )
     total: float = 0.0
     n: int = 0
+    # The bucket of the last value: all decodes of one simulated step share their gap.
+    _last: tuple[float, int] = (-1.0, 0)
 
     def add(self, value: float) -> None:
         self.total += value
         self.n += 1
-        if value <= _MIN_GAP_S:
-            self.counts[0] += 1
-            return
-        index = int(math.log10(value / _MIN_GAP_S) * _BUCKETS_PER_DECADE) + 1
-        self.counts[min(index, len(self.counts) - 1)] += 1
+        last_value, index = self._last
+        if value != last_value:
+            if value <= _MIN_GAP_S:
+                index = 0
+            else:
+                index = int(math.log10(value / _MIN_GAP_S) * _BUCKETS_PER_DECADE) + 1
+                index = min(index, len(self.counts) - 1)
+            self._last = (value, index)
+        self.counts[index] += 1
 
     def mean(self) -> float:
         return self.total / self.n if self.n else math.nan
@@ -88,14 +94,16 @@ class MetricsCollector:
         if math.isnan(live.scheduled):
             live.scheduled = now
 
-    def on_token(self, request_id: str, now: float) -> None:
+    def on_token(self, request_id: str, now: float) -> bool:
+        """Record one token (or streamed chunk); True when it is the request's first."""
         live = self._live[request_id]
-        if live.num_tokens == 0:
-            live.first_token = now
-        else:
-            self.itl.add(now - live.last_token)
-        live.last_token = now
         live.num_tokens += 1
+        if live.num_tokens == 1:
+            live.first_token = live.last_token = now
+            return True
+        self.itl.add(now - live.last_token)
+        live.last_token = now
+        return False
 
     def on_finished_ids(
         self,
