@@ -70,6 +70,8 @@ class RequestStream:
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self.finished = False
         self._closed = False
+        self._relay: asyncio.Task[None] | None = None  # feeds the queue once handed off
+        self.num_tokens = 0  # output tokens put into this stream so far
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -107,6 +109,8 @@ class RequestStream:
             yield batch
 
     def _put(self, item: Any) -> None:
+        if item is not _ABORTED and not isinstance(item, BaseException):
+            self.num_tokens += len(item.new_token_ids)
         self._queue.put_nowait(item)
 
     def close(self) -> None:
@@ -114,6 +118,8 @@ class RequestStream:
         if self._closed:
             return
         self._closed = True
+        if self._relay is not None:
+            self._relay.cancel()  # the client left: stop following the request elsewhere
         self._engine_loop._stream_closed(self)
 
 
@@ -125,8 +131,10 @@ class EngineLoop:
         publisher: KVEventPublisher | None = None,
         metrics: AgentMetrics | None = None,
         step_latency: StepLatencyWindow | None = None,
+        detached_ttl_s: float = 30.0,
     ) -> None:
         self.engine = engine
+        self.detached_ttl_s = detached_ttl_s
         self.publisher = publisher
         self.metrics = metrics
         self.step_latency = step_latency or StepLatencyWindow()
@@ -146,6 +154,9 @@ class EngineLoop:
         # asyncio-side state.
         self._open: set[RequestStream] = set()
         self._idle: asyncio.Event | None = None
+        self._detached: dict[str, RequestStream] = {}
+        self._detached_expiry: dict[str, asyncio.TimerHandle] = {}
+        self._attach_waiters: dict[str, list[asyncio.Future[None]]] = {}
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -226,6 +237,64 @@ class EngineLoop:
             raise
         return stream
 
+    async def attach(self, request_id: str, timeout: float = 5.0) -> RequestStream | None:
+        """Take the stream of a request nobody listens to yet (one adopted by a migration).
+
+        Outputs of a request the engine runs without a stream (e.g. adopted from another
+        instance) are buffered in a detached stream until someone attaches, or aborted after
+        `detached_ttl_s`. Waits up to `timeout` for the request's first output; None if none.
+        """
+        deadline = time.monotonic() + timeout
+        while request_id not in self._detached:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            waiter = asyncio.get_running_loop().create_future()
+            self._attach_waiters.setdefault(request_id, []).append(waiter)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(waiter, remaining)
+        stream = self._detached.pop(request_id)
+        self._detached_expiry.pop(request_id).cancel()
+        return stream
+
+    def hand_off(self, request_id: str, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> None:
+        """Continue `request_id`'s open stream from `outputs` (the request moved elsewhere).
+
+        Call after the engine let go of the request (``release_migrated``): its outputs so far
+        are already in the stream. `outputs` yields ``(index, output)`` with `index` the
+        position of the output's first new token; tokens the client already has are skipped,
+        so every token reaches it exactly once. Closing the stream cancels the relay.
+        """
+        stream = next((s for s in self._open if s.request_id == request_id and not s._closed), None)
+        if stream is None:
+            raise KeyError(f"no open stream for request {request_id!r}")
+
+        def forget() -> None:
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+                self._timings.pop(request_id, None)
+
+        self._submit(forget)
+        stream._relay = asyncio.ensure_future(self._relay(stream, outputs))
+
+    async def _relay(
+        self, stream: RequestStream, outputs: AsyncIterator[tuple[int, RequestOutput]]
+    ) -> None:
+        try:
+            async for index, output in outputs:
+                # Decode outputs carry one token each, so an output is either new or a repeat.
+                if index + len(output.new_token_ids) <= stream.num_tokens and not output.finished:
+                    continue
+                stream._put(output)
+                if output.finished:
+                    return
+            stream._put(RequestAborted(f"request {stream.request_id} ended without finishing"))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the other instance failed: end the client's stream clearly
+            log.warning("relay of %s failed: %r", stream.request_id, exc)
+            stream._put(RequestAborted(f"request {stream.request_id} was lost in transit: {exc}"))
+
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its stream ends with `RequestAborted`."""
         self._submit(lambda: self._abort_on_engine(request_id, notify=True))
@@ -254,6 +323,27 @@ class EngineLoop:
 
         self._submit(command)
         return await result
+
+    def _announce_detached(self, streams: list[RequestStream]) -> None:
+        assert self._loop is not None and self._idle is not None
+        for stream in streams:
+            rid = stream.request_id
+            self._open.add(stream)
+            self._idle.clear()
+            self._detached[rid] = stream
+            self._detached_expiry[rid] = self._loop.call_later(
+                self.detached_ttl_s, self._expire_detached, stream
+            )
+            for waiter in self._attach_waiters.pop(rid, []):
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    def _expire_detached(self, stream: RequestStream) -> None:
+        if self._detached.get(stream.request_id) is stream:
+            log.warning("nobody attached to %s; aborting it", stream.request_id)
+            del self._detached[stream.request_id]
+            del self._detached_expiry[stream.request_id]
+            stream.close()
 
     def _stream_closed(self, stream: RequestStream) -> None:
         self._open.discard(stream)
@@ -318,11 +408,7 @@ class EngineLoop:
         # Suspended requests (mid-migration) are unfinished but not schedulable: no work then,
         # or the thread would spin on empty steps.
         scheduler = self.engine.scheduler
-        return (
-            self.dead is None
-            and bool(self._streams)
-            and (scheduler.num_running > 0 or scheduler.num_waiting > 0)
-        )
+        return self.dead is None and (scheduler.num_running > 0 or scheduler.num_waiting > 0)
 
     def _fail_all(self, exc: BaseException) -> None:
         self.dead = exc
@@ -336,10 +422,17 @@ class EngineLoop:
         now = time.monotonic()
         metrics = self.metrics
         items: list[tuple[RequestStream, Any]] = []
+        detached: list[RequestStream] = []
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
-                continue
+                # Running without a stream (adopted from another instance): buffer its outputs
+                # until someone attaches.
+                stream = RequestStream(self, output.request_id)
+                self._streams[output.request_id] = stream
+                # Its first token was counted where the request started (no TTFT here).
+                self._timings[output.request_id] = _Timing(now, first_token=now)
+                detached.append(stream)
             items.append((stream, output))
             timing = self._timings.get(output.request_id)
             if metrics is not None and timing is not None and output.new_token_ids:
@@ -357,6 +450,10 @@ class EngineLoop:
                 if metrics is not None and timing is not None:
                     metrics.e2e_request_latency.observe(now - timing.arrival)
                     metrics.request_finished(output.finish_reason or "stop")
+        if detached:
+            assert self._loop is not None
+            with contextlib.suppress(RuntimeError):  # closed loop: nobody listens any more
+                self._loop.call_soon_threadsafe(self._announce_detached, detached)
         if items:
             self._deliver_threadsafe(items)
 

@@ -86,11 +86,11 @@ class AgentMetrics:
             "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
             labels, buckets=_E2E_BUCKETS, registry=reg,
         ).labels(*values)  # fmt: skip
-        info_labels = sorted(cache_config)
-        Gauge(
+        info = Gauge(
             "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-            info_labels, registry=reg,
-        ).labels(**cache_config).set(1)  # fmt: skip
+            sorted(cache_config), registry=reg,
+        )  # fmt: skip
+        (info.labels(**cache_config) if cache_config else info).set(1)
 
     def set_load(self, running: int, waiting: int, kv_usage: float) -> None:
         self.num_requests_running.set(running)

@@ -12,6 +12,7 @@ Contract (`create_app(agent)` returns the FastAPI app):
 - ``GET /health`` (200 ok, 503 draining, 500 engine dead), ``GET /version``, ``GET /metrics``
   (Prometheus, vLLM names), ``GET /kvherd/v1/state`` (see `state.snapshot`;
   ``?block_hashes=true`` adds the cached block hashes).
+- ``GET /kvherd/v1/requests/{id}/stream``: follow a request migrated in (see `relay`).
 - `Agent` holds what the routes share: the engine loop, metrics, identity, and the draining flag.
   `Agent.drain` stops accepting work and waits for open requests to finish (or aborts them after
   a timeout).
@@ -38,7 +39,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from instance_agent import protocol
+from instance_agent import protocol, relay
 from instance_agent.engine.request import InvalidRequestError, SamplingParams
 from instance_agent.engine_loop import EngineDeadError, EngineLoop, RequestAborted, RequestStream
 from instance_agent.metrics import AgentMetrics
@@ -298,6 +299,20 @@ def create_app(agent: Agent, routers: Sequence[APIRouter] = ()) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await _generate(agent, body, request)
 
+    @app.get("/kvherd/v1/requests/{request_id}/stream", response_model=None)
+    async def follow_request(request_id: str, wait: float = 5.0) -> Response:
+        if not 0 <= wait <= 60:
+            raise bad_request("wait must be between 0 and 60 seconds", param="wait")
+        stream = await agent.engine_loop.attach(request_id, timeout=wait)
+        if stream is None:
+            raise OpenAIError(
+                404,
+                f"no request {request_id!r} is waiting for a follower here",
+                param="request_id",
+                code="request_not_found",
+            )
+        return StreamingResponse(_relay_frames(stream), media_type="text/event-stream")
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
@@ -517,3 +532,15 @@ class DrainingServer(uvicorn.Server):
 
         if self._drain_task is None:
             self._drain_task = asyncio.ensure_future(drain())
+
+
+async def _relay_frames(stream: RequestStream) -> AsyncIterator[bytes]:
+    """The attach stream of a migrated-in request (format: `relay`)."""
+    try:
+        async for outputs in stream.batches():
+            yield b"".join(relay.encode_output(output) for output in outputs)
+    except (RequestAborted, EngineDeadError) as exc:
+        yield protocol.sse(OpenAIError(503, str(exc), type="server_error").body())
+    finally:
+        stream.close()
+    yield protocol.SSE_DONE
