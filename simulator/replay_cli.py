@@ -18,6 +18,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--url", required=True, help="endpoint base URL, e.g. http://127.0.0.1:8000"
     )
+    parser.add_argument(
+        "--id-block-size",
+        type=int,
+        default=512,
+        help="tokens per hash id in the trace (default 512, Mooncake's)",
+    )
     parser.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
     parser.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate")
     parser.add_argument("--max-requests", type=int, default=None, help="first K requests only")
@@ -60,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         trace = (
             generate(parse_spec(args.trace))
             if args.trace.startswith("synthetic:")
-            else load_trace(args.trace)
+            else load_trace(args.trace, args.id_block_size)
         )
         if args.max_requests is not None:
             trace = head(trace, args.max_requests)

@@ -26,6 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "'synthetic:requests=N,rate=R,cv=C,input_mean=I,output_mean=O,num_groups=G,"
         "prefix_tokens=P,zipf_s=S,seed=X'",
     )
+    parser.add_argument(
+        "--id-block-size",
+        type=int,
+        default=512,
+        help="tokens per hash id in the trace (default 512, Mooncake's)",
+    )
     parser.add_argument("--instances", type=int, default=4, help="number of instances (default 4)")
     parser.add_argument(
         "--policy",
@@ -115,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         if args.trace.startswith("synthetic:"):
             trace = generate(parse_spec(args.trace))
         else:
-            trace = load_trace(args.trace)
+            trace = load_trace(args.trace, args.id_block_size)
         if args.time_window:
             trace = time_window(trace, *_window(args.time_window))
         if args.sample is not None:

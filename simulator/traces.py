@@ -331,6 +331,8 @@ def load_csv(path: Path, block_size: int = MOONCAKE_BLOCK_SIZE) -> Trace:
 
 def load_trace(path: str | Path, block_size: int = MOONCAKE_BLOCK_SIZE) -> Trace:
     """Load a trace by extension (.jsonl/.json -> JSONL, .csv -> CSV)."""
+    if block_size < 1:
+        raise ValueError(f"the trace's block size must be positive, got {block_size}")
     p = Path(path)
     if not p.is_file():
         raise TraceError(p, None, "no such file")
