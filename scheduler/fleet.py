@@ -30,7 +30,7 @@ import logging
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from policies.registry import PolicyLoadError, load_dispatch_policy
 from policies.views import NoInstanceError
@@ -41,6 +41,9 @@ from scheduler.load_poller import LoadPoller
 from scheduler.load_report import LoadReport
 from scheduler.proxy_metrics import ProxyMetrics
 from scheduler.router import Router
+
+if TYPE_CHECKING:
+    from scheduler.migration_driver import MigrationDriver
 
 log = logging.getLogger("kvherd.fleet")
 
@@ -139,6 +142,9 @@ class Fleet:
         self._reaper: asyncio.Task[None] | None = None
         self._keys = 0
         self._saturated: set[str] = set()  # instances at max_inflight_per_instance
+        # Live migration (``--migration-policy``); None when the policy is "none".
+        self.migration: MigrationDriver | None = None
+        self.migration_spec = "none"
 
     @property
     def block_size(self) -> int:
@@ -432,8 +438,20 @@ class Fleet:
         return [self.describe_one(i) for i in self.instances]
 
     def policy_info(self) -> dict[str, Any]:
-        return {
+        info: dict[str, Any] = {
             "policy": self.policy_spec,
             "name": getattr(self.router.policy, "name", self.policy_spec),
             "parameters": self.policy_params,
+            "migration_policy": self.migration_spec,
         }
+        if self.migration is not None:
+            stats = self.migration.loop.stats
+            info["migration"] = {
+                "in_flight": len(self.migration.loop.in_flight),
+                "issued": stats.issued,
+                "succeeded": stats.succeeded,
+                "failed": stats.failed,
+                "timed_out": stats.timed_out,
+                "rejected": stats.rejected,
+            }
+        return info

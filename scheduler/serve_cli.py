@@ -48,8 +48,9 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--migration-policy",
         default="none",
-        help="migration policy (live migration is wired in by the migration executor; 'none')",
+        help="live-migration policy: none (default), llumnix, defrag, drain, module:attr",
     )
+    parser.add_argument("--migration-interval", type=float, default=1.0, help="seconds per tick")
     parser.add_argument("--config", default=None, help="YAML config file (see kvherd serve --help)")
     parser.add_argument("--host", default="127.0.0.1", help="client-facing bind address")
     parser.add_argument("--port", type=int, default=8000)
@@ -243,13 +244,6 @@ async def serve_fleet(
             file=sys.stderr,
         )
         return 2
-    if args.migration_policy != "none":
-        print(
-            "kvherd serve: live migration needs the migration executor, which this build does "
-            "not include; use --migration-policy none",
-            file=sys.stderr,
-        )
-        return 2
     tenants = build_registry(list(config.get("api_keys") or []) + args.api_key, args.api_keys_file)
     allow = RegistrationPolicy(
         args.allow_register or config.get("allow_register") or LOOPBACK_PATTERNS
@@ -270,6 +264,17 @@ async def serve_fleet(
     except FleetError as exc:
         print(f"kvherd serve: {exc.message}", file=sys.stderr)
         return 2
+    if args.migration_policy != "none":
+        from policies.registry import PolicyLoadError, load_migration_policy
+        from scheduler.migration_driver import MigrationDriver
+
+        try:
+            migration_policy = load_migration_policy(args.migration_policy)
+        except PolicyLoadError as exc:
+            print(f"kvherd serve: {exc}", file=sys.stderr)
+            return 2
+        fleet.migration = MigrationDriver(fleet, migration_policy, args.migration_interval)
+        fleet.migration_spec = args.migration_policy
     proxy = Proxy(
         fleet,
         load_tokenizer(args.tokenizer),
@@ -297,6 +302,8 @@ async def serve_fleet(
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
     await fleet.start()
+    if fleet.migration is not None:
+        fleet.migration.start()
     try:
         for raw in list(config.get("instances") or []) + static_instances:
             entry = {"url": raw} if isinstance(raw, str) else dict(raw)
@@ -343,6 +350,8 @@ async def serve_fleet(
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)
+        if fleet.migration is not None:
+            await fleet.migration.stop()
         await fleet.stop()
         await proxy.pool.close()
 

@@ -420,3 +420,67 @@ async def test_stream_dying_before_first_chunk_is_retried_elsewhere() -> None:
         if line.startswith("kvherd_retries_total")
     )
     assert retries >= 1  # round robin sent at least one request to the dying instance first
+
+
+# -- live migration driver ---------------------------------------------------------------------------
+async def test_migration_driver_sends_orders_and_moves_charges() -> None:
+    """The source agent's documented ``POST /kvherd/v1/migrate`` contract, served over a real
+    socket: the driver turns a drain plan into that call and, on commit, moves the charges."""
+    import json
+
+    from policies.registry import load_migration_policy
+    from scheduler.fleet import Fleet, FleetSettings, InstanceSpec
+    from scheduler.load_report import parse_agent_state
+    from scheduler.migration_driver import MigrationDriver
+    from scheduler.proxy_metrics import ProxyMetrics
+
+    calls: list[dict[str, Any]] = []
+
+    async def source_agent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        order = json.loads(await _read_request(reader))
+        calls.append(order)
+        outcome = json.dumps(
+            {
+                "migration_id": "m1",
+                "request_id": order["request_id"],
+                "status": "committed",
+                "stages": 2,
+            }
+        ).encode()
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(outcome), outcome)
+        )
+        await writer.drain()
+        writer.close()
+
+    async with tcp_server(source_agent) as src_url, tcp_server(source_agent) as dst_url:
+        fleet = Fleet("round_robin", FleetSettings(block_size=16), ProxyMetrics())
+        await fleet.add_instance(InstanceSpec("src", src_url))
+        await fleet.add_instance(InstanceSpec("dst", dst_url))
+        instance, _ = fleet.dispatch("req-1", 64, [])
+        src = instance.instance_id
+        dst = "dst" if src == "src" else "src"
+        state = {
+            "num_total_blocks": 100,
+            "num_free_blocks": 90,
+            "block_size": 16,
+            "running": [{"request_id": "req-1", "num_tokens": 64}],
+            "waiting": [],
+        }
+        fleet.cluster.apply_report(src, parse_agent_state(state), fleet.clock())
+        fleet.cluster.apply_report(dst, parse_agent_state({**state, "running": []}), fleet.clock())
+        fleet.set_draining(src, True)
+        driver = MigrationDriver(fleet, load_migration_policy("drain"), interval_s=0.0)
+        driver.tick()
+        for _ in range(200):
+            if driver.loop.stats.succeeded:
+                break
+            await asyncio.sleep(0.01)
+        await driver.stop()
+        await fleet.stop()
+    assert calls == [{"request_id": "req-1", "dst": fleet.instances[dst].url}]
+    assert driver.loop.stats.succeeded == 1 and not driver.loop.in_flight
+    assert fleet.router.instance_of("req-1") == dst
+    assert "req-1" in fleet.cluster.get(dst).inflight
+    assert "req-1" not in fleet.cluster.get(src).inflight
