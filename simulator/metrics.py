@@ -5,7 +5,7 @@ Contract (definitions follow `vllm bench serve`):
 - TPOT per request: (E2E - TTFT) / (output tokens - 1), only for requests with more than one token.
 - ITL: every gap between consecutive tokens of a request, pooled over all requests. Gaps go into a
   log-bucketed histogram (0.5% relative resolution) so memory stays flat for millions of requests;
-  means are exact, percentiles are within half a bucket.
+  means are exact, percentiles (nearest rank) are within half a bucket.
 - Queueing: first time the engine scheduled the request - arrival (simulator only; NaN in replay).
 - Throughput: output tokens and requests per second over [first arrival, last completion].
   Goodput: requests per second meeting both SLOs (TTFT <= slo_ttft and TPOT <= slo_tpot).
@@ -56,9 +56,9 @@ class LogHistogram:
     def percentile(self, q: float) -> float:
         if not self.n:
             return math.nan
-        rank = q / 100.0 * (self.n - 1)
+        rank = max(math.ceil(q / 100.0 * self.n), 1)  # nearest rank
         cumulative = np.cumsum(self.counts)
-        index = int(np.searchsorted(cumulative, rank + 1, side="left"))
+        index = int(np.searchsorted(cumulative, rank, side="left"))
         if index == 0:
             return _MIN_GAP_S
         # Geometric centre of the bucket.

@@ -250,3 +250,34 @@ def test_latency_models_are_sane() -> None:
     for bad in ("roofline:llama-2-7b", "splitwise:llama2-70b:a100:tpx", "calibrated:", "nope:x"):
         with pytest.raises(LatencyModelError):
             load_latency_model(bad)
+
+
+def test_metrics_follow_vllm_bench_definitions() -> None:
+    from simulator.metrics import MetricsCollector
+
+    m = MetricsCollector()
+    m.on_arrival("a", 0.0, 100)
+    m.on_scheduled("a", 0.25)
+    for t in (1.0, 1.5, 2.5):
+        m.on_token("a", t)
+    m.on_finished_ids("a", 0, 40, 1, 0, "i0")
+    m.on_arrival("b", 1.0, 300)
+    m.on_scheduled("b", 1.0)
+    m.on_token("b", 3.0)
+    m.on_finished_ids("b", 1, 0, 0, 2, "i1")
+    m.on_arrival("c", 1.0, 10)
+    m.on_failed("c")
+    s = m.summary(slo_ttft_ms=1500, slo_tpot_ms=1000)
+    assert s["completed"] == 2 and s["failed"] == 1
+    assert s["ttft_ms_mean"] == pytest.approx(1500.0)  # (1000 + 2000) / 2
+    assert s["tpot_ms_mean"] == pytest.approx(750.0)  # only requests with > 1 token
+    assert s["itl_ms_mean"] == pytest.approx(750.0)  # gaps 500 and 1000
+    assert s["itl_ms_p99"] == pytest.approx(1000.0, rel=0.005)
+    assert s["itl_ms_p50"] == pytest.approx(500.0, rel=0.005)
+    assert s["e2e_ms_p50"] == pytest.approx(2250.0)
+    assert s["queue_ms_mean"] == pytest.approx(125.0)
+    assert s["duration_s"] == pytest.approx(3.0)
+    assert s["output_throughput"] == pytest.approx(4 / 3.0)
+    assert s["goodput"] == pytest.approx(1 / 3.0)  # b misses the TTFT SLO
+    assert s["prefix_hit_rate"] == pytest.approx(40 / 400)
+    assert s["preemptions"] == 1 and s["migrations"] == 2
