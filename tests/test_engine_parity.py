@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from instance_agent.engine.kv_events import BlockStored
 from instance_agent.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
@@ -267,3 +269,42 @@ def test_untaken_kv_events_are_bounded_with_a_seq_gap(monkeypatch: pytest.Monkey
     engine.generate([prompt(17, seed=99)], GREEDY)
     later = engine.take_kv_event_batch()
     assert later is not None and later.seq > (batch.seq if batch else 0)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["add", "step", "step", "abort", "suspend", "resume"]),
+            st.integers(0, 5),  # request slot
+            st.integers(1, 40),  # prompt length
+            st.integers(1, 12),  # max tokens
+        ),
+        min_size=1,
+        max_size=40,
+    )
+)
+def test_random_engine_operations_keep_blocks_consistent(ops) -> None:
+    engine = make_engine(block_size=4, num_gpu_blocks=40, max_num_batched_tokens=32)
+    bm = engine.block_manager
+    for op, slot, length, max_tokens in ops:
+        rid = f"p{slot}"
+        live = engine.scheduler.requests.get(rid)
+        if op == "add" and live is None:
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.5, seed=slot)
+            engine.add_request(rid, prompt(length, seed=slot), params)
+        elif op == "step":
+            engine.step()
+        elif op == "abort":
+            engine.abort(rid)
+        elif op == "suspend" and live is not None and live in engine.scheduler.running:
+            engine.suspend(rid)
+        elif op == "resume" and rid in engine.scheduler.suspended:
+            engine.resume(rid)
+        bm.check_integrity()
+    for rid in list(engine.scheduler.suspended):
+        engine.resume(rid)
+    while engine.has_unfinished():
+        engine.step()
+        bm.check_integrity()
+    assert bm.num_free_blocks == bm.num_blocks
