@@ -16,11 +16,11 @@ from typing import Any
 
 import httpx
 import pytest
+from agent_process import AgentProcess, agent_process, free_port
 
 from scheduler.fleet import Fleet
 from scheduler.serve_cli import add_arguments, serve_fleet
 from scheduler.tenancy import TenantRegistry
-from tests.agent_process import AgentProcess, agent_process, free_port
 
 TOKEN = "admin-secret"
 SYSTEM = "You are a meticulous assistant for the kvherd test-suite. " * 12  # ~45 blocks of 16

@@ -358,7 +358,7 @@ async def test_stream_dying_before_first_chunk_is_retried_elsewhere() -> None:
     import httpx
 
     from scheduler.serve_cli import add_arguments, serve_fleet
-    from tests.agent_process import free_port
+    from agent_process import free_port
 
     sse = b'data: {"choices":[{"index":0,"text":"ok"}]}\n\n'
 

@@ -11,8 +11,7 @@ import time
 
 import httpx
 import pytest
-
-from tests.agent_process import free_port
+from agent_process import free_port
 
 
 def _alive(pid: int) -> bool:
