@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -244,3 +247,36 @@ def test_registration_heartbeat_reregistration_and_deregistration() -> None:
         finally:
             server.should_exit = True
             thread.join(10)
+
+
+def test_agent_joins_and_leaves_a_real_scheduler() -> None:
+    """The registration contract end to end: `kvherd agent --scheduler` against `kvherd serve`."""
+    port, admin_port = free_port(), free_port()
+    env = {**os.environ, "KVHERD_ADMIN_TOKEN": "fleet-secret"}
+    cmd = [sys.executable, "-m", "kvherd", "serve", "--port", str(port), "--admin-port",
+           str(admin_port), "--log-level", "warning"]  # fmt: skip
+    proxy = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    admin = f"http://127.0.0.1:{admin_port}/admin/v1/instances"
+    auth = {"Authorization": "Bearer fleet-secret"}
+
+    def instances() -> list[dict[str, Any]]:
+        try:
+            response = httpx.get(admin, headers=auth, timeout=5)
+        except httpx.HTTPError:
+            return []
+        listed: list[dict[str, Any]] = response.json().get("data", [])
+        return listed
+
+    try:
+        args = ("--scheduler", f"http://127.0.0.1:{admin_port}", "--heartbeat-interval", "0.2")
+        with agent_process(*args, kv_events=True, env={"KVHERD_ADMIN_TOKEN": "fleet-secret"}) as a:
+            _poll(lambda: len(instances()) == 1, what="registration with kvherd serve")
+            assert a.url in json.dumps(instances())
+            body = {"model": "tiny", "prompt": "via the proxy", "max_tokens": 3}
+            routed = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30)
+            assert routed.status_code == 200, routed.text
+            assert a.terminate() == 0
+            _poll(lambda: instances() == [] and proxy.poll() is None, what="deregistration")
+    finally:
+        proxy.terminate()
+        proxy.wait(30)
