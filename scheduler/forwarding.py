@@ -12,9 +12,9 @@ Contract:
   connect timeout) or `UpstreamTimeout` (no response head in time): the caller may retry them elsewhere.
   A reused keep-alive connection that the instance had already closed is retried once on a fresh
   connection inside `send`, since the request never reached the instance's application.
-- Timeouts: ``connect_timeout`` for the TCP connect, ``head_timeout`` until the response head arrives
-  (covers queueing and prefill for non-streamed requests, so it is the per-request timeout there), and
-  ``read_timeout`` between body chunks of a stream.
+- Timeouts: ``connect_timeout`` for the TCP connect; ``head_timeout`` until the response head and,
+  for a Content-Length body, the whole body arrived (queueing, prefill and decode of a non-streamed
+  request: the per-request timeout there); ``read_timeout`` between body chunks of a stream.
 - `UpstreamResponse.close()` on an unfinished response closes its connection: the instance sees the
   client go away and aborts the request (frees its KV blocks).
 
@@ -284,55 +284,62 @@ class UpstreamPool:
         self, url: str, conn: _Connection, payload: bytes, timeout: float
     ) -> UpstreamResponse:
         reader = conn.reader
+        body: bytes | None = None
         try:
             conn.writer.write(payload)
+            # One deadline for the head and, when it is framed by Content-Length, the body.
             async with asyncio.timeout(timeout):
                 head = await reader.readuntil(b"\r\n\r\n")
+                status, headers, length, chunked, keep_alive = _parse_head(head)
+                if not chunked and length >= 0:
+                    body = await reader.readexactly(length) if length else b""
         except TimeoutError as exc:
-            raise UpstreamTimeout(f"{url}: no response within {timeout}s") from exc
+            raise UpstreamTimeout(f"{url}: no complete response within {timeout}s") from exc
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
             raise UpstreamConnectError(
                 f"{url}: connection broke before the response: {exc}"
             ) from exc
-        try:
-            status_line, _, header_block = head[:-4].partition(b"\r\n")
-            status = int(status_line.split(b" ", 2)[1])
-        except (IndexError, ValueError) as exc:
-            raise UpstreamConnectError(f"{url}: malformed status line {head[:80]!r}") from exc
-        headers: list[tuple[bytes, bytes]] = []
-        length = -1
-        chunked = False
-        keep_alive = status_line.startswith(b"HTTP/1.1")
-        for line in header_block.split(b"\r\n"):
-            name, _, value = line.partition(b":")
-            name = name.strip().lower()
-            value = value.strip()
-            if name in HOP_BY_HOP:
-                if name == b"content-length":
-                    length = int(value)
-                elif name == b"transfer-encoding":
-                    chunked = b"chunked" in value.lower()
-                elif name == b"connection":
-                    lowered = value.lower()
-                    keep_alive = (keep_alive or lowered == b"keep-alive") and lowered != b"close"
-                continue
-            headers.append((name, value))
-        if status in _NO_BODY_STATUS:
-            length = 0
-        if not chunked and length >= 0:
-            try:
-                async with asyncio.timeout(self.read_timeout):
-                    body = await reader.readexactly(length) if length else b""
-            except (TimeoutError, OSError, asyncio.IncompleteReadError) as exc:
-                raise UpstreamConnectError(f"{url}: response body broke: {exc}") from exc
-            response = UpstreamResponse(
-                status, headers, body, None, False, keep_alive, self, url, self.read_timeout
-            )
+        except ValueError as exc:
+            raise UpstreamConnectError(f"{url}: malformed response head: {exc}") from exc
+        if body is not None:
             if keep_alive:
                 self.release(url, conn)
             else:
                 conn.close()
-            return response
+            return UpstreamResponse(
+                status, headers, body, None, False, keep_alive, self, url, self.read_timeout
+            )
         return UpstreamResponse(
             status, headers, None, conn, chunked, keep_alive, self, url, self.read_timeout
         )
+
+
+def _parse_head(head: bytes) -> tuple[int, list[tuple[bytes, bytes]], int, bool, bool]:
+    """(status, relayable headers, content length or -1, chunked, keep-alive) of a response head;
+    raises ValueError when it is not HTTP/1.x."""
+    status_line, _, header_block = head[:-4].partition(b"\r\n")
+    parts = status_line.split(b" ", 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
+        raise ValueError(f"bad status line {status_line[:80]!r}")
+    status = int(parts[1])
+    headers: list[tuple[bytes, bytes]] = []
+    length = -1
+    chunked = False
+    keep_alive = parts[0] == b"HTTP/1.1"
+    for line in header_block.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        name = name.strip().lower()
+        value = value.strip()
+        if name in HOP_BY_HOP:
+            if name == b"content-length":
+                length = int(value)
+            elif name == b"transfer-encoding":
+                chunked = b"chunked" in value.lower()
+            elif name == b"connection":
+                lowered = value.lower()
+                keep_alive = (keep_alive or lowered == b"keep-alive") and lowered != b"close"
+            continue
+        headers.append((name, value))
+    if status in _NO_BODY_STATUS:
+        length = 0
+    return status, headers, length, chunked, keep_alive
