@@ -120,6 +120,15 @@ async def test_connect_refused_and_head_timeout_are_distinct_errors() -> None:
         with pytest.raises(UpstreamConnectError):
             await pool.send(url, b"POST", b"/x", [], b"{}")
 
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"SPDY/9 two hundred\r\ncontent-length: lots\r\n\r\n")
+        await writer.drain()
+
+    async with tcp_server(garbage) as url:
+        with pytest.raises(UpstreamConnectError):
+            await pool.send(url, b"POST", b"/x", [], b"{}")
+
 
 # -- KV event subscription -----------------------------------------------------------------------
 class LossyLink:
@@ -356,9 +365,9 @@ async def test_stream_dying_before_first_chunk_is_retried_elsewhere() -> None:
     import argparse
 
     import httpx
+    from agent_process import free_port
 
     from scheduler.serve_cli import add_arguments, serve_fleet
-    from agent_process import free_port
 
     sse = b'data: {"choices":[{"index":0,"text":"ok"}]}\n\n'
 
