@@ -128,6 +128,36 @@ def test_openai_client_matches_engine_in_process(agent: AgentProcess, engine: LL
     assert chunks[-1].choices == []
 
 
+def test_stop_string_cuts_the_text(agent: AgentProcess, engine: LLMEngine) -> None:
+    params = SamplingParams(max_tokens=40, temperature=0.8, seed=5, ignore_eos=True)
+    full = engine.generate(["stop here"], params)[0].text
+    # A stop string from the middle of what the model will write (first occurrence, clean chars).
+    pos = next(
+        i
+        for i in range(3, len(full) - 2)
+        if "\ufffd" not in full[i : i + 2] and full.find(full[i : i + 2]) == i
+    )
+    body = {
+        "prompt": "stop here",
+        "max_tokens": 40,
+        "temperature": 0.8,
+        "seed": 5,
+        "ignore_eos": True,
+        "stop": [full[pos : pos + 2]],
+    }
+    choice = httpx.post(f"{agent.url}/v1/completions", json=body, timeout=30).json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["text"] == full[:pos]
+    streamed = ""
+    with httpx.stream(
+        "POST", f"{agent.url}/v1/completions", json={**body, "stream": True}, timeout=30
+    ) as response:
+        for event in _sse_events(response.iter_lines()):
+            if isinstance(event, dict):
+                streamed += event["choices"][0]["text"]
+    assert streamed == full[:pos]
+
+
 def test_sse_wire_format_and_request_id(agent: AgentProcess) -> None:
     body = {
         "prompt": "abc",
