@@ -213,6 +213,16 @@ def test_prefix_cache_hits_are_reported(agent: AgentProcess) -> None:
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
 
+    def cached(salt: str) -> int:
+        salted = {**body, "cache_salt": salt}
+        response = httpx.post(f"{agent.url}/v1/completions", json=salted, timeout=30).json()
+        return int(response["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    # A tenant's salt keeps its blocks apart from everyone else's, and shares them within.
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") == 32
+    assert cached("tenant-b") == 0
+
 
 async def _one_stream(client: httpx.AsyncClient, url: str, i: int) -> tuple[int, list[int], str]:
     body = {
