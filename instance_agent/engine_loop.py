@@ -12,8 +12,12 @@ Contract:
   request on the engine thread (e.g. adopting a migrated one), and `call` runs any function there.
   The returned `RequestStream` yields the engine's outputs until the one with ``finished``; closing
   it early (client gone, cancellation) aborts the request on the engine thread, which frees its
-  blocks. A request aborted by the agent itself (drain
-  timeout) ends its stream with `RequestAborted`.
+  blocks. A request aborted by the agent itself (drain timeout) ends its stream with
+  `RequestAborted`.
+- Migration: the engine steps every schedulable request, streamed or not. Outputs of a request
+  nobody streams (adopted from another instance) are buffered in a detached stream that `attach`
+  hands to a follower, or that is aborted after `detached_ttl_s`. On the source, `hand_off`
+  continues a client's stream from the request's new home, exactly once.
 - If a step raises, the engine is considered dead: every open stream fails with `EngineDeadError`,
   new requests are refused, and `/health` reports it.
 """
