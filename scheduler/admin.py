@@ -3,7 +3,7 @@
 Contract (every route requires ``Authorization: Bearer TOKEN``, else 401 with an OpenAI error
 object; bodies are JSON; errors are ``{"error": {"message", "type", "param", "code"}}``):
 - ``GET /admin/v1/instances``: every instance with its state (health, draining, in flight, load,
-  KV event stream and index figures).
+  KV event stream and index figures); ``GET /admin/v1/instances/{id}``: one of them (404 if unknown).
 - ``POST /admin/v1/instances`` ``{"instance_id", "url", "kv_events_endpoint", "replay_endpoint",
   "model", "block_size"}``: register, or re-register (which resubscribes and resyncs the instance's
   prefix view). The URL's host and the event endpoints' hosts must match the operator's
@@ -169,6 +169,10 @@ def build_admin_app(fleet: Fleet, token: str, allow: RegistrationPolicy) -> Fast
     @app.get("/admin/v1/instances")
     async def list_instances() -> Response:
         return _json({"object": "list", "data": fleet.describe()})
+
+    @app.get("/admin/v1/instances/{instance_id}")
+    async def show_instance(instance_id: str) -> Response:
+        return _json(fleet.describe_one(instance_id))
 
     @app.post("/admin/v1/instances")
     async def register(request: Request) -> Response:

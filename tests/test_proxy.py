@@ -293,6 +293,12 @@ async def test_admin_requires_token_and_manages_fleet(fleet_agents: list[AgentPr
         assert len(proxy.fleet.instances) == 1
         listed = (await client.get(base + "/instances", headers=auth)).json()["data"]
         assert listed[0]["health"] == "healthy" and listed[0]["kv_events"] is not None
+        one = await client.get(f"{base}/instances/{listed[0]['instance_id']}", headers=auth)
+        assert (one.json()["instance_id"], one.json()["url"]) == (
+            listed[0]["instance_id"],
+            listed[0]["url"],
+        )
+        assert (await client.get(base + "/instances/ghost", headers=auth)).status_code == 404
         other = fleet_agents[1]
         spec = {
             "instance_id": "second",
