@@ -80,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, type=Path, help="output directory")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="policies simulated in parallel processes (default 1)"
+    )
 
 
 def _fail(message: str) -> int:
@@ -209,11 +212,12 @@ def _simulate(
     meta: dict[str, Any],
 ) -> int:
     import json
+    from concurrent.futures import ProcessPoolExecutor
 
     from tqdm import tqdm
 
     from simulator import report
-    from simulator.experiment import run_policy
+    from simulator.experiment import SimResult, run_policy
 
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -227,10 +231,23 @@ def _simulate(
         disable=True if args.quiet else None,
         dynamic_ncols=True,
     )
+    finished: dict[str, SimResult] = {}
     try:
+        if args.jobs > 1 and len(policies) > 1:
+            # Runs share nothing, so processes give the very results of a sequential run.
+            with ProcessPoolExecutor(max_workers=min(args.jobs, len(policies))) as pool:
+                futures = {
+                    name: pool.submit(run_policy, trace, settings, name) for name in policies
+                }
+                for name, future in futures.items():
+                    finished[name] = future.result()
+                    bar.update(len(trace))
+        else:
+            for name in policies:
+                bar.set_description(name)
+                finished[name] = run_policy(trace, settings, name, on_progress=bar.update)
         for name in policies:
-            bar.set_description(name)
-            result = run_policy(trace, settings, name, on_progress=bar.update)
+            result = finished[name]
             results[name] = result.summary
             cols = result.columns
             ttfts[name] = (cols["first_token"] - cols["arrival"]) * 1000.0
