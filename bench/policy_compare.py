@@ -40,7 +40,7 @@ def _run(
     settings = SimSettings(
         instances,
         model,
-        InstanceConfig(num_blocks=model.kv_capacity_tokens // 16),
+        InstanceConfig(num_blocks=model.kv_capacity_tokens // block_size, block_size=block_size),
         migration_policy=migration,
     )
     result = run_policy(trace, settings, policy)
@@ -61,6 +61,7 @@ def main() -> int:
     parser.add_argument("--latency-model", default="roofline:llama-2-70b:a100-80gb:tp4")
     parser.add_argument("--migration-policy", default="none")
     parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--block-size", type=int, default=16, help="engine KV block size")
     args = parser.parse_args()
     if not Path(args.trace).is_file():
         print(f"trace {args.trace} not found", file=sys.stderr)
@@ -87,7 +88,7 @@ def main() -> int:
             print(f"rate x{rate:g} {policy}: {wall:.1f} s", file=sys.stderr, flush=True)
     print(
         f"Mooncake trace ({args.max_requests or 'all'} requests), {args.instances} instances, "
-        f"{args.latency_model}, migration {args.migration_policy}"
+        f"{args.latency_model}, KV block {args.block_size}, migration {args.migration_policy}"
     )
     for rate in rates:
         print(f"\n### rate x{rate:g}\n")
