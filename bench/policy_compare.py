@@ -22,10 +22,9 @@ MOONCAKE = (
 
 
 def _run(
-    job: tuple[str, int, float, int | None, str, str, str],
+    job: tuple[str, int, float, int | None, str, str, str, int],
 ) -> tuple[float, str, dict[str, Any], float]:
-    path, instances, rate, max_requests, policy, latency, migration = job
-    from policies.registry import DISPATCH_POLICIES  # noqa: F401  (fail early if policies break)
+    path, instances, rate, max_requests, policy, latency, migration, block_size = job
     from simulator.experiment import SimSettings, run_policy
     from simulator.instance import InstanceConfig
     from simulator.latency import load_latency_model
