@@ -208,8 +208,9 @@ class Fleet:
             spec.instance_id, has_kv_events=has_events, trust_engine_hashes=spec.kvherd_agent
         )
         inst = FleetInstance(spec.instance_id, spec.url, spec, last_heartbeat=self.clock())
-        if existing is not None:
+        if existing is not None:  # requests in flight there finish on the new record
             inst.inflight, inst.keys = existing.inflight, existing.keys
+            inst.served, inst.failures = existing.served, existing.failures
         self.instances[spec.instance_id] = inst
         self.outliers.remove(spec.instance_id)
         self.outliers.add(spec.instance_id)
@@ -332,8 +333,12 @@ class Fleet:
                 exclude=skip,
             )
         except NoInstanceError:
+            # Worth waiting only if an instance that may still be tried is merely full.
             busy = any(
-                self.cluster.get(i).healthy and not self.cluster.get(i).draining for i in saturated
+                i not in exclude
+                and self.cluster.get(i).healthy
+                and not self.cluster.get(i).draining
+                for i in saturated
             )
             raise NoCapacityError(saturated=busy) from None
         inst = self.instances[routed.instance_id]
@@ -349,30 +354,36 @@ class Fleet:
 
     def _release(self, key: str, inst: FleetInstance) -> None:
         self.router.on_finish(key, self.clock())
-        if key in inst.keys:
-            inst.keys.discard(key)
-            inst.inflight -= 1
-            if inst.inflight < self.settings.max_inflight_per_instance:
-                self._saturated.discard(inst.instance_id)
-            if inst.instance_id in self.instances:
-                self.metrics.inflight(inst.instance_id).set(inst.inflight)
+        # The instance may have re-registered since dispatch: count on its current record.
+        current = self.instances.get(inst.instance_id)
+        if current is not None and key in current.keys:
+            current.keys.discard(key)
+            current.inflight -= 1
+            if current.inflight < self.settings.max_inflight_per_instance:
+                self._saturated.discard(current.instance_id)
+            self.metrics.inflight(current.instance_id).set(current.inflight)
         self.on_capacity()
 
     def request_finished(self, key: str, inst: FleetInstance, ok: bool = True) -> None:
         self._release(key, inst)
-        inst.served += 1
-        if ok and inst.instance_id in self.instances:
+        current = self.instances.get(inst.instance_id)
+        if current is None:
+            return
+        current.served += 1
+        if ok:
             self._health_changed(
                 inst.instance_id, self.outliers.record_success(inst.instance_id, self.clock())
             )
 
     def request_failed(self, key: str, inst: FleetInstance) -> None:
         self._release(key, inst)
-        inst.failures += 1
-        if inst.instance_id in self.instances:
-            self._health_changed(
-                inst.instance_id, self.outliers.record_failure(inst.instance_id, self.clock())
-            )
+        current = self.instances.get(inst.instance_id)
+        if current is None:
+            return
+        current.failures += 1
+        self._health_changed(
+            inst.instance_id, self.outliers.record_failure(inst.instance_id, self.clock())
+        )
 
     # -- introspection -----------------------------------------------------------------------
     def models(self) -> list[str]:

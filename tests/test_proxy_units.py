@@ -493,3 +493,34 @@ async def test_migration_driver_sends_orders_and_moves_charges() -> None:
     assert fleet.router.instance_of("req-1") == dst
     assert "req-1" in fleet.cluster.get(dst).inflight
     assert "req-1" not in fleet.cluster.get(src).inflight
+
+
+# -- fleet accounting -----------------------------------------------------------------------------
+async def test_fleet_saturation_exclusion_and_reregistration() -> None:
+    from scheduler.fleet import Fleet, FleetSettings, InstanceSpec, NoCapacityError
+    from scheduler.proxy_metrics import ProxyMetrics
+
+    fleet = Fleet("least_requests", FleetSettings(max_inflight_per_instance=1), ProxyMetrics())
+    woken: list[int] = []
+    fleet.on_capacity = lambda: woken.append(1)
+    assert await fleet.add_instance(InstanceSpec("a", "http://127.0.0.1:1"))
+    inst, _ = fleet.dispatch("r1", 32, [])
+    with pytest.raises(NoCapacityError) as full:
+        fleet.dispatch("r2", 32, [])
+    assert full.value.saturated  # waits in the admission queue
+    with pytest.raises(NoCapacityError) as tried:
+        fleet.dispatch("r2", 32, [], exclude={"a"})
+    assert not tried.value.saturated  # nothing left to try: fail at once
+    # The instance re-registers while r1 is in flight; r1 finishes on the new record.
+    assert not await fleet.add_instance(InstanceSpec("a", "http://127.0.0.1:1"))
+    assert fleet.instances["a"].inflight == 1
+    fleet.request_finished("r1", inst)
+    assert fleet.instances["a"].inflight == 0 and fleet.instances["a"].served == 1
+    assert woken
+    again, _ = fleet.dispatch("r2", 32, [])
+    fleet.request_failed("r2", again)
+    assert fleet.instances["a"].failures == 1 and fleet.instances["a"].inflight == 0
+    assert fleet.new_key("r3") == "r3"
+    fleet.dispatch("r3", 8, [])
+    assert fleet.new_key("r3") != "r3"  # a client reusing an X-Request-Id in flight
+    await fleet.stop()
