@@ -167,31 +167,38 @@ def test_llmd_weights() -> None:
 
 
 def test_kvherd_trades_cache_hit_against_queued_prefill() -> None:
-    policy = KvherdDispatch()
+    policy = KvherdDispatch()  # uncached tokens weigh 4, queued tokens 1, a running request 32
     req = request(2048)  # 128 blocks
-    # a caches 120 blocks and has 1,000 tokens queued: 1000 + 128 = 1128 < b's 2048 cold prefill.
+    # a caches 120 blocks and has 4,000 tokens queued: 4000 + 4*128 = 4512 < b's 4*2048 = 8192.
     view = cluster(
-        InstanceView("a", waiting_prefill_tokens=1000),
+        InstanceView("a", waiting_prefill_tokens=4000),
         InstanceView("b"),
         matched={"a": 120},
     )
     decision = policy.choose(req, view)
     assert decision.instance_id == "a"
-    assert decision.scores == {"a": -1128.0, "b": -2048.0}
-    # With 4,000 tokens queued the hit is no longer worth waiting for.
+    assert decision.scores == {"a": -4512.0, "b": -8192.0}
+    # With 8,000 tokens queued the hit is no longer worth waiting for (8512 > 8192).
     busy = cluster(
-        InstanceView("a", waiting_prefill_tokens=4000),
+        InstanceView("a", waiting_prefill_tokens=8000),
         InstanceView("b"),
         matched={"a": 120},
     )
     assert policy.choose(req, busy).instance_id == "b"
-    # Decode load: 40 running * 32 = 1280 token-equivalents outweighs a 1,000-token saving.
-    decoding = cluster(InstanceView("a", num_running=40), InstanceView("b"), matched={"a": 62})
+    # The router's own pending prefill counts when the report shows less (chunked prefill runs).
+    pending = cluster(
+        InstanceView("a", waiting_prefill_tokens=100, pending_prefill_tokens=9000),
+        InstanceView("b"),
+        matched={"a": 120},
+    )
+    assert policy.choose(req, pending).instance_id == "b"
+    # Decode load: 130 running * 32 = 4160, plus 4*32 uncached = 4288 > b's 4*1024 = 4096.
+    decoding = cluster(InstanceView("a", num_running=130), InstanceView("b"), matched={"a": 62})
     assert policy.choose(request(1024), decoding).instance_id == "b"
 
 
 def test_kvherd_memory_penalty_and_hotspot_guard() -> None:
-    policy = KvherdDispatch()
+    policy = KvherdDispatch(uncached_weight=1.0)
     req = request(1600)  # 100 blocks
     # a is cached-hot but has room for only 20 of the 60 uncached blocks: 40 short * 16 * 2 = 1280.
     view = cluster(
