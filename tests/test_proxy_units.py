@@ -524,3 +524,46 @@ async def test_fleet_saturation_exclusion_and_reregistration() -> None:
     fleet.dispatch("r3", 8, [])
     assert fleet.new_key("r3") != "r3"  # a client reusing an X-Request-Id in flight
     await fleet.stop()
+
+
+async def test_load_poller_falls_back_to_prometheus_then_backs_off() -> None:
+    from scheduler.load_poller import LoadPoller
+    from scheduler.load_report import LoadReport
+
+    metrics_text = (
+        b'vllm:num_requests_running{model_name="m"} 3\n'
+        b'vllm:num_requests_waiting{model_name="m"} 2\n'
+        b'vllm:kv_cache_usage_perc{model_name="m"} 0.25\n'
+    )
+    hits: list[bytes] = []
+    serve_metrics = True
+
+    async def plain_vllm(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                path = head.split(b" ")[1]
+                hits.append(path)
+                if path == b"/metrics" and serve_metrics:
+                    writer.write(
+                        b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s"
+                        % (len(metrics_text), metrics_text)
+                    )
+                else:
+                    writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+                await writer.drain()
+
+    reports: list[tuple[str, LoadReport]] = []
+    async with tcp_server(plain_vllm) as url:
+        poller = LoadPoller(lambda: {"v": url}, lambda i, r: reports.append((i, r)), lambda: 16)
+        await poller.poll_all()
+        await poller.poll_all()
+        assert hits == [b"/kvherd/v1/state", b"/metrics", b"/metrics"]
+        assert reports[-1][0] == "v"
+        assert (reports[-1][1].num_running, reports[-1][1].num_waiting) == (3, 2)
+        assert reports[-1][1].kv_usage == 0.25
+        serve_metrics = False  # no load endpoint at all: asked again only after a while
+        await poller.poll_all()
+        await poller.poll_all()
+        assert hits[3:] == [b"/metrics"]
+        await poller.stop()
