@@ -8,14 +8,17 @@ figures isolate the migration from HTTP. To reach 8k tokens of context the ``sma
 registered with 8,448 positions (same weights, longer RoPE tables).
 
 (a) Downtime by context length (256, 1k, 2k, 4k, 8k tokens of prompt): a request decodes on the
-    source; after 4 output tokens it moves to the destination, by
-    - kvherd: multi-stage copy (live stages while decoding, then stop-and-copy of <= 4 blocks);
-    - blocking full copy: suspend first, then copy every block (the same driver with no live stage;
-      it moves the request back, so the source's prefix cache does not help: cache-aware is off);
-    - recompute: the destination prefills the tokens so far (what re-dispatching costs).
+    source; after 4 output tokens it moves between the two instances, by
+    - kvherd: multi-stage copy (live stages while decoding, then stop-and-copy of <= 4 blocks),
+      `--rounds` times back and forth (medians);
+    - blocking full copy: suspend first, then copy every block (the same driver with no live
+      stage), half as many rounds;
+    - recompute: the destination prefills as many tokens (what re-dispatching costs).
+    Cache-aware transfer is off here (the instance a request left still caches its blocks).
     Downtime is the time the request makes no progress: suspend to commit for the copies, the
-    prefill for recompute. Also shown: the longest gap between two of the request's tokens around
-    the migration, against its median inter-token time.
+    prefill for recompute. Also shown: the token stall (last token on the source to first token on
+    the destination, which adds a decode step and the wait for the step in flight) against the
+    request's median inter-token time.
 (b) Cache-aware transfer: the destination has served a request with the same 4,096-token prefix;
     bytes sent migrating a request of that prefix plus 256 tokens of its own, with and without.
 (c) Transfer rate: bytes per second of downtime of the blocking copy at the longest context
@@ -60,7 +63,10 @@ from migration.transport import TransportHub
 
 BLOCK_SIZE = 16
 DECODE_BEFORE = 4  # output tokens before the migration starts
-MULTI_STAGE = StageConfig(last_stage_max_blocks=4, max_live_stages=8)
+MAX_DECODE = 500  # enough for every round of migrations of one request
+# Cache-aware transfer is off for the downtime rounds: the request moves back and forth, and the
+# instance it left still caches its blocks; (b) measures cache-aware transfer on its own.
+MULTI_STAGE = StageConfig(last_stage_max_blocks=4, max_live_stages=8, cache_aware=False)
 BLOCKING = StageConfig(max_live_stages=0, cache_aware=False)
 
 
@@ -145,46 +151,63 @@ async def warm_pair(src: Instance, dst: Instance) -> None:
     )
 
 
-async def measure_context(a: Instance, b: Instance, length: int, seed: int) -> dict[str, Any]:
+async def bounce(
+    a: Instance, b: Instance, rid: str, config: StageConfig, rounds: int
+) -> tuple[list[MigrationOutcome], list[float], Instance]:
+    """Migrate `rid` back and forth `rounds` times, letting it decode a token in between.
+
+    Returns the outcomes, each migration's token stall (last token on the source to first token
+    on the destination) and the instance the request ends on."""
+    outcomes, stalls = [], []
+    src, dst = a, b
+    for _ in range(rounds):
+        outcomes.append(await migrate(src, dst, rid, config))
+        last_src = src.thread.token_times[rid][-1]
+        have = len(dst.thread.token_times.get(rid, []))
+        await wait_for(lambda dst=dst, have=have: len(dst.thread.token_times.get(rid, [])) > have)
+        stalls.append(dst.thread.token_times[rid][have] - last_src)
+        src, dst = dst, src
+    return outcomes, stalls, src
+
+
+async def measure_context(
+    a: Instance, b: Instance, length: int, seed: int, rounds: int
+) -> dict[str, Any]:
     rid = f"ctx{length}"
-    tokens = prompt(length, seed)
-    await start_decoding(a, rid, tokens, max_tokens=64)
-    migrated_at = len(a.thread.token_times[rid])
-    multi = await migrate(a, b, rid, MULTI_STAGE)
-    await wait_for(lambda: len(b.thread.tokens.get(rid, [])) >= 3)
-    times = a.thread.token_times[rid] + b.thread.token_times[rid]
-    gaps = token_gaps(times)
-    stall = max(gaps[migrated_at - 2 :])
-    tbt = statistics.median(gaps[1 : migrated_at - 1]) if migrated_at > 2 else float("nan")
-    # Back again with the blocking copy (the request is still decoding on b).
-    blocking = await migrate(b, a, rid, BLOCKING)
-    await a.thread.run(lambda e: e.abort(rid))
-    # Recompute: the destination prefills the same number of tokens from scratch.
+    await start_decoding(a, rid, prompt(length, seed), max_tokens=MAX_DECODE)
+    tbt = statistics.median(token_gaps(a.thread.token_times[rid])[1:])
+    multi, stalls, at = await bounce(a, b, rid, MULTI_STAGE, rounds)
+    blocking, _, at = await bounce(at, a if at is b else b, rid, BLOCKING, max(1, rounds // 2))
+    await at.thread.run(_aborter(rid))
+    # Recompute: the destination prefills as many tokens, from scratch (fresh tokens: no hits).
     fresh = prompt(length + DECODE_BEFORE, seed + 10_000)
     started = time.perf_counter()
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     await b.thread.run(lambda e: e.add_request(f"re{length}", fresh, params))
     await wait_for(lambda: f"re{length}" in b.thread.finish_reasons)
     recompute_s = b.thread.token_times[f"re{length}"][0] - started
+    await b.thread.run(_aborter(f"re{length}"))
     return {
         "context": length,
         "multi_stage": outcome_row(multi),
         "blocking": outcome_row(blocking),
         "recompute_s": recompute_s,
-        "multi_stage_token_stall_s": stall,
+        "multi_stage_token_stall_s": statistics.median(stalls),
         "median_tbt_s": tbt,
     }
 
 
-def outcome_row(outcome: MigrationOutcome) -> dict[str, Any]:
+def outcome_row(outcomes: list[MigrationOutcome]) -> dict[str, Any]:
+    """Medians over repeated migrations of one request (downtimes listed too)."""
     return {
-        "downtime_s": outcome.downtime_s,
-        "duration_s": outcome.duration_s,
-        "stages": outcome.stages,
-        "blocks_sent": outcome.blocks_sent,
-        "blocks_skipped": outcome.blocks_skipped,
-        "bytes_sent": outcome.bytes_sent,
-        "bytes_skipped": outcome.bytes_skipped,
+        "downtime_s": statistics.median(o.downtime_s for o in outcomes),
+        "downtimes_s": [o.downtime_s for o in outcomes],
+        "duration_s": statistics.median(o.duration_s for o in outcomes),
+        "stages": statistics.median_low(o.stages for o in outcomes),
+        "blocks_sent": statistics.median_low(o.blocks_sent for o in outcomes),
+        "blocks_skipped": statistics.median_low(o.blocks_skipped for o in outcomes),
+        "bytes_sent": statistics.median_low(o.bytes_sent for o in outcomes),
+        "bytes_skipped": statistics.median_low(o.bytes_skipped for o in outcomes),
     }
 
 
@@ -196,11 +219,11 @@ async def measure_cache_aware(a: Instance, b: Instance, prefix_len: int) -> dict
     await wait_for(lambda: "warm" in b.thread.finish_reasons)
     rows = {}
     for seed, (name, config) in enumerate(
-        (("without", dataclasses.replace(MULTI_STAGE, cache_aware=False)), ("with", MULTI_STAGE))
+        (("without", MULTI_STAGE), ("with", dataclasses.replace(MULTI_STAGE, cache_aware=True)))
     ):
         rid = f"shared-{name}"
         await start_decoding(a, rid, prefix + prompt(256, 20 + seed), max_tokens=64)
-        rows[name] = outcome_row(await migrate(a, b, rid, config))
+        rows[name] = outcome_row([await migrate(a, b, rid, config)])
         await b.thread.run(_aborter(rid))
     return {"prefix": prefix_len, **rows}
 
@@ -215,13 +238,15 @@ def _aborter(request_id: str) -> Any:
 def raw_gloo_rate(nbytes: int, repeats: int = 3) -> float:
     """Bytes per second of one plain gloo send of `nbytes` between two ranks of a fresh pair group
     (preallocated tensors, one message, no chunking): the transport's ceiling here."""
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60), wait_for_workers=False)
+    timeout = timedelta(seconds=60)
+    master = dist.TCPStore("127.0.0.1", 0, None, True, timeout, wait_for_workers=False)
+    # One store connection per rank: a blocking wait on a shared connection would stall the other.
+    stores = [dist.TCPStore("127.0.0.1", master.port, None, False, timeout), master]
     groups: dict[int, Any] = {}
 
     def join(rank: int) -> None:
-        groups[rank] = dist.ProcessGroupGloo(
-            dist.PrefixStore("raw", store), rank, 2, timedelta(seconds=60)
-        )
+        store = dist.PrefixStore("raw", stores[rank])
+        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, timeout)
 
     joiner = threading.Thread(target=join, args=(1,))
     joiner.start()
@@ -244,7 +269,7 @@ def raw_gloo_rate(nbytes: int, repeats: int = 3) -> float:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     contexts = [int(c) for c in args.contexts.split(",")]
-    max_len = max(max(contexts), args.prefix + 256) + 256
+    max_len = max(max(contexts), args.prefix + 256) + MAX_DECODE + 64
     preset = f"{args.preset}-{max_len}"
     PRESETS[preset] = dataclasses.replace(PRESETS[args.preset], max_position_embeddings=max_len)
     num_blocks = 3 * (max_len // BLOCK_SIZE) + 64
@@ -255,7 +280,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await warm_pair(b, a)
         per_context = []
         for i, length in enumerate(contexts):
-            per_context.append(await measure_context(a, b, length, seed=100 + i))
+            per_context.append(await measure_context(a, b, length, 100 + i, args.rounds))
             row = per_context[-1]
             print(
                 f"  {length:>5} tokens: multi-stage {row['multi_stage']['downtime_s'] * 1e3:.1f} ms, "
@@ -330,6 +355,7 @@ def main() -> int:
     parser.add_argument("--preset", default="small", choices=sorted(PRESETS))
     parser.add_argument("--contexts", default="256,1024,2048,4096,8192")
     parser.add_argument("--prefix", type=int, default=4096, help="shared prefix for (b)")
+    parser.add_argument("--rounds", type=int, default=6, help="migrations per context (medians)")
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args()
     result = asyncio.run(run(args))

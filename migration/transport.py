@@ -186,7 +186,7 @@ class TransportHub:
             current = self._accepting.get(peer)
             if current is None or _unusable(current[1]):
                 name = f"kvherd/{self.incarnation}/{next(self._counter)}"
-                future = self._pool.submit(self._join, self._store, name, 1, self.chunk_bytes)
+                future = self._pool.submit(self._accept, name)
                 current = (name, future)
                 self._accepting[peer] = current
             return TransportEndpoint(
@@ -264,6 +264,17 @@ class TransportHub:
         for channel in channels:
             channel.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _accept(self, name: str) -> PairChannel:
+        # A connection of its own to our store: rendezvous with several sources at once must not
+        # queue behind one another's blocking waits on a shared connection.
+        try:
+            store = dist.TCPStore(
+                self.host, self.port, None, False, timedelta(seconds=self.rendezvous_timeout_s)
+            )
+        except (RuntimeError, OSError) as e:
+            raise TransferError(f"cannot reach this instance's own store: {e}") from e
+        return self._join(store, name, 1, self.chunk_bytes)
 
     def _join(self, store: Any, name: str, rank: int, chunk_bytes: int) -> PairChannel:
         try:
