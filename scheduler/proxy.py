@@ -17,9 +17,10 @@ Contract:
   back until the first chunk), up to ``max_attempts`` in all; then the client gets a 502/504 error
   object. After the first byte is relayed, an upstream failure ends the client's stream.
 - Admission: an instance is saturated when the proxy has ``max_inflight_per_instance`` requests in
-  flight on it. When every dispatchable instance is saturated a request waits in a FIFO admission
-  queue of at most ``queue_size`` entries for up to ``queue_timeout_s``; past either bound it gets
-  429 with an OpenAI error object. With no dispatchable instance at all it gets 503.
+  flight on it (`scheduler.fleet.FleetSettings`). When every dispatchable instance is saturated a
+  request waits in a FIFO admission queue of at most ``queue_size`` entries for up to
+  ``queue_timeout_s``; past either bound it gets 429 with an OpenAI error object. With no
+  dispatchable instance at all it gets 503.
 - Bad input (not JSON, not an object, missing or mistyped prompt/messages, an oversized body) gets
   400 with ``{"error": {"message", "type", "param", "code"}}``; nothing a client sends crashes the
   proxy. Validation beyond what routing needs is the instance's (its 400 is relayed as is).
@@ -71,7 +72,6 @@ _FORWARD_HEADERS = frozenset({b"accept", b"user-agent", b"openai-organization"})
 @dataclass(slots=True)
 class ProxyConfig:
     max_attempts: int = 3
-    max_inflight_per_instance: int = 256
     queue_size: int = 1024
     queue_timeout_s: float = 30.0
     connect_timeout_s: float = 2.0

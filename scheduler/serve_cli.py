@@ -281,7 +281,6 @@ async def serve_fleet(
         tenants,
         ProxyConfig(
             max_attempts=args.max_attempts,
-            max_inflight_per_instance=args.max_inflight_per_instance,
             queue_size=args.queue_size,
             queue_timeout_s=args.queue_timeout,
             connect_timeout_s=args.connect_timeout,
