@@ -40,7 +40,7 @@ LOOPBACK_PATTERNS: tuple[str, ...] = ("127.0.0.0/8", "::1", "localhost")
 
 
 def _error(status: int, message: str, type: str, param: str | None = None) -> Response:
-    body = {"error": {"message": message, "type": type, "param": param, "code": status}}
+    body = {"error": {"message": message, "type": type, "param": param, "code": None}}
     return Response(orjson.dumps(body), status_code=status, media_type="application/json")
 
 
@@ -148,10 +148,7 @@ def build_admin_app(fleet: Fleet, token: str, allow: RegistrationPolicy) -> Fast
         presented = request.headers.get("authorization", "").encode()
         if not hmac.compare_digest(presented, expected):
             return _error(401, "missing or invalid admin token", "authentication_error")
-        try:
-            response: Response = await call_next(request)
-        except FleetError as exc:
-            return _error(exc.status, exc.message, "invalid_request_error", exc.param)
+        response: Response = await call_next(request)
         return response
 
     @app.exception_handler(FleetError)
