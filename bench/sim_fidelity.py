@@ -7,7 +7,7 @@ Steps, all on this machine:
      through the proxy, then shutdown.
   3. `kvherd sim` of the same trace with the calibrated model, N instances, the same policies.
 The trace is the Mooncake trace scaled down to fit the tiny model's 2,048-token context: the first
-`--requests` requests, every length divided by `--shrink` and the hash-id block shrunk alike
+`--requests` requests that fit, every length divided by `--shrink` and the hash-id block shrunk alike
 (512/shrink tokens), so the prefix-sharing structure is kept; outputs are capped at `--max-output`.
 Printed side by side: TTFT p50/p90, TPOT p50 and hit rate, real vs simulated, with relative errors
 (target: within 10%).
@@ -49,11 +49,15 @@ def _free_port() -> int:
 def _shrunk_trace(
     out: Path, requests: int, shrink: int, max_output: int, rate_scale: float
 ) -> Path:
-    lines = []
+    lines: list[dict[str, object]] = []
     with MOONCAKE.open() as f:
-        for _, raw in zip(range(requests), f, strict=False):
+        for raw in f:
+            if len(lines) == requests:
+                break
             row = json.loads(raw)
             length = max(1, row["input_length"] // shrink)
+            if length + max_output > 2000:  # keep within the tiny model's 2,048-token context
+                continue
             block = 512 // shrink
             ids = row["hash_ids"][: -(-length // block)]
             lines.append(
@@ -96,13 +100,21 @@ def _real(trace: Path, policy: str, args: argparse.Namespace, engine: list[str],
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
-        while True:
+        admin_url = f"http://127.0.0.1:{admin}/admin/v1/instances"
+        while True:  # ready when every agent is registered and the proxy lists a model
             if proc.poll() is not None:
                 raise RuntimeError(f"kvherd up exited; see {log.name}")
             try:
-                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                listed = httpx.get(admin_url, headers={"Authorization": "Bearer bench"}, timeout=2)
+                models = httpx.get(f"{url}/v1/models", timeout=2)
+                if (
+                    listed.status_code == 200
+                    and len(listed.json()["data"]) == args.instances
+                    and models.status_code == 200
+                    and models.json()["data"]
+                ):
                     break
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError, KeyError):
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError("kvherd up did not become ready")
