@@ -76,6 +76,7 @@ def main() -> int:
             policy,
             args.latency_model,
             args.migration_policy,
+            args.block_size,
         )
         for rate in rates
         for policy in policies
