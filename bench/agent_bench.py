@@ -8,9 +8,11 @@ cache hits) and `--max-tokens` output tokens each (EOS ignored, seeded sampling)
     finished; kvherd is a streamed ``POST /v1/completions`` through a real `kvherd agent` process on
     loopback (httpx client, keep-alive). The difference of the medians is the per-request overhead
     of the HTTP layer (parsing, validation, engine-thread hand-off, SSE framing, client parsing).
-(b) Concurrent: `--concurrency` requests kept in flight. Baseline: the engine stepping with that
-    many requests admitted; kvherd: that many concurrent streams. Reported as requests/s and
-    output tokens/s, and the kvherd/in-process ratio.
+(b) Concurrent: `--concurrency` requests kept in flight against an engine batching at most
+    `--max-num-seqs` (default 64 in flight, 32 in the batch, so the waiting queue keeps the batch
+    full while clients turn around). Baseline: the engine stepping with that many requests added;
+    kvherd: that many concurrent streams. Reported as requests/s and output tokens/s, and the
+    kvherd/in-process ratio.
 
 The two sides are interleaved (request by request in (a), round by round in (b), medians over
 `--rounds`), so load from anything else on the machine hits both alike; the idle side sleeps (the
@@ -102,7 +104,7 @@ def start_agent(args: argparse.Namespace, log_path: str) -> tuple[subprocess.Pop
     cmd = [
         sys.executable, "-m", "kvherd", "agent", "--host", "127.0.0.1", "--port", str(port),
         "--model", args.model, "--num-gpu-blocks", str(args.num_blocks),
-        "--max-num-seqs", str(max(args.concurrency, 1)), "--log-level", "warning",
+        "--max-num-seqs", str(args.max_num_seqs), "--log-level", "warning",
         "--torch-threads", str(args.threads),
     ]  # fmt: skip
     with open(log_path, "wb") as log:
@@ -163,9 +165,10 @@ async def http_concurrent(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--requests", type=int, default=64, help="per concurrent round")
+    parser.add_argument("--requests", type=int, default=128, help="per concurrent round")
     parser.add_argument("--sequential-requests", type=int, default=20, help="per round")
-    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--num-blocks", type=int, default=2048)
@@ -175,6 +178,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.requests, args.sequential_requests, args.concurrency, args.rounds = 16, 4, 8, 1
+        args.max_num_seqs = 4
     import torch
 
     torch.set_num_threads(args.threads)
@@ -182,7 +186,7 @@ def main() -> None:
         EngineConfig(
             model=args.model,
             num_gpu_blocks=args.num_blocks,
-            max_num_seqs=max(args.concurrency, 1),
+            max_num_seqs=args.max_num_seqs,
             device="cpu",
         )
     )
@@ -222,6 +226,7 @@ def main() -> None:
     print(
         f"model={args.model} prompt_len={args.prompt_len} max_tokens={m} rounds={args.rounds} "
         f"sequential={args.sequential_requests}/round concurrent={n}/round concurrency={c} "
+        f"max_num_seqs={args.max_num_seqs} "
         f"threads={args.threads} cpus={os.cpu_count()}"
     )
     print(f"{'':36}{'in-process':>12}{'kvherd agent':>14}{'ratio':>8}")
