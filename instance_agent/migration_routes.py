@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import httpx
 import torch
 from fastapi import APIRouter, FastAPI, Request
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from instance_agent.engine.request import RequestStatus
 from instance_agent.protocol import OpenAIError, bad_request
@@ -104,8 +105,15 @@ class EngineMigrationAdapter:
     def release_migrated(self, request_id: str) -> None:
         self.engine.release_migrated(request_id)
 
-    def read_kv(self, block_ids: Sequence[int]) -> torch.Tensor:
-        return self.engine.read_kv(block_ids)
+    def read_kv(self, block_ids: Sequence[int], out: Any = None) -> torch.Tensor:
+        if out is None:
+            return self.engine.read_kv(block_ids)
+        cache = self.engine.runner.kv_cache
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=cache.device)
+        shape = list(self._block_shape)
+        shape[2] = len(block_ids)
+        torch.index_select(cache, 2, index, out=out.view(self._dtype).view(shape))
+        return out
 
     # -- destination role ------------------------------------------------------------------------
     def share_cached_prefix(self, owner_id: str, block_hashes: Sequence[int]) -> list[int]:
@@ -142,6 +150,39 @@ class MigrationSettings:
     stages: StageConfig = field(default_factory=StageConfig)
 
 
+class MigrationMetrics:
+    """Prometheus series for migrations out of this agent (on the agent's registry)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.migrations = Counter(
+            "kvherd:migrations_out",
+            "Migrations out of this instance, by outcome (committed or the abort reason).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.bytes = Counter(
+            "kvherd:migration_kv_bytes",
+            "KV bytes of migrated requests: sent, or skipped (shared from the destination's cache).",
+            ["kind"],
+            registry=registry,
+        )
+        self.downtime = Histogram(
+            "kvherd:migration_downtime_seconds",
+            "Time a committed migration kept its request suspended.",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0),
+            registry=registry,
+        )
+
+    def record(self, outcome: MigrationOutcome) -> None:
+        committed = outcome.status is MigrationStatus.COMMITTED
+        label = "committed" if committed or outcome.reason is None else outcome.reason.value
+        self.migrations.labels(label).inc()
+        self.bytes.labels("sent").inc(outcome.bytes_sent)
+        if committed:
+            self.bytes.labels("skipped").inc(outcome.bytes_skipped)
+            self.downtime.observe(outcome.downtime_s)
+
+
 class MigrationService:
     """This agent's migration state: source driver, destination endpoints, transport."""
 
@@ -168,6 +209,9 @@ class MigrationService:
         self._outgoing: set[str] = set()
         self._http = httpx.AsyncClient(timeout=self.settings.control_timeout_s)
         self.outcomes: dict[str, int] = {}  # "committed" or an abort reason -> count
+        self.metrics = (
+            MigrationMetrics(engine_loop.metrics.registry) if engine_loop.metrics else None
+        )
 
     async def call(self, fn: Callable[[MigratableEngine], T]) -> T:
         adapter = self.adapter
@@ -198,6 +242,8 @@ class MigrationService:
                 self._outgoing.discard(order.request_id)
         key = outcome.reason.value if outcome.reason else outcome.status.value
         self.outcomes[key] = self.outcomes.get(key, 0) + 1
+        if self.metrics is not None:
+            self.metrics.record(outcome)
         return outcome
 
     async def close(self) -> None:

@@ -143,9 +143,11 @@ class MigratableEngine(Protocol):
         """The destination committed: end the request here as migrated and free its blocks."""
         ...
 
-    def read_kv(self, block_ids: Sequence[int]) -> Any:
+    def read_kv(self, block_ids: Sequence[int], out: Any = None) -> Any:
         """A contiguous tensor of `len(block_ids) * kv_bytes_per_block()` bytes holding the KV of
-        `block_ids` in that order, in a layout `write_kv` of the same engine build understands."""
+        `block_ids` in that order, in a layout `write_kv` of the same engine build understands.
+        With `out` (a flat uint8 tensor of that size), the KV is gathered into it and `out` is
+        returned: a reused staging buffer spares a page-faulting allocation per piece."""
         ...
 
     # -- destination role ------------------------------------------------------------------------

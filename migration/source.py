@@ -21,6 +21,8 @@ import time
 import uuid
 from typing import Any
 
+import torch
+
 from migration.protocol import (
     AbortReason,
     AbortRequest,
@@ -158,10 +160,16 @@ async def _send_stage(
 
     One engine call per piece, so decoding steps interleave with a live stage's reads."""
     per = blocks_per_piece(endpoint.chunk_bytes, bytes_per_block)
+    # Two staging buffers alternate: piece i+1 is gathered into one while the other is sent
+    # (piece i-1's send has completed by then).
+    size = min(per, len(block_ids)) * bytes_per_block
+    buffers = [torch.empty(size, dtype=torch.uint8, device=channel.device) for _ in range(2)]
     sending: asyncio.Future[None] | None = None
     try:
-        for start in range(0, len(block_ids), per):
-            kv = await call(_reader(block_ids[start : start + per]))
+        for n, start in enumerate(range(0, len(block_ids), per)):
+            piece = block_ids[start : start + per]
+            staging = buffers[n % 2][: len(piece) * bytes_per_block]
+            kv = await call(_reader(piece, staging))
             if sending is not None:
                 await sending
             sending = asyncio.ensure_future(asyncio.to_thread(channel.send, kv, endpoint.tag))
@@ -174,9 +182,9 @@ async def _send_stage(
             await asyncio.wait([sending])
 
 
-def _reader(block_ids: list[int]) -> Any:
+def _reader(block_ids: list[int], out: Any) -> Any:
     def read(engine: MigratableEngine) -> Any:
-        return engine.read_kv(block_ids)
+        return engine.read_kv(block_ids, out)
 
     return read
 

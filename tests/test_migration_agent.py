@@ -166,6 +166,9 @@ async def test_migration_over_http_moves_the_request_and_its_blocks(
         assert "r3" in b.engine.scheduler.requests
         assert a.service.outcomes == {"committed": 1}
         assert b.service.destination.committed == 1
+        exposition = (await client.get(f"{a.url}/metrics")).text
+        assert 'kvherd:migrations_out_total{outcome="committed"} 1.0' in exposition
+        assert "kvherd:migration_downtime_seconds_count 1.0" in exposition
         # Relaying the client's stream from the destination is the engine loop's part (not yet
         # there): the client closes its stream and the destination's copy is aborted.
         streaming.cancel()
