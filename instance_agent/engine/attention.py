@@ -16,6 +16,7 @@ Contract:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +41,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # bool [num_decodes, 1, 1, max_blocks * block_size]
     prefills: list[PrefillChunk] = field(default_factory=list)
     use_triton: bool = False
+    workspace: torch.Tensor | None = None  # flat scratch for gathered decode KV (CPU path)
 
 
 def build_metadata(
@@ -133,7 +135,12 @@ def paged_attention(
         else:
             assert meta.decode_mask is not None
             out[:nd] = decode_attention_torch(
-                query[:nd], kv_cache, meta.decode_block_tables, meta.decode_mask, scale
+                query[:nd],
+                kv_cache,
+                meta.decode_block_tables,
+                meta.decode_mask,
+                scale,
+                meta.workspace,
             )
     groups = query.shape[1] // key.shape[1]
     for chunk in meta.prefills:
@@ -164,12 +171,24 @@ def decode_attention_torch(
     block_tables: torch.Tensor,
     mask: torch.Tensor,
     scale: float,
+    workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence against its paged context; padding masked out."""
+    """One query token per sequence against its paged context; padding masked out.
+
+    `workspace`, if given, is a flat buffer of at least ``2 * n * length * kv_heads * head_dim``
+    elements that receives the gathered KV: reusing it across layers and steps saves allocating
+    (and page-faulting) megabytes per layer.
+    """
     n, _, _ = query.shape
     _, _, block_size, kv_heads, head_dim = kv_cache.shape
     length = block_tables.shape[1] * block_size
-    kv = kv_cache.index_select(1, block_tables.flatten()).view(2, n, length, kv_heads, head_dim)
+    index = block_tables.flatten()
+    shape = (2, index.numel(), block_size, kv_heads, head_dim)
+    if workspace is None:
+        kv = kv_cache.index_select(1, index)
+    else:
+        kv = torch.index_select(kv_cache, 1, index, out=workspace[: math.prod(shape)].view(shape))
+    kv = kv.view(2, n, length, kv_heads, head_dim)
     k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
     o = F.scaled_dot_product_attention(
         query[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=True

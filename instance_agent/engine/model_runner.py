@@ -37,6 +37,7 @@ class ModelRunner:
         )
         # Triton decode kernel on CUDA (lazy import); the torch path elsewhere.
         self.use_triton = self.device.type == "cuda" and supports(block_size)
+        self._workspace: torch.Tensor | None = None
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
@@ -76,6 +77,8 @@ class ModelRunner:
         meta = build_metadata(
             bs, decodes, prefills, torch.cat(slots).to(dev), dev, use_triton=self.use_triton
         )
+        if decodes and not self.use_triton:
+            meta.workspace = self._decode_workspace(len(decodes) * max(len(b) for b, _ in decodes))
         hidden = self.model(
             torch.tensor(token_ids, dtype=torch.long, device=dev),
             torch.cat(positions).to(dev),
@@ -90,6 +93,14 @@ class ModelRunner:
         return {
             item.request.request_id: tok for item, tok in zip(sampling_items, sampled, strict=True)
         }
+
+    def _decode_workspace(self, num_blocks: int) -> torch.Tensor:
+        """Flat scratch for the decode KV gather, grown on demand and kept across steps."""
+        cfg = self.config
+        needed = 2 * num_blocks * self.block_size * cfg.num_key_value_heads * cfg.head_dim
+        if self._workspace is None or self._workspace.numel() < needed:
+            self._workspace = torch.empty(needed, dtype=self.dtype, device=self.device)
+        return self._workspace
 
     # -- migration ---------------------------------------------------------------------------
     def _block_index(self, block_ids: list[int]) -> torch.Tensor:
