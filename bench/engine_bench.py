@@ -3,6 +3,9 @@
 Model: preset ``small`` shapes (8 layers, hidden 512, 8 heads / 4 KV heads, fp32, CPU); the weights
 are drawn by transformers from a seed, saved with ``save_pretrained`` and loaded by both sides.
 
+Every kvherd and HF-batched figure in (a) is the best of two alternating runs (the machines this runs on
+are often shared); the sequential baseline runs once.
+
 (a) Throughput: 16 concurrent requests, 256-token prompts, 64 greedy output tokens each (EOS
     ignored). kvherd admits all 16 at once (continuous batching, chunked prefill). Baselines:
     transformers `generate` on the 16 prompts as one batch (equal lengths, so no padding is wasted:
@@ -94,18 +97,21 @@ def hf_generate(model: torch.nn.Module, work: Workload) -> list[list[int]]:
     return [row[width : width + n] for row, (_, n) in zip(out.tolist(), work, strict=True)]
 
 
-def part_a(hf: torch.nn.Module, ckpt: str, work: Workload, label: str) -> list[tuple]:
-    engine = LLMEngine(EngineConfig(model=ckpt, device="cpu", max_num_batched_tokens=2048))
+def part_a(hf: torch.nn.Module, ckpt: str, work: Workload, label: str, repeats: int) -> list[tuple]:
     warm = [(p, 4) for p in prompts(2, 32, seed=9)]
-    run_engine(engine, warm)  # warm-up (allocator, kernels)
     hf_generate(hf, warm[:1])
-
-    t = time.perf_counter()
-    ours = run_engine(engine, work)
-    t_ours = time.perf_counter() - t
-    t = time.perf_counter()
-    hf_batched = hf_generate(hf, work)
-    t_batched = time.perf_counter() - t
+    # kvherd and HF batched alternate `repeats` times and the best time of each counts, which
+    # damps interference on a shared machine. A fresh engine per run: no prefix-cache carry-over.
+    t_ours = t_batched = float("inf")
+    for _ in range(repeats):
+        engine = LLMEngine(EngineConfig(model=ckpt, device="cpu", max_num_batched_tokens=2048))
+        run_engine(engine, warm)  # warm-up (allocator, kernels)
+        t = time.perf_counter()
+        ours = run_engine(engine, work)
+        t_ours = min(t_ours, time.perf_counter() - t)
+        t = time.perf_counter()
+        hf_batched = hf_generate(hf, work)
+        t_batched = min(t_batched, time.perf_counter() - t)
     t = time.perf_counter()
     hf_seq = [hf_generate(hf, [w])[0] for w in work]
     t_seq = time.perf_counter() - t
@@ -191,7 +197,8 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     n, plen, olen = (4, 64, 8) if args.quick else (16, 256, 64)
-    ttft_len, repeats = (256, 1) if args.quick else (2048, 3)
+    ttft_len, ttft_repeats = (256, 1) if args.quick else (2048, 3)
+    repeats = 1 if args.quick else 2
     waves, per_wave = (2, 4) if args.quick else (6, 32)
     uniform = [(p, olen) for p in prompts(n, plen, seed=1)]
     rng = random.Random(2)
@@ -211,15 +218,15 @@ def main() -> int:
         tables = [
             (
                 f"(a) {n} concurrent requests, {plen}-token prompts, {olen} output tokens each",
-                part_a(hf, ckpt, uniform, "uniform"),
+                part_a(hf, ckpt, uniform, "uniform", repeats),
             ),
             (
                 f"(a') {n} concurrent requests, prompts {plen // 4}-{plen * 2} tokens, "
                 f"{olen // 4}-{olen * 2} output tokens",
-                part_a(hf, ckpt, mixed, "mixed"),
+                part_a(hf, ckpt, mixed, "mixed", repeats),
             ),
         ]
-        ttft = part_b(hf, ckpt, ttft_len, repeats)
+        ttft = part_b(hf, ckpt, ttft_len, ttft_repeats)
 
     for title, thr in tables:
         print(f"\n{title}")
@@ -228,7 +235,7 @@ def main() -> int:
         )
         for name, secs, tot, gen, ratio in thr:
             print(f"{name:<32}{secs:>9.2f}{tot:>13.0f}{gen:>14.1f}{ratio:>10.2f}")
-    print(f"\n(b) TTFT of a {ttft_len}-token prompt (median of {repeats})")
+    print(f"\n(b) TTFT of a {ttft_len}-token prompt (median of {ttft_repeats})")
     print(f"{'case':<32}{'TTFT ms':>9}{'vs cold':>10}")
     for name, secs, ratio in ttft:
         print(f"{name:<32}{secs * 1000:>9.1f}{ratio:>10.3f}")
