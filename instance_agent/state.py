@@ -114,7 +114,5 @@ def snapshot(
         "draining": draining,
     }
     if include_block_hashes:
-        state["cached_block_hashes"] = [
-            b.block_hash for b in block_manager.blocks if b.block_hash is not None
-        ]
+        state["cached_block_hashes"] = block_manager.cached_block_hashes()
     return state

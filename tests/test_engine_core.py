@@ -227,3 +227,37 @@ def test_random_operations_keep_integrity_and_events_replay(
     bm.check_integrity()
     assert bm.num_free_blocks == num_blocks and not bm.owners()
     assert replay_cached(bm.take_events(), replayed) == cached_hashes(bm)
+
+
+def test_kv_event_batches_round_trip_and_read_vllm_map_form() -> None:
+    import msgpack
+
+    from instance_agent.engine.kv_events import KVEventBatch, decode_batch, encode_batch
+
+    stored = BlockStored([1, 2], None, list(range(8)), 4)
+    batch = KVEventBatch(7, 1.5, [stored, BlockRemoved([1]), AllBlocksCleared()], dp_rank=0)
+    assert decode_batch(7, encode_batch(batch)) == batch
+    # Newer vLLM releases encode each event as a tagged map with extra keys; hashes may be bytes.
+    wire = [
+        2.0,
+        [
+            {
+                "type": "BlockStored",
+                "block_hashes": [(5).to_bytes(8, "big")],
+                "parent_block_hash": None,
+                "token_ids": [1, 2, 3, 4],
+                "block_size": 4,
+                "lora_id": None,
+                "medium": "GPU",
+                "lora_name": None,
+                "group_idx": 0,
+            },
+            {"type": "BlockRemoved", "block_hashes": [5], "medium": "GPU"},
+        ],
+        0,
+    ]
+    decoded = decode_batch(3, msgpack.packb(wire))
+    assert decoded.events == [
+        BlockStored([5], None, [1, 2, 3, 4], 4, None, "GPU"),
+        BlockRemoved([5], "GPU"),
+    ]

@@ -86,6 +86,10 @@ class BlockManager:
     def owners(self) -> list[str]:
         return list(self._owner_blocks)
 
+    def cached_block_hashes(self) -> list[BlockHash]:
+        """Hashes of every block in the prefix cache (what this instance's KV events announced)."""
+        return list(self._cached)
+
     # -- prefix cache ------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """Leading cached blocks of `request` and how many tokens they cover."""

@@ -10,8 +10,10 @@ Contract:
   event is a tagged array ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
   lora_id, medium]``, ``["BlockRemoved", block_hashes, medium]`` or ``["AllBlocksCleared"]``.
   The sequence number is not in the payload: it is its own 8-byte big-endian ZMQ frame.
-- Decoding is tolerant of the fields newer vLLM versions append (extra trailing items are ignored) and
-  of block hashes sent as bytes (converted to ints, big-endian, as vLLM's consumers do).
+- Decoding also reads the map form newer vLLM releases send for events
+  (``{"type": "BlockStored", "block_hashes": ..., ...}`` inside the same positional batch), ignores the
+  fields newer versions append (extra trailing items or unknown keys), and accepts block hashes sent as
+  bytes (converted to ints, big-endian, as vLLM's consumers do).
 """
 
 from __future__ import annotations
@@ -90,7 +92,33 @@ def _as_hash(value: Any) -> int:
     raise KVEventDecodeError(f"block hash must be int or bytes, got {type(value).__name__}")
 
 
+def _event_from_map(item: dict[Any, Any]) -> KVEvent:
+    tag = item.get("type")
+    try:
+        if tag == "BlockStored":
+            parent = item.get("parent_block_hash")
+            return BlockStored(
+                block_hashes=[_as_hash(h) for h in item["block_hashes"]],
+                parent_block_hash=None if parent is None else _as_hash(parent),
+                token_ids=[int(t) for t in item["token_ids"]],
+                block_size=int(item["block_size"]),
+                lora_id=item.get("lora_id"),
+                medium=item.get("medium"),
+            )
+        if tag == "BlockRemoved":
+            return BlockRemoved(
+                block_hashes=[_as_hash(h) for h in item["block_hashes"]], medium=item.get("medium")
+            )
+        if tag == "AllBlocksCleared":
+            return AllBlocksCleared()
+    except (KeyError, ValueError, TypeError) as exc:
+        raise KVEventDecodeError(f"malformed {tag} event: {exc!r}") from exc
+    raise KVEventDecodeError(f"unknown event type {tag!r}")
+
+
 def _event_from_wire(item: Any) -> KVEvent:
+    if isinstance(item, dict):
+        return _event_from_map(item)
     if not isinstance(item, list | tuple) or not item or not isinstance(item[0], str):
         raise KVEventDecodeError(f"event must be a tagged array, got {item!r:.80}")
     tag, fields = item[0], item[1:]
