@@ -298,8 +298,14 @@ async def serve_fleet(
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     signals = (signal.SIGINT, signal.SIGTERM) if handle_signals else ()
+
+    def on_signal() -> None:
+        if stop.is_set():  # a second Ctrl-C: stop without waiting for open requests
+            proxy_server.force_exit = admin_server.force_exit = True
+        stop.set()
+
     for sig in signals:
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     await fleet.start()
     if fleet.migration is not None:
         fleet.migration.start()
