@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from instance_agent.engine.request import RequestStatus
 from instance_agent.protocol import OpenAIError, bad_request
-from migration.destination import MigrationDestination
+from migration.destination import Adopt, MigrationDestination
 from migration.http_link import HttpDestination
 from migration.protocol import (
     AbortReason,
@@ -60,9 +60,7 @@ class EngineMigrationAdapter:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        cache = engine.runner.kv_cache  # [layers, 2, blocks, block_size, kv_heads, head_dim]
-        self._block_shape = list(cache.shape)
-        self._dtype = cache.dtype
+        cache = engine.runner.kv_cache
         self._bytes_per_block = cache[:, :, 0].numel() * cache.element_size()
 
     @property
@@ -105,15 +103,9 @@ class EngineMigrationAdapter:
     def release_migrated(self, request_id: str) -> None:
         self.engine.release_migrated(request_id)
 
-    def read_kv(self, block_ids: Sequence[int], out: Any = None) -> torch.Tensor:
-        if out is None:
-            return self.engine.read_kv(block_ids)
-        cache = self.engine.runner.kv_cache
-        index = torch.tensor(list(block_ids), dtype=torch.long, device=cache.device)
-        shape = list(self._block_shape)
-        shape[2] = len(block_ids)
-        torch.index_select(cache, 2, index, out=out.view(self._dtype).view(shape))
-        return out
+    def kv_block_views(self) -> list[torch.Tensor]:
+        cache = self.engine.runner.kv_cache  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+        return [cache[layer, kv] for layer in range(cache.shape[0]) for kv in range(2)]
 
     # -- destination role ------------------------------------------------------------------------
     def share_cached_prefix(self, owner_id: str, block_hashes: Sequence[int]) -> list[int]:
@@ -127,14 +119,6 @@ class EngineMigrationAdapter:
 
     def free_reservation(self, owner_id: str) -> None:
         self.engine.free_reservation(owner_id)
-
-    def write_kv(self, owner_id: str, block_ids: Sequence[int], kv: Any) -> bool:
-        if not set(block_ids) <= set(self.engine.block_manager.block_ids(owner_id)):
-            return False
-        shape = list(self._block_shape)
-        shape[2] = len(block_ids)
-        self.engine.write_kv(block_ids, kv.view(self._dtype).view(shape))
-        return True
 
     def adopt_request(self, state: dict[str, Any], block_ids: Sequence[int], owner_id: str) -> Any:
         return self.engine.adopt_request(state, block_ids, owner_id)
@@ -192,6 +176,7 @@ class MigrationService:
         instance_id: str,
         transport_host: str = "127.0.0.1",
         settings: MigrationSettings | None = None,
+        adopt: Adopt | None = None,
     ) -> None:
         self.settings = settings or MigrationSettings()
         self.engine_loop = engine_loop
@@ -205,6 +190,7 @@ class MigrationService:
             ReservationTable(self.settings.max_incoming, self.settings.reservation_timeout_s),
             self.adapter.block_size,
             self.adapter.kv_bytes_per_block(),
+            adopt=adopt,
         )
         self._outgoing: set[str] = set()
         self._http = httpx.AsyncClient(timeout=self.settings.control_timeout_s)

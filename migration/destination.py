@@ -8,9 +8,8 @@ Contract:
 - A refusal or failure at any stage frees everything the migration held here before answering, so
   the source can simply continue; `commit` adopts the request with exactly the blocks received, in
   order; `abort` frees them. Either is answered for an unknown migration too (idempotent).
-- KV is written into reserved blocks only while the reservation still holds them (checked by the
-  engine at write time): an abort that arrives while bytes are in flight wins, and the late bytes
-  are dropped.
+- KV lands directly in the reserved blocks (`migration.kv_copy`), so a reservation is freed only
+  after its receive in flight has ended: an abort never frees blocks that bytes may still reach.
 - `expire()` frees reservations whose source has gone silent for the table's timeout (a dead
   source); the agent calls it periodically (`run_expiry`).
 - All engine calls go through `call` (the engine thread); the table is touched only from the
@@ -22,26 +21,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-import torch
-
+from migration.kv_copy import recv_blocks
 from migration.protocol import (
     AbortReason,
     AbortRequest,
     AckResponse,
     CommitRequest,
     EngineCall,
-    MigratableEngine,
     ReserveRequest,
     ReserveResponse,
 )
 from migration.reservations import Reservation, ReservationError, ReservationTable
 from migration.stages import blocks_for
-from migration.transport import PairChannel, TransferError, TransportHub, blocks_per_piece
+from migration.transport import TransferError, TransportHub
 
 log = logging.getLogger(__name__)
+
+Adopt = Callable[[dict[str, Any], list[int], str], Awaitable[Any]]
+"""Adopts a committed request: (state, block ids in order, reservation owner id)."""
 
 
 class MigrationDestination:
@@ -53,8 +53,12 @@ class MigrationDestination:
         block_size: int,
         kv_bytes_per_block: int,
         clock: Callable[[], float] = time.monotonic,
+        adopt: Adopt | None = None,
     ) -> None:
         self.call = call
+        # How a committed request joins the engine; the agent passes one that also opens the
+        # request's output stream in the same engine-thread step, so no token is missed.
+        self.adopt: Adopt = adopt or self._adopt_on_engine
         self.hub = hub
         self.table = table
         self.block_size = block_size
@@ -62,6 +66,7 @@ class MigrationDestination:
         self.clock = clock
         self._receiving: dict[str, asyncio.Task[None]] = {}
         self._tags: dict[str, tuple[str, int]] = {}  # migration -> (pair group, message tag)
+        self._views: Sequence[Any] | None = None  # the engine's KV cache, by block id
         self.committed = 0
         self.aborted: dict[str, int] = {}  # reason -> count
 
@@ -130,7 +135,7 @@ class MigrationDestination:
         self.table.pop(mid)
         self._forget(mid)
         try:
-            await self.call(lambda e: e.adopt_request(state.to_json(), block_ids, mid))
+            await self.adopt(state.to_json(), block_ids, mid)
         except (ValueError, KeyError) as e:
             await self.call(lambda e: e.free_reservation(mid))
             self._count(AbortReason.DST_FAILED)
@@ -176,6 +181,11 @@ class MigrationDestination:
             await self._drop(reservation.migration_id, AbortReason.DST_FAILED)
 
     # -- internals -------------------------------------------------------------------------------
+    async def _adopt_on_engine(
+        self, state: dict[str, Any], block_ids: list[int], owner_id: str
+    ) -> Any:
+        return await self.call(lambda e: e.adopt_request(state, block_ids, owner_id))
+
     def _check_geometry(self, msg: ReserveRequest) -> str | None:
         if msg.block_size != self.block_size:
             return f"block size {msg.block_size} differs from this instance's {self.block_size}"
@@ -191,50 +201,21 @@ class MigrationDestination:
         return task is not None and not task.done()
 
     async def _receive(self, reservation: Reservation) -> None:
-        """Receive the stage in flight, piece by piece, into its reserved blocks."""
+        """Receive the stage in flight straight into its reserved blocks."""
         mid = reservation.migration_id
         block_ids = list(reservation.pending_block_ids)
         if block_ids:
+            if self._views is None:
+                self._views = await self.call(lambda e: e.kv_block_views())
             group, tag = self._tags[mid]
             channel = await asyncio.to_thread(self.hub.accepted, reservation.src, group)
-            if not await self._receive_pieces(reservation, channel, tag, block_ids):
-                return
+            try:
+                await asyncio.to_thread(recv_blocks, channel, self._views, block_ids, tag)
+            except TransferError:
+                self.hub.drop(channel)
+                raise
         if self.table.get(mid) is reservation:
             self.table.landed(mid, self.clock())
-
-    async def _receive_pieces(
-        self, reservation: Reservation, channel: PairChannel, tag: int, block_ids: list[int]
-    ) -> bool:
-        """Receive piece i+1 while piece i is written; False if the reservation went away.
-
-        Two staging buffers alternate: piece i+1 lands in one while the other is written."""
-        mid = reservation.migration_id
-        per = blocks_per_piece(channel.chunk_bytes, self.kv_bytes_per_block)
-        size = min(per, len(block_ids)) * self.kv_bytes_per_block
-        buffers = [torch.empty(size, dtype=torch.uint8, device=channel.device) for _ in range(2)]
-        writing: asyncio.Future[bool] | None = None
-        try:
-            for n, start in enumerate(range(0, len(block_ids), per)):
-                piece = block_ids[start : start + per]
-                staging = buffers[n % 2][: len(piece) * self.kv_bytes_per_block]
-                try:
-                    payload = await asyncio.to_thread(channel.recv_into, staging, tag)
-                except TransferError:
-                    self.hub.drop(channel)
-                    raise
-                if writing is not None:
-                    await writing
-                if self.table.get(mid) is not reservation:
-                    return False
-                # The engine re-checks ownership when it runs the write: an abort that frees
-                # the blocks first makes it drop the bytes.
-                writing = asyncio.ensure_future(self.call(_writer(mid, piece, payload)))
-            if writing is not None:
-                await writing
-        finally:
-            if writing is not None and not writing.done():
-                await asyncio.wait([writing])
-        return True
 
     async def _wait_landed(self, reservation: Reservation) -> str | None:
         """Wait for the stage in flight; returns why it failed, or None."""
@@ -252,10 +233,15 @@ class MigrationDestination:
 
     async def _drop(self, migration_id: str, reason: AbortReason) -> None:
         reservation = self.table.pop(migration_id)
+        receiving = self._receiving.get(migration_id)
         self._forget(migration_id)
         if reservation is None:
             return
         self._count(reason)
+        if receiving is not None and not receiving.done():
+            # Bytes land in the reserved blocks directly: they are freed only once the receive
+            # is over (it ends by itself within the transfer timeout when the source stops).
+            await asyncio.wait([receiving])
         await self.call(lambda e: e.free_reservation(migration_id))
 
     def _forget(self, migration_id: str) -> None:
@@ -271,12 +257,3 @@ def _retrieve(task: asyncio.Task[None]) -> None:
     """Mark a receive's failure as seen: it is reported through `_wait_landed`, or moot."""
     if not task.cancelled():
         task.exception()
-
-
-def _writer(
-    owner_id: str, block_ids: list[int], payload: Any
-) -> Callable[[MigratableEngine], bool]:
-    def write(engine: MigratableEngine) -> bool:
-        return engine.write_kv(owner_id, block_ids, payload)
-
-    return write

@@ -143,11 +143,10 @@ class MigratableEngine(Protocol):
         """The destination committed: end the request here as migrated and free its blocks."""
         ...
 
-    def read_kv(self, block_ids: Sequence[int], out: Any = None) -> Any:
-        """A contiguous tensor of `len(block_ids) * kv_bytes_per_block()` bytes holding the KV of
-        `block_ids` in that order, in a layout `write_kv` of the same engine build understands.
-        With `out` (a flat uint8 tensor of that size), the KV is gathered into it and `out` is
-        returned: a reused staging buffer spares a page-faulting allocation per piece."""
+    def kv_block_views(self) -> Sequence[Any]:
+        """The KV cache as tensors indexed by block id on dim 0 (`migration.kv_copy`); the
+        migration reads the source's rows and writes the destination's reserved rows in place,
+        off the engine thread (full blocks never change, reserved ones are unused)."""
         ...
 
     # -- destination role ------------------------------------------------------------------------
@@ -162,12 +161,6 @@ class MigratableEngine(Protocol):
 
     def free_reservation(self, owner_id: str) -> None:
         """Drop every block `owner_id` holds (shared ones lose one reference)."""
-        ...
-
-    def write_kv(self, owner_id: str, block_ids: Sequence[int], kv: Any) -> bool:
-        """Store the KV received for `block_ids` (a flat uint8 tensor with the bytes `read_kv`
-        produced on the source), only if `owner_id` still holds every one of them; returns
-        whether it wrote. Late bytes of an aborted migration thus never touch reused blocks."""
         ...
 
     def adopt_request(self, state: dict[str, Any], block_ids: Sequence[int], owner_id: str) -> Any:

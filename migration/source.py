@@ -21,8 +21,7 @@ import time
 import uuid
 from typing import Any
 
-import torch
-
+from migration.kv_copy import send_blocks
 from migration.protocol import (
     AbortReason,
     AbortRequest,
@@ -38,7 +37,7 @@ from migration.protocol import (
     TransportEndpoint,
 )
 from migration.stages import MigrationAborted, Phase, StageConfig, StagePlanner
-from migration.transport import PairChannel, TransferError, TransportHub, blocks_per_piece
+from migration.transport import PairChannel, TransferError, TransportHub
 
 
 def _snapshot(request_id: str) -> Any:
@@ -75,7 +74,9 @@ async def migrate_out(
     transport peer identity, unique per incarnation)."""
     migration_id = uuid.uuid4().hex
     started = time.perf_counter()
-    block_size, bytes_per_block = await call(lambda e: (e.block_size, e.kv_bytes_per_block()))
+    block_size, bytes_per_block, views = await call(
+        lambda e: (e.block_size, e.kv_bytes_per_block(), e.kv_block_views())
+    )
     planner = StagePlanner(request_id, block_size, config or StageConfig())
     channel: PairChannel | None = None
     endpoint: TransportEndpoint | None = None
@@ -117,7 +118,7 @@ async def migrate_out(
             if stage.num_blocks:
                 assert channel is not None and endpoint is not None
                 ids = list(stage.src_block_ids)
-                await _send_stage(call, channel, endpoint, ids, bytes_per_block)
+                await asyncio.to_thread(send_blocks, channel, views, ids, endpoint.tag)
             planner.landed(stage)
             if stage.final:
                 break
@@ -147,46 +148,6 @@ async def migrate_out(
         with contextlib.suppress(DestinationError):
             await link.abort(AbortRequest(migration_id, reason.value))
     return _outcome(planner, migration_id, bytes_per_block, started, suspended_at, reason, detail)
-
-
-async def _send_stage(
-    call: EngineCall,
-    channel: PairChannel,
-    endpoint: TransportEndpoint,
-    block_ids: list[int],
-    bytes_per_block: int,
-) -> None:
-    """Send a stage's KV piece by piece, reading piece i+1 while piece i is on the wire.
-
-    One engine call per piece, so decoding steps interleave with a live stage's reads."""
-    per = blocks_per_piece(endpoint.chunk_bytes, bytes_per_block)
-    # Two staging buffers alternate: piece i+1 is gathered into one while the other is sent
-    # (piece i-1's send has completed by then).
-    size = min(per, len(block_ids)) * bytes_per_block
-    buffers = [torch.empty(size, dtype=torch.uint8, device=channel.device) for _ in range(2)]
-    sending: asyncio.Future[None] | None = None
-    try:
-        for n, start in enumerate(range(0, len(block_ids), per)):
-            piece = block_ids[start : start + per]
-            staging = buffers[n % 2][: len(piece) * bytes_per_block]
-            kv = await call(_reader(piece, staging))
-            if sending is not None:
-                await sending
-            sending = asyncio.ensure_future(asyncio.to_thread(channel.send, kv, endpoint.tag))
-        if sending is not None:
-            await sending
-    finally:
-        if sending is not None and not sending.done():
-            # A read failed while a send is in flight: let it finish before the channel is
-            # reused or dropped (it fails by itself within the transfer timeout).
-            await asyncio.wait([sending])
-
-
-def _reader(block_ids: list[int], out: Any) -> Any:
-    def read(engine: MigratableEngine) -> Any:
-        return engine.read_kv(block_ids, out)
-
-    return read
 
 
 def _resume_if_suspended(request_id: str) -> Any:

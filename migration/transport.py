@@ -97,7 +97,9 @@ class PairChannel:
         return staging
 
     def recv_into(self, out: torch.Tensor, tag: int) -> torch.Tensor:
-        """Receive exactly `out`'s bytes into it (a reused staging buffer skips page faults)."""
+        """Receive exactly `out`'s bytes into it, in place (it must be contiguous)."""
+        if not out.is_contiguous():
+            raise ValueError("recv_into needs a contiguous tensor (a copy would lose the bytes)")
         flat = as_bytes(out)
         for chunk in _chunks(flat, self.chunk_bytes):
             self._transfer(self._group.recv, chunk, tag, "recv")

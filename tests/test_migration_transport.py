@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 import torch
 
+from migration.kv_copy import recv_blocks, send_blocks
 from migration.protocol import TransportEndpoint
 from migration.transport import PairChannel, TransferError, TransportHub
 
@@ -129,3 +131,46 @@ def test_unreachable_destination_and_backend_mismatch() -> None:
             TransportHub(backend="mpi")
     finally:
         hub.close()
+
+
+@pytest.mark.parametrize(
+    ("src_ids", "dst_ids"),
+    [
+        (list(range(3, 13)), list(range(20, 30))),  # both runs: straight from and into the cache
+        ([9, 2, 7, 4, 0, 11, 5, 1, 3, 8], list(range(20, 30))),  # gather on the source only
+        (list(range(3, 13)), [29, 21, 25, 20, 27, 22, 28, 24, 26, 23]),  # scatter only
+        ([9, 2, 7, 4, 0, 11, 5, 1, 3, 8], [29, 21, 25, 20, 27, 22, 28, 24, 26, 23]),
+    ],
+    ids=["runs", "gather", "scatter", "both"],
+)
+def test_blocks_move_between_caches_with_or_without_staging(
+    src_ids: list[int], dst_ids: list[int]
+) -> None:
+    # Two "engines" in one process: per layer and K/V, a cache of 32 blocks of 3x4 floats.
+    src_views = [torch.randn(32, 3, 4) for _ in range(4)]
+    dst_views = [torch.zeros(32, 3, 4) for _ in range(4)]
+    untouched = [v.clone() for v in dst_views]
+    src_hub = TransportHub(timeout_s=10.0, chunk_bytes=4 * 48)  # pieces of 4 blocks
+    dst_hub = TransportHub(timeout_s=10.0, chunk_bytes=4 * 48)
+    try:
+        endpoint = dst_hub.offer("src")
+        with ThreadPoolExecutor(2) as pool:
+            accepted = pool.submit(dst_hub.accepted, "src", endpoint.group)
+            sender = src_hub.connect(endpoint)
+            receiver = accepted.result()
+            receiving = pool.submit(recv_blocks, receiver, dst_views, dst_ids, endpoint.tag)
+            send_blocks(sender, src_views, src_ids, endpoint.tag)
+            receiving.result(timeout=30)
+        for src, dst, before in zip(src_views, dst_views, untouched, strict=True):
+            assert torch.equal(dst[dst_ids], src[src_ids])
+            others = [b for b in range(32) if b not in dst_ids]
+            assert torch.equal(dst[others], before[others])  # nothing else was written
+    finally:
+        src_hub.close()
+        dst_hub.close()
+
+
+def test_receiving_into_a_strided_view_is_refused() -> None:
+    channel = PairChannel(None, "g", 1, 1.0, "cpu", 1024)  # refused before any transport use
+    with pytest.raises(ValueError, match="contiguous"):
+        channel.recv_into(torch.zeros(4, 4).t(), tag=1)
