@@ -143,15 +143,17 @@ def test_unreachable_destination_and_backend_mismatch() -> None:
     ],
     ids=["runs", "gather", "scatter", "both"],
 )
+@pytest.mark.parametrize("chunk_bytes", [4 * 48, 1 << 20], ids=["per-view", "one-message"])
 def test_blocks_move_between_caches_with_or_without_staging(
-    src_ids: list[int], dst_ids: list[int]
+    src_ids: list[int], dst_ids: list[int], chunk_bytes: int
 ) -> None:
     # Two "engines" in one process: per layer and K/V, a cache of 32 blocks of 3x4 floats.
     src_views = [torch.randn(32, 3, 4) for _ in range(4)]
     dst_views = [torch.zeros(32, 3, 4) for _ in range(4)]
     untouched = [v.clone() for v in dst_views]
-    src_hub = TransportHub(timeout_s=10.0, chunk_bytes=4 * 48)  # pieces of 4 blocks
-    dst_hub = TransportHub(timeout_s=10.0, chunk_bytes=4 * 48)
+    # 4 * 48 bytes: the 10 blocks go in pieces of 4, one message per view; 1 MiB: one message.
+    src_hub = TransportHub(timeout_s=10.0, chunk_bytes=chunk_bytes)
+    dst_hub = TransportHub(timeout_s=10.0, chunk_bytes=chunk_bytes)
     try:
         endpoint = dst_hub.offer("src")
         with ThreadPoolExecutor(2) as pool:
