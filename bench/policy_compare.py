@@ -11,6 +11,7 @@ rate within 5% (relative) of the best hit rate.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -61,11 +62,14 @@ def main() -> int:
     parser.add_argument("--migration-policy", default="none")
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--block-size", type=int, default=16, help="engine KV block size")
+    parser.add_argument(
+        "--results", type=Path, default=None, help="append each run's summary here (JSON lines)"
+    )
     args = parser.parse_args()
     if not Path(args.trace).is_file():
         print(f"trace {args.trace} not found", file=sys.stderr)
         return 2
-    rates = [float(r) for r in args.rates.split(",")]
+    rates = sorted(float(r) for r in args.rates.split(","))
     policies = args.policies.split(",")
     jobs = [
         (
@@ -78,7 +82,7 @@ def main() -> int:
             args.migration_policy,
             args.block_size,
         )
-        for rate in rates
+        for rate in reversed(rates)  # the verdict's load level first
         for policy in policies
     ]
     results: dict[float, dict[str, dict[str, Any]]] = {rate: {} for rate in rates}
@@ -86,6 +90,9 @@ def main() -> int:
         for rate, policy, summary, wall in pool.map(_run, jobs):
             results[rate][policy] = summary
             print(f"rate x{rate:g} {policy}: {wall:.1f} s", file=sys.stderr, flush=True)
+            if args.results is not None:
+                with args.results.open("a") as f:
+                    f.write(json.dumps({"rate": rate, "policy": policy, "summary": summary}) + "\n")
     print(
         f"Mooncake trace ({args.max_requests or 'all'} requests), {args.instances} instances, "
         f"{args.latency_model}, KV block {args.block_size}, migration {args.migration_policy}"
