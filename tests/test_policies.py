@@ -214,6 +214,10 @@ def test_kvherd_memory_penalty_and_hotspot_guard() -> None:
     )
     decision = policy.choose(req, hot)
     assert decision.instance_id == "b" and "a" not in decision.scores
+    warm = cluster(
+        InstanceView("a", inflight=130), InstanceView("b", inflight=10), matched={"a": 100}
+    )
+    assert policy.choose(req, warm).instance_id == "a"  # 120 over the least: still allowed
 
 
 def test_vectorised_and_scalar_kvherd_costs_agree() -> None:
