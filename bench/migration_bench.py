@@ -22,8 +22,8 @@ registered with 8,448 positions (same weights, longer RoPE tables).
 (b) Cache-aware transfer: the destination has served a request with the same 4,096-token prefix;
     bytes sent migrating a request of that prefix plus 256 tokens of its own, with and without.
 (c) Transfer rate: bytes per second of downtime of the blocking copy at the longest context
-    (gather on the source, send, receive, scatter on the destination, commit) vs a raw gloo send of
-    the same bytes between the same two hubs (preallocated tensors, nothing else).
+    (suspend, reservation, the copy from cache to cache, commit) vs one raw gloo send of the same
+    bytes between two ranks of a fresh pair group (preallocated tensors, nothing else).
 
 Usage: ``python bench/migration_bench.py [--preset small] [--contexts 256,1024,...] [--json out.json]``.
 """
