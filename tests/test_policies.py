@@ -208,9 +208,9 @@ def test_kvherd_memory_penalty_and_hotspot_guard() -> None:
     )
     costs = {k: -v for k, v in policy.choose(req, view).scores.items()}
     assert costs == {"a": 960 + 1280, "b": 1600}
-    # Hot spot: a has 50 in flight vs 10 (50-10 > 32 and 50 > 2*10) -> excluded despite a full hit.
+    # Hot spot: a has 150 in flight vs 10 (150-10 > 128 and 150 > 2*10): excluded despite a hit.
     hot = cluster(
-        InstanceView("a", inflight=50), InstanceView("b", inflight=10), matched={"a": 100}
+        InstanceView("a", inflight=150), InstanceView("b", inflight=10), matched={"a": 100}
     )
     decision = policy.choose(req, hot)
     assert decision.instance_id == "b" and "a" not in decision.scores
