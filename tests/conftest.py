@@ -32,6 +32,7 @@ def build_hf_checkpoint(family: str, path: Path, seed: int = 0) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
+    model: LlamaForCausalLM | Qwen2ForCausalLM
     if family == "llama":
         model = LlamaForCausalLM(
             LlamaConfig(
