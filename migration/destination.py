@@ -67,6 +67,7 @@ class MigrationDestination:
         self._receiving: dict[str, asyncio.Task[None]] = {}
         self._tags: dict[str, tuple[str, int]] = {}  # migration -> (pair group, message tag)
         self._views: Sequence[Any] | None = None  # the engine's KV cache, by block id
+        self._landing: set[str] = set()  # migrations whose bytes are being received right now
         self.committed = 0
         self.aborted: dict[str, int] = {}  # reason -> count
 
@@ -209,11 +210,16 @@ class MigrationDestination:
                 self._views = await self.call(lambda e: e.kv_block_views())
             group, tag = self._tags[mid]
             channel = await asyncio.to_thread(self.hub.accepted, reservation.src, group)
+            if self.table.get(mid) is not reservation:
+                return  # aborted while the source was joining: its blocks may be gone already
+            self._landing.add(mid)
             try:
                 await asyncio.to_thread(recv_blocks, channel, self._views, block_ids, tag)
             except TransferError:
                 self.hub.drop(channel)
                 raise
+            finally:
+                self._landing.discard(mid)
         if self.table.get(mid) is reservation:
             self.table.landed(mid, self.clock())
 
@@ -238,7 +244,7 @@ class MigrationDestination:
         if reservation is None:
             return
         self._count(reason)
-        if receiving is not None and not receiving.done():
+        if receiving is not None and migration_id in self._landing:
             # Bytes land in the reserved blocks directly: they are freed only once the receive
             # is over (it ends by itself within the transfer timeout when the source stops).
             await asyncio.wait([receiving])
