@@ -7,7 +7,9 @@ loopback. One load generator (HTTP/1.1 keep-alive, raw asyncio) then measures, f
 turn and with the same requests:
 - latency: ``--latency-requests`` sequential non-streamed ``/v1/completions`` requests on one
   connection -> p50/p99; "added" is the target's p50/p99 minus the backend's;
-- throughput: ``--concurrency`` connections in a closed loop for ``--duration`` seconds -> req/s.
+- throughput: ``--concurrency`` connections in a closed loop for ``--duration`` seconds -> req/s;
+- CPU per request of the target's own processes (from /proc, during the latency phase): unlike
+  latency, it barely moves when other work shares the machine.
 Prints one table, kvherd and the baselines side by side, and checks the targets: kvherd adds
 <= 1 ms at p50, at most 3x what nginx adds, and sustains >= 1,000 req/s.
 
@@ -113,8 +115,26 @@ class Result:
     p50_ms: float
     p99_ms: float
     rps: float
+    cpu_us: float  # CPU the target's own processes spent per request (latency phase)
     added_p50_ms: float = 0.0
     added_p99_ms: float = 0.0
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU of `pid` and its direct children (nginx's workers), from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        if int(entry) == pid or int(fields[1]) == pid:
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
 
 
 def _quantile(samples: list[float], q: float) -> float:
@@ -198,11 +218,14 @@ http {{
     return path
 
 
-async def bench_target(name: str, port: int, args: argparse.Namespace) -> Result:
+async def bench_target(name: str, port: int, pid: int, args: argparse.Namespace) -> Result:
     payload = request_bytes(port, json.dumps({"prompt": PROMPT, "max_tokens": 1}).encode())
+    cpu_before = tree_cpu_seconds(pid)
     samples = await measure_latency(port, payload, args.latency_requests, warmup=200)
+    cpu_us = (tree_cpu_seconds(pid) - cpu_before) / (args.latency_requests + 200) * 1e6
     rps = await measure_throughput(port, payload, args.concurrency, args.duration)
-    return Result(name, _quantile(samples, 0.5) * 1e3, _quantile(samples, 0.99) * 1e3, rps)
+    p50, p99 = _quantile(samples, 0.5) * 1e3, _quantile(samples, 0.99) * 1e3
+    return Result(name, p50, p99, rps, cpu_us)
 
 
 def main() -> int:
@@ -256,19 +279,19 @@ def main() -> int:
         env = {**os.environ, "KVHERD_ADMIN_TOKEN": "bench"}
         procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT))
         wait_port(proxy_port, procs[-1])
-        targets = [("direct", backends[0]), ("kvherd", proxy_port)]
+        targets = [("direct", backends[0], procs[0].pid), ("kvherd", proxy_port, procs[-1].pid)]
         if not args.no_nginx:
             nginx_port = free_port()
             conf = nginx_config(tmp, nginx_port, backends)
             procs.append(subprocess.Popen([ensure_nginx(), "-c", conf, "-p", tmp]))
             wait_port(nginx_port, procs[-1])
-            targets.append(("nginx", nginx_port))
+            targets.append(("nginx", nginx_port, procs[-1].pid))
 
         async def run_all() -> list[Result]:
             # Rounds interleave the targets so a noisy neighbour hurts all of them alike;
             # each figure is the median over the rounds.
             rounds = [
-                [await bench_target(name, port, args) for name, port in targets]
+                [await bench_target(name, port, pid, args) for name, port, pid in targets]
                 for _ in range(args.rounds)
             ]
             return [
@@ -277,8 +300,9 @@ def main() -> int:
                     statistics.median(r[i].p50_ms for r in rounds),
                     statistics.median(r[i].p99_ms for r in rounds),
                     statistics.median(r[i].rps for r in rounds),
+                    statistics.median(r[i].cpu_us for r in rounds),
                 )
-                for i, (name, _) in enumerate(targets)
+                for i, (name, _, _) in enumerate(targets)
             ]
 
         results = asyncio.run(run_all())
@@ -292,12 +316,16 @@ def main() -> int:
         f"\nproxy overhead, non-streamed /v1/completions, {os.cpu_count()} cores, "
         f"kvherd policy {args.policy!r}, medians of {args.rounds} rounds"
     )
-    print(f"{'target':<8} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} {'req/s':>8}")
+    print(
+        f"{'target':<8} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} {'req/s':>8} "
+        f"{'CPU us/req':>10}"
+    )
     for r in results:
         print(
             f"{r.target:<8} {r.p50_ms:8.3f} {r.p99_ms:8.3f} {r.added_p50_ms:8.3f} "
-            f"{r.added_p99_ms:8.3f} {r.rps:8.0f}"
+            f"{r.added_p99_ms:8.3f} {r.rps:8.0f} {r.cpu_us:10.1f}"
         )
+    print("(CPU us/req: the target's own processes; for direct, the backend's)")
     kv = by_name["kvherd"]
     checks = {
         "kvherd adds <= 1 ms at p50": kv.added_p50_ms <= 1.0,
