@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import xxhash
@@ -110,4 +110,7 @@ def _sha256_u64(payload: bytes) -> int:
     return int.from_bytes(hashlib.sha256(payload).digest()[:8], "little")
 
 
-_DIGESTS = {"xxh3_64": xxhash.xxh3_64_intdigest, "sha256": _sha256_u64}
+_DIGESTS: dict[str, Callable[[bytes], int]] = {
+    "xxh3_64": xxhash.xxh3_64_intdigest,
+    "sha256": _sha256_u64,
+}
