@@ -46,7 +46,8 @@ class LoadReport:
     num_free_blocks: int | None = None
     num_cached_blocks: int | None = None
     num_preemptions: int | None = None
-    waiting_prefill_tokens: int | None = None  # prompt tokens queued and not yet computed
+    # Prompt tokens not yet computed: queued requests plus the rest of running chunked prefills.
+    waiting_prefill_tokens: int | None = None
     head_waiting_blocks: int | None = None  # blocks the head-of-line waiting request needs
     running: tuple[RunningRequestView, ...] | None = None
     block_size: int | None = None
@@ -95,6 +96,7 @@ def parse_agent_state(obj: Any) -> LoadReport:
     running_list = _requests(obj, "running")
     waiting_list = _requests(obj, "waiting")
     running: tuple[RunningRequestView, ...] | None = None
+    running_prefill = 0
     if running_list is not None:
         views = []
         for index, item in enumerate(running_list):
@@ -106,10 +108,14 @@ def parse_agent_state(obj: Any) -> LoadReport:
             views.append(
                 RunningRequestView(request_id, tokens, blocks or _blocks(tokens, block_size))
             )
+            # A long prompt in chunked prefill runs for several steps: its rest is queued work.
+            computed = _int(item, "num_computed_tokens")
+            if computed is not None and computed < tokens - 1:
+                running_prefill += tokens - computed
         running = tuple(views)
     waiting_tokens = head_blocks = None
     if waiting_list is not None:
-        waiting_tokens, head_blocks = 0, 0
+        waiting_tokens, head_blocks = running_prefill, 0
         for index, item in enumerate(waiting_list):
             tokens = _int(item, "num_tokens")
             if tokens is None:

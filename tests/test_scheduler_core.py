@@ -30,6 +30,7 @@ AGENT_STATE = {
     "running": [
         {"request_id": "r1", "num_tokens": 100, "num_computed_tokens": 99, "blocks": 7},
         {"request_id": "r2", "num_tokens": 40, "num_computed_tokens": 39, "blocks": 3},
+        {"request_id": "r3", "num_tokens": 900, "num_computed_tokens": 512, "blocks": 32},
     ],
     "waiting": [
         {"request_id": "w1", "num_tokens": 300, "num_computed_tokens": 64, "blocks": 4},
@@ -45,15 +46,16 @@ AGENT_STATE = {
 
 def test_agent_state_snapshot() -> None:
     report = parse_agent_state(AGENT_STATE)
-    assert (report.num_running, report.num_waiting) == (2, 2)
+    assert (report.num_running, report.num_waiting) == (3, 2)
     assert (report.num_total_blocks, report.num_free_blocks, report.num_cached_blocks) == (
         1000,
         700,
         120,
     )
-    assert report.waiting_prefill_tokens == (300 - 64) + 50
+    # Queued prompts plus the rest of r3's chunked prefill; decodes add nothing.
+    assert report.waiting_prefill_tokens == (300 - 64) + 50 + (900 - 512)
     assert report.head_waiting_blocks == 19 - 4  # ceil(300/16) = 19 needed, 4 held
-    assert report.running is not None and [r.num_blocks for r in report.running] == [7, 3]
+    assert report.running is not None and [r.num_blocks for r in report.running] == [7, 3, 32]
     assert report.num_preemptions == 3 and report.last_kv_event_seq is None
     heartbeat = parse_agent_state({"num_running": 1, "free_blocks": 5, "last_kv_event_seq": 9})
     assert heartbeat.num_running == 1 and heartbeat.running is None
