@@ -25,7 +25,7 @@ AGENT_STATE = {
     "free_blocks": 700,
     "cached_blocks": 120,
     "kv_usage": 0.3,
-    "num_running": 2,
+    "num_running": 3,
     "num_waiting": 2,
     "running": [
         {"request_id": "r1", "num_tokens": 100, "num_computed_tokens": 99, "blocks": 7},
