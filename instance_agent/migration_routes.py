@@ -40,6 +40,7 @@ from migration.protocol import (
     MigrateOrder,
     MigrationOutcome,
     MigrationStatus,
+    RequestState,
     ReserveRequest,
 )
 from migration.reservations import ReservationTable
@@ -177,9 +178,15 @@ class MigrationService:
         transport_host: str = "127.0.0.1",
         settings: MigrationSettings | None = None,
         adopt: Adopt | None = None,
+        on_released: Callable[[str, str, int], None] | None = None,
     ) -> None:
+        """`adopt` replaces the destination's plain `adopt_request` (the engine loop passes one
+        that also opens the adopted request's stream); `on_released(request_id, dst_url,
+        next_token_index)` runs on the engine thread as a committed request leaves (the engine
+        loop ends the request's stream with a migration notice there)."""
         self.settings = settings or MigrationSettings()
         self.engine_loop = engine_loop
+        self.on_released = on_released
         self.adapter = EngineMigrationAdapter(engine_loop.engine)
         self.hub = TransportHub(transport_host, timeout_s=self.settings.transfer_timeout_s)
         # Our identity as a transport peer: a restarted agent must not reuse a stale pair group.
@@ -223,6 +230,7 @@ class MigrationService:
                     order.request_id,
                     self.src_name,
                     self.settings.stages,
+                    self._released_hook(order.dst),
                 )
             finally:
                 self._outgoing.discard(order.request_id)
@@ -231,6 +239,12 @@ class MigrationService:
         if self.metrics is not None:
             self.metrics.record(outcome)
         return outcome
+
+    def _released_hook(self, dst: str) -> Callable[[RequestState], None] | None:
+        hook = self.on_released
+        if hook is None:
+            return None
+        return lambda state: hook(state.request_id, dst, len(state.output_token_ids))
 
     async def close(self) -> None:
         await self.destination.close()

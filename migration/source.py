@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from migration.kv_copy import send_blocks
@@ -69,9 +70,12 @@ async def migrate_out(
     request_id: str,
     src: str,
     config: StageConfig | None = None,
+    on_released: Callable[[RequestState], None] | None = None,
 ) -> MigrationOutcome:
     """Migrate `request_id` to the destination behind `link`; `src` names this instance (its
-    transport peer identity, unique per incarnation)."""
+    transport peer identity, unique per incarnation). `on_released(state)` runs on the engine
+    thread in the same step as the release (e.g. to end the request's stream here with a
+    "continues on dst from token len(state.output_token_ids)" notice)."""
     migration_id = uuid.uuid4().hex
     started = time.perf_counter()
     block_size, bytes_per_block, views = await call(
@@ -126,7 +130,7 @@ async def migrate_out(
         ack = await link.commit(CommitRequest(migration_id, state))
         if not ack.ok:
             raise MigrationAborted(AbortReason.DST_FAILED, ack.reason or "commit refused")
-        await call(lambda e: e.release_migrated(request_id))
+        await call(_releaser(state, on_released))
         planner.committed()
         return _outcome(planner, migration_id, bytes_per_block, started, suspended_at)
     except MigrationAborted as e:
@@ -148,6 +152,15 @@ async def migrate_out(
         with contextlib.suppress(DestinationError):
             await link.abort(AbortRequest(migration_id, reason.value))
     return _outcome(planner, migration_id, bytes_per_block, started, suspended_at, reason, detail)
+
+
+def _releaser(state: RequestState, on_released: Callable[[RequestState], None] | None) -> Any:
+    def release(engine: MigratableEngine) -> None:
+        engine.release_migrated(state.request_id)
+        if on_released is not None:
+            on_released(state)
+
+    return release
 
 
 def _resume_if_suspended(request_id: str) -> Any:

@@ -42,7 +42,9 @@ class LiveAgent:
 
 
 @contextlib.asynccontextmanager
-async def serve_agent(num_blocks: int = 300) -> AsyncIterator[LiveAgent]:
+async def serve_agent(
+    num_blocks: int = 300, released: list[tuple[str, str, int]] | None = None
+) -> AsyncIterator[LiveAgent]:
     engine = LLMEngine(
         EngineConfig(model="tiny", block_size=4, num_gpu_blocks=num_blocks, max_model_len=512)
     )
@@ -52,7 +54,10 @@ async def serve_agent(num_blocks: int = 300) -> AsyncIterator[LiveAgent]:
     agent = Agent(engine_loop, metrics, f"127.0.0.1:{port}", "tiny", "tiny")
     app = create_app(agent)
     service = MigrationService(
-        engine_loop, agent.instance_id, settings=MigrationSettings(transfer_timeout_s=5.0)
+        engine_loop,
+        agent.instance_id,
+        settings=MigrationSettings(transfer_timeout_s=5.0),
+        on_released=None if released is None else lambda *args: released.append(args),
     )
     app.include_router(create_migration_router(service))
     server = uvicorn.Server(
@@ -75,8 +80,16 @@ async def poll(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
 
 
 @pytest.fixture
-async def agents() -> AsyncIterator[tuple[LiveAgent, LiveAgent]]:
-    async with serve_agent() as a, serve_agent() as b:
+def released() -> list[tuple[str, str, int]]:
+    """(request id, destination, next token index) of every request that left the source."""
+    return []
+
+
+@pytest.fixture
+async def agents(
+    released: list[tuple[str, str, int]],
+) -> AsyncIterator[tuple[LiveAgent, LiveAgent]]:
+    async with serve_agent(released=released) as a, serve_agent() as b:
         yield a, b
 
 
@@ -149,7 +162,7 @@ async def test_unreachable_destination_is_reported_and_harmless(
 
 
 async def test_migration_over_http_moves_the_request_and_its_blocks(
-    agents: tuple[LiveAgent, LiveAgent],
+    agents: tuple[LiveAgent, LiveAgent], released: list[tuple[str, str, int]]
 ) -> None:
     a, b = agents
     async with httpx.AsyncClient(timeout=60) as client:
@@ -163,7 +176,10 @@ async def test_migration_over_http_moves_the_request_and_its_blocks(
         assert outcome["blocks_sent"] >= len(PROMPT) // 4 and outcome["bytes_sent"] > 0
         assert 0 < outcome["downtime_s"] < outcome["duration_s"]
         assert "r3" not in a.engine.scheduler.requests
-        assert "r3" in b.engine.scheduler.requests
+        adopted = b.engine.scheduler.requests["r3"]
+        # The engine loop's hook learns where the stream continues, and from which token.
+        ((rid, dst, next_index),) = released
+        assert (rid, dst) == ("r3", b.url) and 3 <= next_index <= adopted.num_output_tokens
         assert a.service.outcomes == {"committed": 1}
         assert b.service.destination.committed == 1
         exposition = (await client.get(f"{a.url}/metrics")).text
