@@ -7,6 +7,8 @@ Contract:
   binds ephemeral ports (reported in the log and to the scheduler).
 - ``--scheduler URL`` registers with the scheduler's admin API (see `registration`), heartbeats and
   deregisters on shutdown; the bearer token comes from ``$KVHERD_ADMIN_TOKEN``.
+- Live migration (``/kvherd/v1/migrate`` and the destination endpoints, see `migration_routes`) is
+  always mounted; KV bytes move over gloo from ``--advertise-host``.
 - SIGTERM drains: new requests get 503, open requests finish (aborted after ``--drain-timeout``
   seconds), then the process exits 0. SIGINT stops at once (uvicorn's usual behaviour).
 """
@@ -81,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from instance_agent.engine_loop import EngineLoop
     from instance_agent.kv_publisher import KVEventPublisher
     from instance_agent.metrics import AgentMetrics
+    from instance_agent.migration_routes import MigrationService, create_migration_router
     from instance_agent.registration import Registrar
     from instance_agent.server import Agent, DrainingServer, create_app
 
@@ -186,7 +189,8 @@ def run(args: argparse.Namespace) -> int:
             heartbeat_s=args.heartbeat_interval,
         )
 
-    app = create_app(agent)
+    migration = MigrationService(engine_loop, instance_id, advertise_host)
+    app = create_app(agent, routers=[create_migration_router(migration)])
     uv_config = uvicorn.Config(
         app,
         host=args.host,

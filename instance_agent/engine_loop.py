@@ -75,7 +75,11 @@ class RequestStream:
         self.finished = False
         self._closed = False
         self._relay: asyncio.Task[None] | None = None  # feeds the queue once handed off
-        self.num_tokens = 0  # output tokens put into this stream so far
+        # Position in the whole output of the token after the last one put into this stream
+        # (an adopted request's stream starts mid-way), and of each queued output's first token.
+        self.next_index = 0
+        self._starts: deque[int] = deque()
+        self.index = 0  # position of the first new token of the output last taken
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -92,6 +96,7 @@ class RequestStream:
             self.finished = True
             self.close()
             raise item
+        self.index = self._starts.popleft()
         if item.finished:
             self.finished = True
             self.close()
@@ -112,9 +117,13 @@ class RequestStream:
                     raise
             yield batch
 
-    def _put(self, item: Any) -> None:
+    def _put(self, item: Any, index: int | None = None) -> None:
+        """Queue an output (`index`: its first token's position, if not the engine's own)."""
         if item is not _ABORTED and not isinstance(item, BaseException):
-            self.num_tokens += len(item.new_token_ids)
+            if index is None:
+                index = len(item.output_token_ids) - len(item.new_token_ids)
+            self._starts.append(index)
+            self.next_index = index + len(item.new_token_ids)
         self._queue.put_nowait(item)
 
     def close(self) -> None:
@@ -287,9 +296,9 @@ class EngineLoop:
         try:
             async for index, output in outputs:
                 # Decode outputs carry one token each, so an output is either new or a repeat.
-                if index + len(output.new_token_ids) <= stream.num_tokens and not output.finished:
+                if index + len(output.new_token_ids) <= stream.next_index and not output.finished:
                     continue
-                stream._put(output)
+                stream._put(output, index)
                 if output.finished:
                     return
             stream._put(RequestAborted(f"request {stream.request_id} ended without finishing"))

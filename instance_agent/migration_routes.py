@@ -5,6 +5,11 @@ Contract:
   methods run on the engine thread only (through `EngineLoop.call`).
 - `MigrationService` owns this agent's transport hub, its incoming-reservation table and the
   outgoing-migration limit (one in and one out at a time by default, like Llumnix).
+- Client streams: on the destination the engine loop runs the adopted request without a client
+  and buffers its outputs for a follower (`EngineLoop.attach`); on the source, right after a
+  commit, the request's open client stream is handed off (`EngineLoop.hand_off`) to
+  `relay.follow` of the destination, so the client gets every token exactly once. With no open
+  stream (the client left) the destination's copy is aborted at once.
 - `create_migration_router(service)` serves, under ``/kvherd/v1``:
   ``POST /migrate {"request_id", "dst"}`` on the source: runs the migration and returns its
   `MigrationOutcome` (200 whether it committed or aborted; the body says which and why);
@@ -27,9 +32,10 @@ import torch
 from fastapi import APIRouter, FastAPI, Request
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from instance_agent import relay
 from instance_agent.engine.request import RequestStatus
 from instance_agent.protocol import OpenAIError, bad_request
-from migration.destination import Adopt, MigrationDestination
+from migration.destination import MigrationDestination
 from migration.http_link import HttpDestination
 from migration.protocol import (
     AbortReason,
@@ -177,13 +183,10 @@ class MigrationService:
         instance_id: str,
         transport_host: str = "127.0.0.1",
         settings: MigrationSettings | None = None,
-        adopt: Adopt | None = None,
         on_released: Callable[[str, str, int], None] | None = None,
     ) -> None:
-        """`adopt` replaces the destination's plain `adopt_request` (the engine loop passes one
-        that also opens the adopted request's stream); `on_released(request_id, dst_url,
-        next_token_index)` runs on the engine thread as a committed request leaves (the engine
-        loop ends the request's stream with a migration notice there)."""
+        """`on_released(request_id, dst_url, next_token_index)` runs on the engine thread as a
+        committed request leaves (an observer: the client stream is handed off after it)."""
         self.settings = settings or MigrationSettings()
         self.engine_loop = engine_loop
         self.on_released = on_released
@@ -197,7 +200,6 @@ class MigrationService:
             ReservationTable(self.settings.max_incoming, self.settings.reservation_timeout_s),
             self.adapter.block_size,
             self.adapter.kv_bytes_per_block(),
-            adopt=adopt,
         )
         self._outgoing: set[str] = set()
         self._http = httpx.AsyncClient(timeout=self.settings.control_timeout_s)
@@ -234,11 +236,27 @@ class MigrationService:
                 )
             finally:
                 self._outgoing.discard(order.request_id)
+            if outcome.status is MigrationStatus.COMMITTED:
+                await self._hand_off(order)
         key = outcome.reason.value if outcome.reason else outcome.status.value
         self.outcomes[key] = self.outcomes.get(key, 0) + 1
         if self.metrics is not None:
             self.metrics.record(outcome)
         return outcome
+
+    async def _hand_off(self, order: MigrateOrder) -> None:
+        """Continue the client's stream from the destination, or end the orphaned copy there."""
+        rid = order.request_id
+        try:
+            self.engine_loop.hand_off(rid, relay.follow(self._http, order.dst, rid))
+        except KeyError:
+            # The client left while the request moved: nobody will follow it on the
+            # destination, so attach and hang up at once (closing aborts it there) instead of
+            # letting it run until the destination's detached-stream TTL.
+            with contextlib.suppress(httpx.HTTPError):
+                url = f"{order.dst.rstrip('/')}/kvherd/v1/requests/{rid}/stream"
+                async with self._http.stream("GET", url, params={"wait": 5}):
+                    pass
 
     def _released_hook(self, dst: str) -> Callable[[RequestState], None] | None:
         hook = self.on_released

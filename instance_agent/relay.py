@@ -29,10 +29,11 @@ class RelayError(RuntimeError):
     """The destination could not stream the migrated request."""
 
 
-def encode_output(output: RequestOutput) -> bytes:
+def encode_output(output: RequestOutput, index: int) -> bytes:
+    """One frame; `index` is the position of the output's first new token."""
     record = {
         "request_id": output.request_id,
-        "index": len(output.output_token_ids) - len(output.new_token_ids),
+        "index": index,
         "token_ids": output.new_token_ids,
         "text": output.text_delta,
         "finished": output.finished,

@@ -11,7 +11,8 @@ Contract (`create_app(agent)` returns the FastAPI app):
   `MAX_BODY_BYTES`, 503 while draining, 500 if the engine died.
 - ``GET /health`` (200 ok, 503 draining, 500 engine dead), ``GET /version``, ``GET /metrics``
   (Prometheus, vLLM names), ``GET /kvherd/v1/state`` (see `state.snapshot`;
-  ``?block_hashes=true`` adds the cached block hashes).
+  ``?block_hashes=true`` adds the cached block hashes; ``?check_integrity=true`` adds
+  ``"integrity": "ok"`` or the block manager's failed invariant, a debugging aid for tests).
 - ``GET /kvherd/v1/requests/{id}/stream``: follow a request migrated in (see `relay`).
 - `Agent` holds what the routes share: the engine loop, metrics, identity, and the draining flag.
   `Agent.drain` stops accepting work and waits for open requests to finish (or aborts them after
@@ -76,12 +77,14 @@ class Agent:
     def engine(self) -> LLMEngine:
         return self.engine_loop.engine
 
-    async def state(self, include_block_hashes: bool = False) -> dict[str, Any]:
+    async def state(
+        self, include_block_hashes: bool = False, check_integrity: bool = False
+    ) -> dict[str, Any]:
         loop = self.engine_loop
         draining = self.draining
 
         def read(engine: LLMEngine) -> dict[str, Any]:
-            return snapshot(
+            state = snapshot(
                 engine.scheduler,
                 engine.block_manager,
                 instance_id=self.instance_id,
@@ -91,6 +94,15 @@ class Agent:
                 last_kv_event_seq=loop.last_kv_event_seq,
                 include_block_hashes=include_block_hashes,
             )
+            if check_integrity:
+                try:
+                    engine.block_manager.check_integrity()
+                    state["integrity"] = "ok"
+                    # Who holds blocks (requests, migration reservations): a leak shows here.
+                    state["block_owners"] = engine.block_manager.owners()
+                except AssertionError as exc:
+                    state["integrity"] = f"broken: {exc}"
+            return state
 
         return await loop.call(read)
 
@@ -288,8 +300,8 @@ def create_app(agent: Agent, routers: Sequence[APIRouter] = ()) -> FastAPI:
         return Response(agent.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/kvherd/v1/state")
-    async def state(block_hashes: bool = False) -> dict[str, Any]:
-        return await agent.state(include_block_hashes=block_hashes)
+    async def state(block_hashes: bool = False, check_integrity: bool = False) -> dict[str, Any]:
+        return await agent.state(include_block_hashes=block_hashes, check_integrity=check_integrity)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -537,8 +549,10 @@ class DrainingServer(uvicorn.Server):
 async def _relay_frames(stream: RequestStream) -> AsyncIterator[bytes]:
     """The attach stream of a migrated-in request (format: `relay`)."""
     try:
-        async for outputs in stream.batches():
-            yield b"".join(relay.encode_output(output) for output in outputs)
+        # One output at a time: a relayed output (this request moved on again) carries its
+        # position only in the stream, not in its own token list.
+        async for output in stream:
+            yield relay.encode_output(output, stream.index)
     except (RequestAborted, EngineDeadError) as exc:
         yield protocol.sse(OpenAIError(503, str(exc), type="server_error").body())
     finally:
