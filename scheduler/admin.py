@@ -15,7 +15,13 @@ object; bodies are JSON; errors are ``{"error": {"message", "type", "param", "co
   are removed.
 - ``DELETE /admin/v1/instances/{id}``: deregister (404 when unknown).
 - ``POST /admin/v1/instances/{id}/drain`` ``{"draining": true|false}`` (default true): stop (or
-  resume) routing new requests there; in-flight requests finish.
+  resume) routing new requests there; its running requests are live-migrated to other instances
+  (the `drain` migration policy, whatever ``--migration-policy`` says); those that fit nowhere
+  finish where they are.
+- ``POST /admin/v1/migrate`` ``{"request_id", "to"}``: live-migrate a request in flight to
+  instance ``to`` and return the source agent's outcome (200 whether it committed or aborted; the
+  body says which and why); 404 for an unknown request or instance, 409 if it is already
+  migrating, 502 if the source agent could not be asked.
 - ``GET /admin/v1/policy`` / ``PUT /admin/v1/policy`` ``{"policy": spec, "parameters": {...}}``:
   show or switch the dispatch policy (a registry name, ``module:attr``, an entry point or a YAML
   pipeline file) without restarting; a spec that does not load is a 400 and the old policy stays.
@@ -197,6 +203,23 @@ def build_admin_app(fleet: Fleet, token: str, allow: RegistrationPolicy) -> Fast
             raise FleetError(400, "'draining' must be true or false", "draining")
         fleet.set_draining(instance_id, draining)
         return _json(fleet.describe_one(instance_id))
+
+    @app.post("/admin/v1/migrate")
+    async def migrate(request: Request) -> Response:
+        body = await _json_body(request)
+        if not isinstance(body, dict):
+            raise FleetError(400, "body must be a JSON object")
+        request_id, dst = body.get("request_id"), body.get("to")
+        if not isinstance(request_id, str) or not request_id:
+            raise FleetError(400, "'request_id' must be a non-empty string", "request_id")
+        if not isinstance(dst, str) or not dst:
+            raise FleetError(400, "'to' must be an instance id", "to")
+        if fleet.migration is None:
+            raise FleetError(503, "live migration is not running on this scheduler")
+        outcome = await fleet.migration.migrate(request_id, dst)
+        if outcome is None:
+            raise FleetError(502, f"the agent running {request_id!r} could not be asked")
+        return _json(outcome.to_json())
 
     @app.get("/admin/v1/policy")
     async def get_policy() -> Response:

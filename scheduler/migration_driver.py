@@ -4,13 +4,21 @@ Contract:
 - Every ``interval_s`` the driver ticks the `MigrationLoop` with the fleet's current `ClusterView`;
   accepted orders go to `migration.executor.MigrationExecutor`, which POSTs ``{"request_id",
   "dst"}`` to the source agent's ``/kvherd/v1/migrate``.
+- Draining instances are always emptied: while any instance drains, the `drain` policy's orders
+  come first, whatever the automatic policy (``none`` included, which otherwise plans nothing).
+- `migrate(request_id, dst)` is an operator's order (``POST /admin/v1/migrate``): the source is
+  where the router placed the request; it counts as in flight for the loop until it ends, and
+  returns the agent's `MigrationOutcome` (None when the source could not be asked).
 - When an order ends, the loop is told (`on_done`) and, if the migration committed, the router moves
   the request's load charges to the destination (`Router.on_migrated`), so the next decisions see
   the new placement before any load report does. The client's stream is not touched: the source
   agent keeps relaying it.
 - Request ids in orders are the agents' own, which are the ``X-Request-Id`` the proxy forwarded
   (the router's key for the request).
-- ``--migration-policy none`` (the default) creates no driver at all.
+- Metrics on the proxy's registry: ``kvherd_migrations_started_total``,
+  ``kvherd_migrations_total{outcome}`` (``committed``, an abort reason, or ``failed`` when the
+  source could not be asked), ``kvherd_migration_bytes_total{kind}`` (``sent``, ``skipped``:
+  shared from the destination's prefix cache) and ``kvherd_migration_downtime_seconds``.
 """
 
 from __future__ import annotations
@@ -21,16 +29,75 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import httpx
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from migration.executor import MigrationExecutor
 from migration.protocol import MigrationOutcome, MigrationStatus
 from policies.base import MigrationPolicy
-from scheduler.migration_loop import MigrationLoop
+from policies.migrate_drain import DrainMigration
+from policies.views import ClusterView, MigrationOrder
+from scheduler.fleet import FleetError
+from scheduler.migration_loop import InFlightMigration, MigrationLoop
 
 if TYPE_CHECKING:
     from scheduler.fleet import Fleet
 
 log = logging.getLogger("kvherd.migration")
+
+
+class WithDrain:
+    """`policy`, preceded by the `drain` policy's orders while any instance drains."""
+
+    def __init__(self, policy: MigrationPolicy) -> None:
+        self.policy = policy
+        self.name = policy.name
+        self._drain = DrainMigration()
+
+    def plan(self, cluster: ClusterView) -> list[MigrationOrder]:
+        if not any(inst.draining for inst in cluster.instances):
+            return self.policy.plan(cluster)
+        orders = self._drain.plan(cluster)
+        moving = {order.request_id for order in orders}
+        return orders + [o for o in self.policy.plan(cluster) if o.request_id not in moving]
+
+
+class MigrationMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.started = Counter(
+            "kvherd_migrations_started",
+            "Migrations ordered (by the migration policy or an operator).",
+            registry=registry,
+        )
+        self.ended = Counter(
+            "kvherd_migrations",
+            "Migrations ended, by outcome: committed, the abort reason, or failed (no answer).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.bytes = Counter(
+            "kvherd_migration_bytes",
+            "KV bytes of migrations: sent, or skipped (shared from the destination's cache).",
+            ["kind"],
+            registry=registry,
+        )
+        self.downtime = Histogram(
+            "kvherd_migration_downtime_seconds",
+            "Time a committed migration kept its request from making progress.",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0),
+            registry=registry,
+        )
+
+    def record(self, outcome: MigrationOutcome | None) -> None:
+        if outcome is None:
+            self.ended.labels("failed").inc()
+            return
+        committed = outcome.status is MigrationStatus.COMMITTED
+        reason = outcome.reason.value if outcome.reason is not None else outcome.status.value
+        self.ended.labels("committed" if committed else reason).inc()
+        self.bytes.labels("sent").inc(outcome.bytes_sent)
+        if committed:
+            self.bytes.labels("skipped").inc(outcome.bytes_skipped)
+            self.downtime.observe(outcome.downtime_s)
 
 
 class MigrationDriver:
@@ -43,23 +110,32 @@ class MigrationDriver:
         order_timeout_s: float = 120.0,
     ) -> None:
         self.fleet = fleet
+        self.metrics = MigrationMetrics(fleet.metrics.registry)
         self._client = httpx.AsyncClient(timeout=order_timeout_s, trust_env=False)
         self.executor = MigrationExecutor(self._client, self._url_of, self._on_done)
         self.loop = MigrationLoop(
-            policy,
-            self.executor.execute,
+            WithDrain(policy),
+            self._execute,
             interval_s=interval_s,
             max_in_flight=max_in_flight,
             order_timeout_s=order_timeout_s,
         )
         self._task: asyncio.Task[None] | None = None
 
+    def set_policy(self, policy: MigrationPolicy) -> None:
+        self.loop.set_policy(WithDrain(policy))
+
     def _url_of(self, instance_id: str) -> str | None:
         inst = self.fleet.instances.get(instance_id)
         return None if inst is None else inst.url
 
+    def _execute(self, order: MigrationOrder) -> None:
+        self.metrics.started.inc()
+        self.executor.execute(order)
+
     def _on_done(self, order: Any, outcome: MigrationOutcome | None) -> None:
         now = self.fleet.clock()
+        self.metrics.record(outcome)
         committed = outcome is not None and outcome.status is MigrationStatus.COMMITTED
         self.loop.on_done(order.request_id, committed, now)
         if committed:
@@ -71,6 +147,25 @@ class MigrationDriver:
                 order.request_id,
                 outcome.reason.value if outcome.reason else outcome.detail,
             )
+
+    async def migrate(self, request_id: str, dst: str) -> MigrationOutcome | None:
+        """An operator's order: move `request_id` from where it runs to instance `dst`."""
+        src = self.fleet.router.instance_of(request_id)
+        if src is None:
+            raise FleetError(404, f"no request {request_id!r} in flight", "request_id")
+        if dst not in self.fleet.instances:
+            raise FleetError(404, f"unknown instance {dst!r}", "to")
+        if dst == src:
+            raise FleetError(400, f"request {request_id!r} already runs on {dst!r}", "to")
+        if request_id in self.loop.in_flight:
+            raise FleetError(409, f"request {request_id!r} is already migrating", "request_id")
+        order = MigrationOrder(request_id, src, dst, "operator")
+        # In flight for the loop too, so the policy does not move the request meanwhile.
+        self.loop.in_flight[request_id] = InFlightMigration(order, self.fleet.clock())
+        self.metrics.started.inc()
+        outcome = await self.executor.migrate(order)
+        self._on_done(order, outcome)
+        return outcome
 
     def tick(self) -> None:
         now = self.fleet.clock()

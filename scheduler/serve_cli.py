@@ -47,8 +47,9 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--migration-policy",
-        default="none",
-        help="live-migration policy: none (default), llumnix, defrag, drain, module:attr",
+        default="llumnix",
+        help="live-migration policy: llumnix (default), defrag, drain, module:attr, or none "
+        "(no automatic migration; draining instances are still emptied)",
     )
     parser.add_argument("--migration-interval", type=float, default=1.0, help="seconds per tick")
     parser.add_argument("--config", default=None, help="YAML config file (see kvherd serve --help)")
@@ -264,17 +265,17 @@ async def serve_fleet(
     except FleetError as exc:
         print(f"kvherd serve: {exc.message}", file=sys.stderr)
         return 2
-    if args.migration_policy != "none":
-        from policies.registry import PolicyLoadError, load_migration_policy
-        from scheduler.migration_driver import MigrationDriver
+    from policies.registry import PolicyLoadError, load_migration_policy
+    from scheduler.migration_driver import MigrationDriver
 
-        try:
-            migration_policy = load_migration_policy(args.migration_policy)
-        except PolicyLoadError as exc:
-            print(f"kvherd serve: {exc}", file=sys.stderr)
-            return 2
-        fleet.migration = MigrationDriver(fleet, migration_policy, args.migration_interval)
-        fleet.migration_spec = args.migration_policy
+    try:
+        migration_policy = load_migration_policy(args.migration_policy)
+    except PolicyLoadError as exc:
+        print(f"kvherd serve: {exc}", file=sys.stderr)
+        return 2
+    # Always driven, even with "none": drains and operators' orders migrate too.
+    fleet.migration = MigrationDriver(fleet, migration_policy, args.migration_interval)
+    fleet.migration_spec = args.migration_policy
     proxy = Proxy(
         fleet,
         load_tokenizer(args.tokenizer),
