@@ -17,7 +17,9 @@ Contract:
 - Migration: the engine steps every schedulable request, streamed or not. Outputs of a request
   nobody streams (adopted from another instance) are buffered in a detached stream that `attach`
   hands to a follower, or that is aborted after `detached_ttl_s`. On the source, `hand_off`
-  continues a client's stream from the request's new home, exactly once.
+  continues a client's stream from the request's new home, exactly once; `redirect` instead ends
+  it with `RequestMigrated`, for a client that reattaches at the destination itself (the proxy
+  marks such streams `reattach`).
 - If a step raises, the engine is considered dead: every open stream fails with `EngineDeadError`,
   new requests are refused, and `/health` reports it.
 """
@@ -55,6 +57,19 @@ class RequestAborted(RuntimeError):
     """The agent aborted the request (e.g. a drain timeout)."""
 
 
+class RequestMigrated(RuntimeError):
+    """The request moved to the agent at `dst_url`; its client continues the stream there."""
+
+    def __init__(self, request_id: str, dst_url: str) -> None:
+        super().__init__(f"request {request_id} migrated to {dst_url}")
+        self.dst_url = dst_url
+
+
+@dataclass(frozen=True, slots=True)
+class _Moved:
+    dst_url: str
+
+
 _ABORTED = object()
 
 
@@ -80,6 +95,8 @@ class RequestStream:
         self.next_index = 0
         self._starts: deque[int] = deque()
         self.index = 0  # position of the first new token of the output last taken
+        # The client follows a migration itself (`EngineLoop.redirect`) instead of being relayed.
+        self.reattach = False
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -92,6 +109,10 @@ class RequestStream:
             self.finished = True
             self.close()
             raise RequestAborted(f"request {self.request_id} was aborted by the agent")
+        if isinstance(item, _Moved):
+            self.finished = True
+            self.close()
+            raise RequestMigrated(self.request_id, item.dst_url)
         if isinstance(item, BaseException):
             self.finished = True
             self.close()
@@ -112,14 +133,14 @@ class RequestStream:
             while not self.finished and not self._queue.empty():
                 try:
                     batch.append(await self.__anext__())  # queued already: no waiting
-                except (RequestAborted, EngineDeadError):
+                except (RequestAborted, RequestMigrated, EngineDeadError):
                     yield batch  # what came before the failure still reaches the client
                     raise
             yield batch
 
     def _put(self, item: Any, index: int | None = None) -> None:
         """Queue an output (`index`: its first token's position, if not the engine's own)."""
-        if item is not _ABORTED and not isinstance(item, BaseException):
+        if item is not _ABORTED and not isinstance(item, (BaseException, _Moved)):
             if index is None:
                 index = len(item.output_token_ids) - len(item.new_token_ids)
             self._starts.append(index)
@@ -278,7 +299,20 @@ class EngineLoop:
         position of the output's first new token; tokens the client already has are skipped,
         so every token reaches it exactly once. Closing the stream cancels the relay.
         """
-        stream = next((s for s in self._open if s.request_id == request_id and not s._closed), None)
+        stream = self._released_stream(request_id)
+        stream._relay = asyncio.ensure_future(self._relay(stream, outputs))
+
+    def redirect(self, request_id: str, dst_url: str) -> None:
+        """End `request_id`'s open stream with `RequestMigrated(dst_url)` (after the release,
+        like `hand_off`): its client reattaches to the request at `dst_url` itself."""
+        self._released_stream(request_id)._put(_Moved(dst_url))
+
+    def stream_of(self, request_id: str) -> RequestStream | None:
+        """The open stream of `request_id`, if anyone listens to it."""
+        return next((s for s in self._open if s.request_id == request_id and not s._closed), None)
+
+    def _released_stream(self, request_id: str) -> RequestStream:
+        stream = self.stream_of(request_id)
         if stream is None:
             raise KeyError(f"no open stream for request {request_id!r}")
 
@@ -288,7 +322,7 @@ class EngineLoop:
                 self._timings.pop(request_id, None)
 
         self._submit(forget)
-        stream._relay = asyncio.ensure_future(self._relay(stream, outputs))
+        return stream
 
     async def _relay(
         self, stream: RequestStream, outputs: AsyncIterator[tuple[int, RequestOutput]]

@@ -8,7 +8,9 @@ Contract:
 - Client streams: on the destination the engine loop runs the adopted request without a client
   and buffers its outputs for a follower (`EngineLoop.attach`); on the source, right after a
   commit, the request's open client stream is handed off (`EngineLoop.hand_off`) to
-  `relay.follow` of the destination, so the client gets every token exactly once. With no open
+  `relay.follow` of the destination, so the client gets every token exactly once; a stream whose
+  client reattaches itself (the proxy) is ended with a migration notice instead
+  (`EngineLoop.redirect`). With no open
   stream (the client left) the destination's copy is aborted at once.
 - `create_migration_router(service)` serves, under ``/kvherd/v1``:
   ``POST /migrate {"request_id", "dst"}`` on the source: runs the migration and returns its
@@ -248,7 +250,11 @@ class MigrationService:
         """Continue the client's stream from the destination, or end the orphaned copy there."""
         rid = order.request_id
         try:
-            self.engine_loop.hand_off(rid, relay.follow(self._http, order.dst, rid))
+            stream = self.engine_loop.stream_of(rid)
+            if stream is not None and stream.reattach:
+                self.engine_loop.redirect(rid, order.dst)  # the proxy reattaches there itself
+            else:
+                self.engine_loop.hand_off(rid, relay.follow(self._http, order.dst, rid))
         except KeyError:
             # The client left while the request moved: nobody will follow it on the
             # destination, so attach and hang up at once (closing aborts it there) instead of

@@ -14,6 +14,12 @@ Contract (`create_app(agent)` returns the FastAPI app):
   ``?block_hashes=true`` adds the cached block hashes; ``?check_integrity=true`` adds
   ``"integrity": "ok"`` or the block manager's failed invariant, a debugging aid for tests).
 - ``GET /kvherd/v1/requests/{id}/stream``: follow a request migrated in (see `relay`).
+- Proxy reattachment: a streamed request sent with ``X-Kvherd-Reattach: 1`` that migrates away
+  ends its SSE (without ``[DONE]``) with the notice ``data: {"kvherd": {"migrated_to": URL,
+  "request_id": ID, "resume": {...}}}``; ``POST URL/kvherd/v1/requests/{id}/resume`` with the
+  ``resume`` object as body continues the very same OpenAI stream there from the next token
+  (``resume.from``), and may end with a notice again. Clients without the header are relayed by
+  the source instead.
 - `Agent` holds what the routes share: the engine loop, metrics, identity, and the draining flag.
   `Agent.drain` stops accepting work and waits for open requests to finish (or aborts them after
   a timeout).
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import re
 import signal
@@ -42,7 +49,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from instance_agent import protocol, relay
 from instance_agent.engine.request import InvalidRequestError, SamplingParams
-from instance_agent.engine_loop import EngineDeadError, EngineLoop, RequestAborted, RequestStream
+from instance_agent.engine_loop import (
+    EngineDeadError,
+    EngineLoop,
+    RequestAborted,
+    RequestMigrated,
+    RequestStream,
+)
 from instance_agent.metrics import AgentMetrics
 from instance_agent.protocol import (
     ChatCompletionRequest,
@@ -325,6 +338,28 @@ def create_app(agent: Agent, routers: Sequence[APIRouter] = ()) -> FastAPI:
             )
         return StreamingResponse(_relay_frames(stream), media_type="text/event-stream")
 
+    @app.post("/kvherd/v1/requests/{request_id}/resume", response_model=None)
+    async def resume_request(request_id: str, request: Request) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise bad_request(f"request body is not valid JSON: {exc}") from None
+        meta, fmt, start = _resumed(body)
+        stream = await agent.engine_loop.attach(request_id, timeout=5.0)
+        if stream is None:
+            raise OpenAIError(
+                404,
+                f"no request {request_id!r} is waiting for a follower here",
+                param="request_id",
+                code="request_not_found",
+            )
+        stream.reattach = request.headers.get("x-kvherd-reattach") == "1"
+        return StreamingResponse(
+            _sse(stream, meta, fmt, start),
+            media_type="text/event-stream",
+            headers={"X-Request-Id": request_id},
+        )
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
@@ -360,8 +395,9 @@ async def _generate(
     except EngineDeadError as exc:
         return _error_response(OpenAIError(500, str(exc), type="server_error"), headers)
     if body.stream:
+        stream.reattach = request.headers.get("x-kvherd-reattach") == "1"
         return StreamingResponse(
-            _sse(stream, meta, body), media_type="text/event-stream", headers=headers
+            _sse(stream, meta, _Format.of(body)), media_type="text/event-stream", headers=headers
         )
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     collector = asyncio.ensure_future(_collect(stream))
@@ -388,6 +424,20 @@ async def _generate(
         meta.response_id, meta.created, meta.model, text, finish_reason, usage, ids, prompt_ids
     )
     return JSONResponse(payload, headers=headers)
+
+
+@dataclass(slots=True)
+class _Format:
+    """What the client asked of its stream (travels with a migrated stream)."""
+
+    want_ids: bool
+    continuous_usage: bool
+    include_usage: bool
+
+    @classmethod
+    def of(cls, body: CompletionRequest | ChatCompletionRequest) -> _Format:
+        continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+        return cls(bool(body.return_token_ids), continuous, bool(body.include_usage))
 
 
 @dataclass(slots=True)
@@ -463,15 +513,15 @@ async def _collect(stream: RequestStream) -> tuple[str, list[int], str | None, i
 
 
 async def _sse(
-    stream: RequestStream, meta: _Meta, body: CompletionRequest | ChatCompletionRequest
+    stream: RequestStream, meta: _Meta, fmt: _Format, index: int = 0
 ) -> AsyncIterator[bytes]:
-    want_ids = bool(body.return_token_ids)
-    continuous_usage = bool(body.stream_options and body.stream_options.continuous_usage_stats)
-    index = 0
+    """The OpenAI stream of `stream`'s outputs; `index`: output tokens the client already has."""
+    want_ids, continuous_usage = fmt.want_ids, fmt.continuous_usage
     cached = 0
     rid, created, model = meta.response_id, meta.created, meta.model
+    done = True
     try:
-        if meta.chat:
+        if meta.chat and index == 0:
             first = protocol.chat_chunk(
                 rid, created, model, {"role": "assistant", "content": ""}, None,
                 [] if want_ids else None, 0,
@@ -506,16 +556,63 @@ async def _sse(
                 index += len(new_ids)
             if frames:
                 yield b"".join(frames)
-        if body.include_usage:
+        if fmt.include_usage:
             usage = protocol.usage(meta.prompt_len, index, cached)
             yield protocol.sse(protocol.usage_chunk(rid, created, model, meta.chat, usage))
+    except RequestMigrated as moved:
+        # The client (the proxy) continues this very stream at the destination: no [DONE].
+        done = False
+        resume = {
+            "from": index,
+            "id": rid,
+            "created": created,
+            "model": model,
+            "chat": meta.chat,
+            "prompt_tokens": meta.prompt_len,
+            "return_token_ids": want_ids,
+            "continuous_usage_stats": continuous_usage,
+            "include_usage": fmt.include_usage,
+        }
+        notice = {"migrated_to": moved.dst_url, "request_id": stream.request_id, "resume": resume}
+        yield protocol.sse({"kvherd": notice})
     except (RequestAborted, EngineDeadError) as exc:
         kind = "server_error"
         status = 503 if isinstance(exc, RequestAborted) else 500
         yield protocol.sse(OpenAIError(status, str(exc), type=kind).body())
     finally:
         stream.close()
-    yield protocol.SSE_DONE
+    if done:
+        yield protocol.SSE_DONE
+
+
+def _resumed(body: Any) -> tuple[_Meta, _Format, int]:
+    """The stream to continue, from a migration notice's ``resume`` object (400 if malformed)."""
+    if not isinstance(body, dict):
+        raise bad_request("body must be a migration notice's resume object")
+
+    def field(name: str, kind: type) -> Any:
+        value = body.get(name)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise bad_request(f"'{name}' must be of type {kind.__name__}", param=name)
+        return value
+
+    start = field("from", int)
+    if start < 0:
+        raise bad_request("'from' must be >= 0", param="from")
+    meta = _Meta(
+        response_id=field("id", str),
+        created=field("created", int),
+        model=field("model", str),
+        chat=field("chat", bool),
+        prompt_len=field("prompt_tokens", int),
+        prompt_ids=[],  # only the first chunk carries them, and it went out at the source
+    )
+    fmt = _Format(
+        field("return_token_ids", bool),
+        field("continuous_usage_stats", bool),
+        field("include_usage", bool),
+    )
+    return meta, fmt, start
 
 
 class DrainingServer(uvicorn.Server):

@@ -18,7 +18,8 @@ Contract:
 - Metrics on the proxy's registry: ``kvherd_migrations_started_total``,
   ``kvherd_migrations_total{outcome}`` (``committed``, an abort reason, or ``failed`` when the
   source could not be asked), ``kvherd_migration_bytes_total{kind}`` (``sent``, ``skipped``:
-  shared from the destination's prefix cache) and ``kvherd_migration_downtime_seconds``.
+  shared from the destination's prefix cache), ``kvherd_migration_downtime_seconds`` and
+  ``kvherd_migration_reattachments_total`` (streams the proxy continued at a new instance).
 """
 
 from __future__ import annotations
@@ -78,6 +79,11 @@ class MigrationMetrics:
             "kvherd_migration_bytes",
             "KV bytes of migrations: sent, or skipped (shared from the destination's cache).",
             ["kind"],
+            registry=registry,
+        )
+        self.reattached = Counter(
+            "kvherd_migration_reattachments",
+            "Client streams the proxy continued at their migrated request's new instance.",
             registry=registry,
         )
         self.downtime = Histogram(

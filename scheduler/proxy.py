@@ -16,6 +16,11 @@ Contract:
   (never one already tried) while nothing has been sent to the client (the response head is held
   back until the first chunk), up to ``max_attempts`` in all; then the client gets a 502/504 error
   object. After the first byte is relayed, an upstream failure ends the client's stream.
+- Live migration: streamed requests go out with ``X-Kvherd-Reattach: 1``. When one migrates, its
+  agent ends the stream with a notice frame ``data: {"kvherd": {"migrated_to": URL, "request_id",
+  "resume"}}`` (never relayed); the proxy then POSTs ``resume`` to
+  ``URL/kvherd/v1/requests/{id}/resume`` (a fleet instance only) and relays that stream from the
+  next token on, as often as the request moves. Non-streamed requests are relayed by the source.
 - Admission: an instance is saturated when the proxy has ``max_inflight_per_instance`` requests in
   flight on it (`scheduler.fleet.FleetSettings`). When every dispatchable instance is saturated a
   request waits in a FIFO admission queue of at most ``queue_size`` entries for up to
@@ -35,9 +40,10 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 import orjson
 from fastapi import FastAPI
@@ -58,6 +64,27 @@ from scheduler.proxy_metrics import ProxyMetrics
 from scheduler.tenancy import Tenant, TenantRegistry
 
 log = logging.getLogger("kvherd.proxy")
+
+# How an agent's migration notice frame starts (`instance_agent.server`, compact JSON).
+_NOTICE = b'data: {"kvherd":{"migrated_to":'
+
+
+async def _prepend(first: bytes, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    if first:
+        yield first
+    async for chunk in chunks:
+        yield chunk
+
+
+def _notice_prefix(data: bytes) -> int:
+    """Length of the longest proper prefix of a notice frame that `data` ends with."""
+    if data.endswith(b"\n"):  # the usual case: a chunk ends with a whole frame
+        return 0
+    for size in range(min(len(_NOTICE) - 1, len(data)), 0, -1):
+        if data.endswith(_NOTICE[:size]):
+            return size
+    return 0
+
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -347,6 +374,8 @@ class Proxy:
         rid = request_id.decode("latin-1")
         key = self.fleet.new_key(rid)
         headers.append((b"x-request-id", request_id))
+        if body.get("stream") is True:
+            headers.append((b"x-kvherd-reattach", b"1"))
         tried: set[str] = set()
         last_error: UpstreamError | None = None
         last_status: UpstreamResponse | None = None
@@ -495,13 +524,12 @@ class Proxy:
                 self.fleet.request_finished(key, instance, ok=ok)
             return response.status
         self.fleet.first_token(key)
+        stream = self._follow_migrations(first, chunks, request_id)
         try:
             await send(
                 {"type": "http.response.start", "status": response.status, "headers": headers}
             )
-            if first:
-                await send({"type": "http.response.body", "body": first, "more_body": True})
-            async for chunk in chunks:
+            async for chunk in stream:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             watch.stop()  # completing the response wakes the watcher with http.disconnect
             await send({"type": "http.response.body", "body": b""})
@@ -511,10 +539,74 @@ class Proxy:
             return "upstream_broke"
         except BaseException:
             response.close()
+            await stream.aclose()  # closes a resumed upstream too: the instance aborts
             self.fleet.request_finished(key, instance, ok=ok)
             raise
         self.fleet.request_finished(key, instance, ok=ok)
         return response.status
+
+    async def _follow_migrations(
+        self, first: bytes, chunks: AsyncIterator[bytes], request_id: bytes
+    ) -> AsyncGenerator[bytes, None]:
+        """The upstream stream's bytes, continued at the destination each time the request
+        migrates; the agents' migration notices are consumed here, never relayed."""
+        resumed: UpstreamResponse | None = None
+        try:
+            while True:
+                notice = pending = b""
+                async for chunk in _prepend(first, chunks):
+                    if notice:
+                        notice += chunk
+                        continue
+                    data = pending + chunk if pending else chunk
+                    at = data.find(_NOTICE)
+                    if at >= 0:
+                        if at:
+                            yield data[:at]
+                        notice, pending = data[at:], b""
+                        continue
+                    # A chunk may end inside a notice's first bytes: hold those back.
+                    hold = _notice_prefix(data)
+                    pending = data[len(data) - hold :]
+                    if hold < len(data):
+                        yield data[: len(data) - hold]
+                if pending:
+                    yield pending
+                if not notice:
+                    return
+                if resumed is not None:
+                    resumed.close()
+                resumed = await self._resume(notice, request_id)
+                if self.fleet.migration is not None:
+                    self.fleet.migration.metrics.reattached.inc()
+                first, chunks = b"", resumed.iter_body()
+        finally:
+            if resumed is not None:
+                resumed.close()
+
+    async def _resume(self, notice: bytes, request_id: bytes) -> UpstreamResponse:
+        """Open the destination's continuation of a migrated request's stream."""
+        try:
+            frame = orjson.loads(notice[len(b"data: ") :].split(b"\n\n", 1)[0])
+            moved = frame["kvherd"]
+            dst = str(moved["migrated_to"]).rstrip("/")
+            rid = str(moved["request_id"])
+            resume = orjson.dumps(moved["resume"])
+        except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+            raise UpstreamError(f"malformed migration notice: {exc}") from exc
+        if not any(inst.url.rstrip("/") == dst for inst in self.fleet.instances.values()):
+            raise UpstreamError(f"request migrated to {dst}, which is not a fleet instance")
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"x-request-id", request_id),
+            (b"x-kvherd-reattach", b"1"),
+        ]
+        path = f"/kvherd/v1/requests/{quote(rid, safe='')}/resume".encode()
+        response = await self.pool.send(dst, b"POST", path, headers, resume)
+        if response.status != 200 or not response.streaming:
+            response.close()
+            raise UpstreamError(f"{dst} did not resume {rid}: HTTP {response.status}")
+        return response
 
 
 async def _send_simple(send: Send, status: int, body: bytes, request_id: bytes) -> None:

@@ -166,6 +166,9 @@ async def test_admin_migrate_through_the_proxy_is_invisible_to_the_client(
         assert 'kvherd_migrations_total{outcome="committed"} 1.0' in metrics
         assert "kvherd_migrations_started_total 1.0" in metrics
         assert "kvherd_migration_downtime_seconds_count 1.0" in metrics
+        # Streamed: the proxy itself continued the stream at the destination; plain: the
+        # source relayed the rest.
+        assert f"kvherd_migration_reattachments_total {float(stream)}" in metrics
     await assert_agents_clean(pair)
 
 
