@@ -18,7 +18,8 @@ Contract (`create_app(agent)` returns the FastAPI app):
   ends its SSE (without ``[DONE]``) with the notice ``data: {"kvherd": {"migrated_to": URL,
   "request_id": ID, "resume": {...}}}``; ``POST URL/kvherd/v1/requests/{id}/resume`` with the
   ``resume`` object as body continues the very same OpenAI stream there from the next token
-  (``resume.from``), and may end with a notice again. Clients without the header are relayed by
+  (``resume.from``; ``?wait=`` seconds for the request to arrive, default 5, else 404), and may
+  end with a notice again. Clients without the header are relayed by
   the source instead.
 - `Agent` holds what the routes share: the engine loop, metrics, identity, and the draining flag.
   `Agent.drain` stops accepting work and waits for open requests to finish (or aborts them after
@@ -339,13 +340,15 @@ def create_app(agent: Agent, routers: Sequence[APIRouter] = ()) -> FastAPI:
         return StreamingResponse(_relay_frames(stream), media_type="text/event-stream")
 
     @app.post("/kvherd/v1/requests/{request_id}/resume", response_model=None)
-    async def resume_request(request_id: str, request: Request) -> Response:
+    async def resume_request(request_id: str, request: Request, wait: float = 5.0) -> Response:
+        if not 0 <= wait <= 60:
+            raise bad_request("wait must be between 0 and 60 seconds", param="wait")
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise bad_request(f"request body is not valid JSON: {exc}") from None
         meta, fmt, start = _resumed(body)
-        stream = await agent.engine_loop.attach(request_id, timeout=5.0)
+        stream = await agent.engine_loop.attach(request_id, timeout=wait)
         if stream is None:
             raise OpenAIError(
                 404,

@@ -228,3 +228,56 @@ def test_client_leaving_after_migration_frees_both_agents(
         wait_until(lambda: output_tokens_on(b, rid) > 0)
     # The connection is closed: A cancels its relay, B aborts the request.
     assert_clean(a, b)
+
+
+def test_reattaching_client_gets_a_notice_and_resumes_at_the_destination(
+    agents: tuple[AgentProcess, AgentProcess],
+) -> None:
+    """The proxy's side of the protocol, spoken by the test: the source's stream ends with the
+    migration notice (no [DONE]); resuming at the destination gives exactly the missing rest."""
+    a, b = agents
+    expected = reference(a, SEEDED, True)
+    rid = f"reattach-{next(_ids)}"
+    tokens: list[int] = []
+    notice: dict[str, Any] | None = None
+    with httpx.Client(timeout=60) as client:
+        headers = {"X-Request-Id": rid, "X-Kvherd-Reattach": "1"}
+        with client.stream(
+            "POST", f"{a.url}/v1/completions", json=body(SEEDED, True), headers=headers
+        ) as response:
+            lines = response.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    tokens.extend(json.loads(line[6:])["choices"][0]["token_ids"])
+                    break
+            assert migrate(a, rid, b.url)["status"] == "committed"
+            rest = [line[6:] for line in lines if line.startswith("data: ")]
+        assert rest[-1] != "[DONE]"
+        for data in rest[:-1]:
+            tokens.extend(json.loads(data)["choices"][0]["token_ids"])
+        notice = json.loads(rest[-1])["kvherd"]
+        assert notice["migrated_to"] == b.url and notice["request_id"] == rid
+        assert notice["resume"]["from"] == len(tokens)
+        url = f"{b.url}/kvherd/v1/requests/{rid}/resume"
+        assert client.post(url, json={"from": "x"}).status_code == 400
+        assert (
+            client.post(url.replace(rid, "nobody") + "?wait=0", json=notice["resume"]).status_code
+            == 404
+        )
+        usage = None
+        with client.stream("POST", url, json=notice["resume"]) as response:
+            assert response.status_code == 200
+            frames = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        assert frames[-1] == "[DONE]"
+        for data in frames[:-1]:
+            chunk = json.loads(data)
+            assert chunk["id"] == f"cmpl-{rid}"
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk["choices"]:
+                tokens.extend(choice["token_ids"] or [])
+    assert tokens == expected.tokens
+    assert usage is not None and expected.usage is not None
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert usage[key] == expected.usage[key]
+    assert_clean(a, b)

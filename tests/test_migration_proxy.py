@@ -101,18 +101,18 @@ def body(sampling: dict[str, Any], stream: bool, max_tokens: int) -> dict[str, A
     return payload
 
 
-async def running_on(proxy: RunningProxy, completion: Completion, min_tokens: int) -> str:
+async def running_on(proxy: RunningProxy, request_id: str, min_tokens: int) -> str:
     """The instance the request runs on, once it has generated `min_tokens` tokens there."""
     fleet = proxy.fleet
     instance_id: str | None = None
 
     def generated() -> bool:
         nonlocal instance_id
-        instance_id = fleet.router.instance_of(completion.request_id)
+        instance_id = fleet.router.instance_of(request_id)
         if instance_id is None:
             return False
         state = httpx.get(f"{fleet.instances[instance_id].url}/kvherd/v1/state").json()
-        mine = [r for r in state["running"] if r["request_id"] == completion.request_id]
+        mine = [r for r in state["running"] if r["request_id"] == request_id]
         return bool(mine) and mine[0]["num_output_tokens"] >= min_tokens
 
     await wait_for(generated, timeout=60, interval=0.005)
@@ -147,7 +147,7 @@ async def test_admin_migrate_through_the_proxy_is_invisible_to_the_client(
         expected = await Completion(client, proxy.url, body(sampling, stream, 150)).result()
         assert len(expected.tokens) == 150
         moving = Completion(client, proxy.url, body(sampling, stream, 150))
-        src = await running_on(proxy, moving, 5)
+        src = await running_on(proxy, moving.request_id, 5)
         dst = next(i for i in proxy.fleet.instances if i != src)
         response = await client.post(
             f"{proxy.admin_url}/admin/v1/migrate",
@@ -169,6 +169,52 @@ async def test_admin_migrate_through_the_proxy_is_invisible_to_the_client(
         # Streamed: the proxy itself continued the stream at the destination; plain: the
         # source relayed the rest.
         assert f"kvherd_migration_reattachments_total {float(stream)}" in metrics
+    await assert_agents_clean(pair)
+
+
+async def test_migrated_chat_stream_continues_through_the_proxy(
+    proxy: RunningProxy, pair: list[AgentProcess]
+) -> None:
+    chat = {
+        "messages": [{"role": "user", "content": "Tell me a long story about KV caches."}],
+        "max_tokens": 150,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+
+    async def run(client: httpx.AsyncClient, rid: str) -> list[dict[str, Any]]:
+        async with client.stream(
+            "POST", f"{proxy.url}/v1/chat/completions", json=chat, headers={"X-Request-Id": rid}
+        ) as response:
+            assert response.status_code == 200
+            return [
+                json.loads(line[6:])
+                async for line in response.aiter_lines()
+                if line.startswith("data: ") and line != "data: [DONE]"
+            ]
+
+    async with httpx.AsyncClient(timeout=60) as client:
+        expected = await run(client, "chat-ref")
+        moving = asyncio.ensure_future(run(client, "chat-moving"))
+        src = await running_on(proxy, "chat-moving", 5)
+        dst = next(i for i in proxy.fleet.instances if i != src)
+        response = await client.post(
+            f"{proxy.admin_url}/admin/v1/migrate",
+            json={"request_id": "chat-moving", "to": dst},
+            headers=ADMIN,
+        )
+        assert response.json()["status"] == "committed"
+        got = await asyncio.wait_for(moving, 120)
+    # Same chunks (role chunk once, content, running usage, final usage) apart from the id and
+    # the prefix-cache hits (the second run finds the first one's prompt cached).
+    for chunk in expected + got:
+        chunk.pop("id")
+        chunk.pop("created")
+        if chunk.get("usage"):
+            chunk["usage"].pop("prompt_tokens_details")
+    assert got == expected
     await assert_agents_clean(pair)
 
 
@@ -205,7 +251,7 @@ async def test_drain_moves_every_running_request_elsewhere(
         expected = [await c.result() for c in await batch(client)]
         moving = await batch(client)
         for completion in moving:
-            assert await running_on(proxy, completion, 3) == first
+            assert await running_on(proxy, completion.request_id, 3) == first
         await client.post(drain.format(second), json={"draining": False}, headers=ADMIN)
         response = await client.post(drain.format(first), json={}, headers=ADMIN)
         assert response.status_code == 200 and response.json()["draining"] is True
