@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from migration.kv_copy import recv_blocks
@@ -40,10 +40,6 @@ from migration.transport import TransferError, TransportHub
 
 log = logging.getLogger(__name__)
 
-Adopt = Callable[[dict[str, Any], list[int], str], Awaitable[Any]]
-"""Adopts a committed request: (state, block ids in order, reservation owner id)."""
-
-
 class MigrationDestination:
     def __init__(
         self,
@@ -53,12 +49,8 @@ class MigrationDestination:
         block_size: int,
         kv_bytes_per_block: int,
         clock: Callable[[], float] = time.monotonic,
-        adopt: Adopt | None = None,
     ) -> None:
         self.call = call
-        # How a committed request joins the engine; the agent passes one that also opens the
-        # request's output stream in the same engine-thread step, so no token is missed.
-        self.adopt: Adopt = adopt or self._adopt_on_engine
         self.hub = hub
         self.table = table
         self.block_size = block_size
@@ -136,7 +128,7 @@ class MigrationDestination:
         self.table.pop(mid)
         self._forget(mid)
         try:
-            await self.adopt(state.to_json(), block_ids, mid)
+            await self._adopt_on_engine(state.to_json(), block_ids, mid)
         except (ValueError, KeyError) as e:
             await self.call(lambda e: e.free_reservation(mid))
             self._count(AbortReason.DST_FAILED)
@@ -185,6 +177,8 @@ class MigrationDestination:
     async def _adopt_on_engine(
         self, state: dict[str, Any], block_ids: list[int], owner_id: str
     ) -> Any:
+        # The engine runs the adopted request with no client; the agent's engine loop buffers
+        # its outputs until a follower attaches (`EngineLoop.attach`).
         return await self.call(lambda e: e.adopt_request(state, block_ids, owner_id))
 
     def _check_geometry(self, msg: ReserveRequest) -> str | None:

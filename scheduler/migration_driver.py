@@ -11,8 +11,9 @@ Contract:
   returns the agent's `MigrationOutcome` (None when the source could not be asked).
 - When an order ends, the loop is told (`on_done`) and, if the migration committed, the router moves
   the request's load charges to the destination (`Router.on_migrated`), so the next decisions see
-  the new placement before any load report does. The client's stream is not touched: the source
-  agent keeps relaying it.
+  the new placement before any load report does. The client's stream is the agents' and the
+  proxy's business: a streamed request's source ends its stream with a migration notice and the
+  proxy reattaches at the destination; a non-streamed one is relayed by its source.
 - Request ids in orders are the agents' own, which are the ``X-Request-Id`` the proxy forwarded
   (the router's key for the request).
 - Metrics on the proxy's registry: ``kvherd_migrations_started_total``,
