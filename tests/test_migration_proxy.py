@@ -262,3 +262,13 @@ async def test_drain_moves_every_running_request_elsewhere(
         assert 'kvherd_migrations_total{outcome="committed"} 3.0' in metrics
         await client.post(drain.format(first), json={"draining": False}, headers=ADMIN)
     await assert_agents_clean(pair)
+
+
+def test_a_notice_split_across_chunks_is_held_back_only_while_it_may_be_one() -> None:
+    from scheduler.proxy import _NOTICE, _notice_prefix
+
+    frame = b'data: {"id":"cmpl-1","choices":[]}\n\n'
+    assert _notice_prefix(frame) == 0  # a whole frame goes out at once
+    for cut in range(1, len(_NOTICE)):
+        assert _notice_prefix(frame + _NOTICE[:cut]) == cut
+    assert _notice_prefix(frame + b"data: [DO") == 0
