@@ -15,6 +15,8 @@ Contract:
   `dispatch` raises `NoCapacityError(saturated=True)` when only saturated instances could take the
   request, `saturated=False` when nothing dispatchable (and untried) is left. `on_capacity` is
   called whenever a request finishes (the proxy's admission queue waits on it).
+  `request_migrated(key, dst)` moves a running request's charges and in-flight count to `dst`
+  (a committed live migration); it then finishes there, whichever instance the proxy reports.
 - Health: `failure_threshold` consecutive failures eject an instance (not dispatchable, counted in
   ``kvherd_ejections_total``); after the ejection time the next active probe is its half-open
   trial. A comeback after ejection resubscribes its KV events (it may have restarted).
@@ -352,10 +354,32 @@ class Fleet:
     def first_token(self, key: str) -> None:
         self.router.on_first_token(key, self.clock())
 
+    def request_migrated(self, key: str, dst: str) -> None:
+        """A live migration committed: `key` now runs on instance `dst`."""
+        src = self.router.instance_of(key)
+        self.router.on_migrated(key, dst, self.clock())
+        old, new = self.instances.get(src or ""), self.instances.get(dst)
+        if old is None or new is None or key not in old.keys or old is new:
+            return
+        old.keys.discard(key)
+        old.inflight -= 1
+        if old.inflight < self.settings.max_inflight_per_instance:
+            self._saturated.discard(old.instance_id)
+        new.keys.add(key)
+        new.inflight += 1
+        if new.inflight >= self.settings.max_inflight_per_instance:
+            self._saturated.add(new.instance_id)
+        self.metrics.inflight(old.instance_id).set(old.inflight)
+        self.metrics.inflight(new.instance_id).set(new.inflight)
+        self.on_capacity()
+
     def _release(self, key: str, inst: FleetInstance) -> None:
+        where = self.router.instance_of(key)  # differs from `inst` after a migration
         self.router.on_finish(key, self.clock())
         # The instance may have re-registered since dispatch: count on its current record.
-        current = self.instances.get(inst.instance_id)
+        current = self.instances.get(where or inst.instance_id)
+        if current is None or key not in current.keys:
+            current = self.instances.get(inst.instance_id)
         if current is not None and key in current.keys:
             current.keys.discard(key)
             current.inflight -= 1

@@ -9,11 +9,12 @@ Contract:
 - `migrate(request_id, dst)` is an operator's order (``POST /admin/v1/migrate``): the source is
   where the router placed the request; it counts as in flight for the loop until it ends, and
   returns the agent's `MigrationOutcome` (None when the source could not be asked).
-- When an order ends, the loop is told (`on_done`) and, if the migration committed, the router moves
-  the request's load charges to the destination (`Router.on_migrated`), so the next decisions see
-  the new placement before any load report does. The client's stream is the agents' and the
-  proxy's business: a streamed request's source ends its stream with a migration notice and the
-  proxy reattaches at the destination; a non-streamed one is relayed by its source.
+- When an order ends, the loop is told (`on_done`) and, if the migration committed, the fleet moves
+  the request's load charges and in-flight count to the destination (`Fleet.request_migrated`), so
+  the next decisions see the new placement before any load report does. The client's stream is
+  the agents' and the proxy's business: a streamed request's source ends its stream with a
+  migration notice and the proxy reattaches at the destination; a non-streamed one is relayed by
+  its source.
 - Request ids in orders are the agents' own, which are the ``X-Request-Id`` the proxy forwarded
   (the router's key for the request).
 - Metrics on the proxy's registry: ``kvherd_migrations_started_total``,
@@ -146,7 +147,7 @@ class MigrationDriver:
         committed = outcome is not None and outcome.status is MigrationStatus.COMMITTED
         self.loop.on_done(order.request_id, committed, now)
         if committed:
-            self.fleet.router.on_migrated(order.request_id, order.dst, now)
+            self.fleet.request_migrated(order.request_id, order.dst)
             log.info("migrated %s from %s to %s", order.request_id, order.src, order.dst)
         elif outcome is not None:
             log.info(

@@ -272,3 +272,22 @@ def test_a_notice_split_across_chunks_is_held_back_only_while_it_may_be_one() ->
     for cut in range(1, len(_NOTICE)):
         assert _notice_prefix(frame + _NOTICE[:cut]) == cut
     assert _notice_prefix(frame + b"data: [DO") == 0
+
+
+async def test_fleet_counts_a_migrated_request_where_it_runs() -> None:
+    from scheduler.fleet import Fleet, FleetSettings, InstanceSpec
+    from scheduler.proxy_metrics import ProxyMetrics
+
+    fleet = Fleet("round_robin", FleetSettings(block_size=16), ProxyMetrics())
+    try:
+        await fleet.add_instance(InstanceSpec("a", "http://127.0.0.1:9"))
+        await fleet.add_instance(InstanceSpec("b", "http://127.0.0.1:10"))
+        src, _ = fleet.dispatch("r", 64, [])
+        dst = fleet.instances["b" if src.instance_id == "a" else "a"]
+        fleet.request_migrated("r", dst.instance_id)
+        assert (src.inflight, dst.inflight) == (0, 1)
+        assert fleet.router.instance_of("r") == dst.instance_id
+        fleet.request_finished("r", src)  # the proxy reports the instance it dispatched to
+        assert (src.inflight, dst.inflight) == (0, 0) and not dst.keys
+    finally:
+        await fleet.stop()
