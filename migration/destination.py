@@ -40,6 +40,7 @@ from migration.transport import TransferError, TransportHub
 
 log = logging.getLogger(__name__)
 
+
 class MigrationDestination:
     def __init__(
         self,
