@@ -5,7 +5,10 @@ Steps, all on this machine:
      default) with the very engine configuration the agents run.
   2. For each policy: `kvherd up -n N --policy P` (real agents + proxy), `kvherd replay` of the trace
      through the proxy, then shutdown.
-  3. `kvherd sim` of the same trace with the calibrated model, N instances, the same policies.
+  3. `kvherd sim` of the same trace with the calibrated model, N instances, the same policies, plus
+     the fleet's serving overheads measured by probes before the replay (not fitted to it): the
+     request path (median TTFT of tiny one-token requests minus the model's step time) and the
+     serving loop's per-step cost (TPOT of a lone 64-token request minus the model's decode step).
 The trace is the Mooncake trace scaled down to fit the tiny model's 2,048-token context: the first
 `--requests` requests that fit, every length divided by `--shrink` and the hash-id block shrunk alike
 (512/shrink tokens), so the prefix-sharing structure is kept; outputs are capped at `--max-output`.
@@ -77,7 +80,51 @@ def _kvherd(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvherd", *args]
 
 
-def _real(trace: Path, policy: str, args: argparse.Namespace, engine: list[str], out: Path) -> dict:
+def _stream(url: str, prompt: list[int], max_tokens: int) -> tuple[float, float]:
+    """(TTFT, E2E) in seconds of one streamed completion."""
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+    }
+    model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+    body["model"] = model
+    start = time.perf_counter()
+    first = last = 0.0
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data:") and '"choices"' in line:
+                last = time.perf_counter() - start
+                first = first or last
+    return first, last
+
+
+def _overheads(url: str, profile: Path) -> tuple[float, float]:
+    """(request overhead, step overhead) in ms, from probes the trace does not contain."""
+    import statistics
+
+    from simulator.latency import load_latency_model
+
+    model = load_latency_model(f"calibrated:{profile}")
+    ttfts = [_stream(url, list(range(10, 26)), 1)[0] for _ in range(7)]
+    request = statistics.median(ttfts) - model.step_time([(16, 0)], [])
+    runs = [_stream(url, list(range(30, 46)), 64) for _ in range(3)]
+    tpot = statistics.median((e2e - ttft) / 63 for ttft, e2e in runs)
+    step = tpot - model.step_time([], [48])
+    return max(request, 0.0) * 1000.0, max(step, 0.0) * 1000.0
+
+
+def _real(
+    trace: Path,
+    policy: str,
+    args: argparse.Namespace,
+    engine: list[str],
+    out: Path,
+    probe: list[float],
+) -> dict:
     port, admin = _free_port(), _free_port()
     log = (out / f"up_{policy}.log").open("wb")
     cmd = _kvherd(
@@ -119,6 +166,8 @@ def _real(trace: Path, policy: str, args: argparse.Namespace, engine: list[str],
             if time.monotonic() > deadline:
                 raise RuntimeError("kvherd up did not become ready")
             time.sleep(0.5)
+        if not probe:
+            probe.extend(_overheads(url, out / "profile.json"))
         dest = out / f"real_{policy}"
         subprocess.run(
             _kvherd(
@@ -202,6 +251,9 @@ def main() -> int:
         check=True,
     )
     policies = args.policies.split(",")
+    probe: list[float] = []
+    reals = {policy: _real(trace, policy, args, engine, out, probe) for policy in policies}
+    request_ms, step_ms = probe
     subprocess.run(
         _kvherd(
             "sim",
@@ -214,6 +266,10 @@ def main() -> int:
             f"calibrated:{profile}",
             "--id-block-size",
             str(512 // args.shrink),
+            "--request-overhead-ms",
+            f"{request_ms:.3f}",
+            "--step-overhead-ms",
+            f"{step_ms:.3f}",
             "--out",
             str(out / "sim"),
             "--quiet",
@@ -226,11 +282,13 @@ def main() -> int:
     print(
         f"{args.requests} Mooncake requests shrunk {args.shrink}x, {args.instances} x {args.model}; out {out}"
     )
+    print(
+        f"probed overheads: request path {request_ms:.2f} ms, serving loop {step_ms:.3f} ms per step"
+    )
     print("| policy | metric | real | sim | error |")
     print("|---|---|---:|---:|---:|")
     for policy in policies:
-        real = _real(trace, policy, args, engine, out)
-        sim = simulated[policy]
+        real, sim = reals[policy], simulated[policy]
         for key, label in (*METRICS, ("prefix_hit_rate", "hit rate")):
             r, s = real[key], sim[key]
             err = (s - r) / r if r else float("nan")

@@ -16,6 +16,8 @@ Contract:
   transfer time = bytes / `migration_bandwidth` + `migration_stage_latency_s`; the request keeps
   decoding during live stages and is suspended only for the stop-and-copy stage (between engine steps,
   never mid-step), then adopted by the destination with its exact state.
+- `request_overhead_s` delays each request between the router's decision and the engine (the HTTP
+  path of a real fleet); `InstanceConfig.step_overhead_s` adds the serving loop's per-step cost.
 - A request the engine refuses (too long for an instance) is counted as failed, never crashes the run.
 - Deterministic: same trace, config and seed -> identical results.
 """
@@ -49,6 +51,8 @@ class ClusterConfig:
     instance: InstanceConfig
     report_interval_s: float = 0.1
     report_delay_s: float = 0.002
+    # Client -> proxy -> agent until the engine holds the request (HTTP, tokenizing, routing).
+    request_overhead_s: float = 0.0
     kv_event_delay_s: float = 0.005
     migration_interval_s: float = 0.5
     max_migrations_in_flight: int = 16
@@ -196,6 +200,16 @@ class SimCluster:
             max_tokens=tr.output_length,
         )
         instance = self.instances[routed.instance_id]
+        if self.config.request_overhead_s > 0:
+            self.loop.call_later(self.config.request_overhead_s, self._admit, instance, request)
+        else:
+            self._admit(instance, request)
+
+    def _admit(self, instance: SimInstance, request: Request) -> None:
+        now = self.loop.now
+        rid = request.request_id
+        for periodic in self._periodic:  # the fleet may have gone idle while it was in transit
+            periodic.wake()
         try:
             instance.add_request(request)
         except InvalidRequestError:

@@ -36,6 +36,7 @@ class SimSettings:
     kv_event_delay_s: float = 0.005
     migration_interval_s: float = 0.5
     migration_bandwidth: float = 25e9
+    request_overhead_s: float = 0.0
     cluster_extra: dict[str, Any] = field(default_factory=dict)
 
     def cluster_config(self) -> ClusterConfig:
@@ -46,6 +47,7 @@ class SimSettings:
             kv_event_delay_s=self.kv_event_delay_s,
             migration_interval_s=self.migration_interval_s,
             migration_bandwidth=self.migration_bandwidth,
+            request_overhead_s=self.request_overhead_s,
             **self.cluster_extra,
         )
 

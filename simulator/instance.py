@@ -47,6 +47,8 @@ class InstanceConfig:
     max_model_len: int = 1 << 20
     enable_prefix_caching: bool = True
     watermark: float = 0.01
+    # Serving-loop cost per step outside the forward pass (HTTP streaming, thread hand-offs).
+    step_overhead_s: float = 0.0
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -125,7 +127,7 @@ class SimInstance:
             self.step_end = None
             return None
         prefill, decode = step_shape(output)
-        duration = self.latency.step_time(prefill, decode)
+        duration = self.latency.step_time(prefill, decode) + self.config.step_overhead_s
         for item in output.scheduled:
             rid = item.request.request_id
             if rid not in self._scheduled_once:

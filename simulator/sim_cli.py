@@ -65,9 +65,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-num-batched-tokens", type=int, default=None, help="default 8192")
     engine.add_argument("--max-model-len", type=int, default=None, help="default 1M tokens")
     engine.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    engine.add_argument(
+        "--step-overhead-ms",
+        type=float,
+        default=0.0,
+        help="serving-loop cost added to every step (default 0)",
+    )
     fleet = parser.add_argument_group("router and migration")
     fleet.add_argument("--report-interval-ms", type=float, default=100.0, help="load report period")
     fleet.add_argument("--kv-event-delay-ms", type=float, default=5.0, help="KV event latency")
+    fleet.add_argument(
+        "--request-overhead-ms",
+        type=float,
+        default=0.0,
+        help="client -> proxy -> engine latency of every request (default 0)",
+    )
     fleet.add_argument(
         "--migration-interval-ms", type=float, default=500.0, help="migration loop period"
     )
@@ -156,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
         kv_event_delay_s=args.kv_event_delay_ms / 1000.0,
         migration_interval_s=args.migration_interval_ms / 1000.0,
         migration_bandwidth=args.migration_bandwidth_gbps * 1e9 / 8,
+        request_overhead_s=args.request_overhead_ms / 1000.0,
     )
     meta = {
         "trace": str(args.trace),
@@ -171,7 +184,9 @@ def run(args: argparse.Namespace) -> int:
             "max_num_batched_tokens": instance.max_num_batched_tokens,
             "max_model_len": instance.max_model_len,
             "enable_prefix_caching": instance.enable_prefix_caching,
+            "step_overhead_ms": args.step_overhead_ms,
         },
+        "request_overhead_ms": args.request_overhead_ms,
         "migration_policy": args.migration_policy,
         "seed": args.seed,
         "slo_ttft_ms": args.slo_ttft,
@@ -197,6 +212,7 @@ def _instance_config(args: argparse.Namespace, capacity: int | None, engine: dic
         or engine.get("max_num_batched_tokens", 8192),
         max_model_len=args.max_model_len or engine.get("max_model_len", 1 << 20),
         enable_prefix_caching=not args.no_prefix_caching,
+        step_overhead_s=args.step_overhead_ms / 1000.0,
     )
     if min(config.num_blocks, config.block_size, config.max_num_seqs) < 1:
         raise ValueError("--num-blocks, --block-size and --max-num-seqs must be positive")
