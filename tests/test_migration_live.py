@@ -17,7 +17,8 @@ from typing import Any
 
 import httpx
 import pytest
-from agent_process import AgentProcess, agent_process
+from agent_process import AgentProcess
+from test_proxy import agents as agents_started
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -30,7 +31,7 @@ _ids = itertools.count()
 
 @pytest.fixture(scope="module")
 def agents() -> Iterator[tuple[AgentProcess, AgentProcess]]:
-    with agent_process("--block-size", "4") as a, agent_process("--block-size", "4") as b:
+    with agents_started(2, "--block-size", "4", kv_events=False) as (a, b):
         yield a, b
 
 
