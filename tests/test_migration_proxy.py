@@ -8,6 +8,7 @@ proxy, must get exactly the output of an unmigrated run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 from collections.abc import AsyncIterator, Iterator
@@ -15,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from agent_process import AgentProcess
+from agent_process import AgentProcess, agent_process
 from test_proxy import TOKEN, RunningProxy, agents, running_proxy, wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -291,3 +292,47 @@ async def test_fleet_counts_a_migrated_request_where_it_runs() -> None:
         assert (src.inflight, dst.inflight) == (0, 0) and not dst.keys
     finally:
         await fleet.stop()
+
+
+async def test_default_llumnix_policy_moves_requests_off_a_preempting_instance() -> None:
+    """``kvherd serve`` migrates on its own by default: round robin overloads the small instance
+    (it preempts), the llumnix policy moves requests to the big one, and every client still gets
+    exactly its unmigrated output."""
+    with contextlib.ExitStack() as stack:
+        small, big = (
+            stack.enter_context(agent_process("--num-gpu-blocks", blocks, kv_events=True))
+            for blocks in ("48", "1024")
+        )
+        flags = ("--policy", "round_robin", "--migration-interval", "0.1", "--load-interval", "0.1")
+        async with running_proxy([small, big], *flags) as proxy:
+            assert proxy.fleet.migration_spec == "llumnix"
+
+            def body(i: int) -> dict[str, Any]:
+                prompt = [(i * 31 + k) % 250 for k in range(40)]
+                return {
+                    "prompt": prompt,
+                    "max_tokens": 200,
+                    "ignore_eos": True,
+                    "temperature": 0.8,
+                    "seed": i,
+                    "return_token_ids": True,
+                }
+
+            async with httpx.AsyncClient(timeout=120) as client:
+
+                async def tokens(url: str, i: int) -> list[int]:
+                    response = await client.post(f"{url}/v1/completions", json=body(i))
+                    assert response.status_code == 200, response.text
+                    return list(response.json()["choices"][0]["token_ids"])
+
+                got = await asyncio.gather(*(tokens(proxy.url, i) for i in range(12)))
+                metrics = (await client.get(f"{proxy.url}/metrics")).text
+                expected = await asyncio.gather(*(tokens(big.url, i) for i in range(12)))
+        assert got == expected
+        committed = [
+            line
+            for line in metrics.splitlines()
+            if line.startswith('kvherd_migrations_total{outcome="committed"}')
+        ]
+        assert committed and float(committed[0].split()[-1]) >= 1
+        await assert_agents_clean([small, big])
