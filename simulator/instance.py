@@ -122,6 +122,10 @@ class SimInstance:
     def start_step(self, now: float) -> float | None:
         """Plan the next step at `now`; returns its end time, or None when there is nothing to run."""
         output = self.scheduler.schedule()
+        while output.is_empty and output.preempted:
+            # The plan only preempted (the last running request gave up its own blocks): the
+            # engine loop steps again at once, and so does the simulated one.
+            output = self.scheduler.schedule()
         if output.is_empty:
             self._output = None
             self.step_end = None
