@@ -69,11 +69,14 @@ log = logging.getLogger("kvherd.proxy")
 _NOTICE = b'data: {"kvherd":{"migrated_to":'
 
 
-async def _prepend(first: bytes, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    if first:
-        yield first
-    async for chunk in chunks:
-        yield chunk
+def _split(data: bytes) -> tuple[bytes, bytes, bytes]:
+    """`data` as (bytes to relay now, bytes to hold back, a migration notice's start)."""
+    at = data.find(_NOTICE)
+    if at >= 0:
+        return data[:at], b"", data[at:]
+    # A chunk may end inside a notice's first bytes: hold those back until the next one.
+    keep = len(data) - _notice_prefix(data)
+    return data[:keep], data[keep:], b""
 
 
 def _notice_prefix(data: bytes) -> int:
@@ -553,27 +556,22 @@ class Proxy:
         resumed: UpstreamResponse | None = None
         try:
             while True:
-                notice = pending = b""
-                async for chunk in _prepend(first, chunks):
-                    if notice:
-                        notice += chunk
-                        continue
-                    data = pending + chunk if pending else chunk
-                    at = data.find(_NOTICE)
-                    if at >= 0:
-                        if at:
-                            yield data[:at]
-                        notice, pending = data[at:], b""
-                        continue
-                    # A chunk may end inside a notice's first bytes: hold those back.
-                    hold = _notice_prefix(data)
-                    pending = data[len(data) - hold :]
-                    if hold < len(data):
-                        yield data[: len(data) - hold]
-                if pending:
-                    yield pending
+                out, pending, notice = _split(first)
+                if out:
+                    yield out
                 if not notice:
+                    async for chunk in chunks:
+                        out, pending, notice = _split(pending + chunk if pending else chunk)
+                        if out:
+                            yield out
+                        if notice:
+                            break
+                if not notice:
+                    if pending:
+                        yield pending
                     return
+                async for chunk in chunks:  # the notice's rest, up to the end of the stream
+                    notice += chunk
                 if resumed is not None:
                     resumed.close()
                 resumed = await self._resume(notice, request_id)

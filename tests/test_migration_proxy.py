@@ -266,12 +266,16 @@ async def test_drain_moves_every_running_request_elsewhere(
 
 
 def test_a_notice_split_across_chunks_is_held_back_only_while_it_may_be_one() -> None:
-    from scheduler.proxy import _NOTICE, _notice_prefix
+    from scheduler.proxy import _NOTICE, _notice_prefix, _split
 
     frame = b'data: {"id":"cmpl-1","choices":[]}\n\n'
     assert _notice_prefix(frame) == 0  # a whole frame goes out at once
     for cut in range(1, len(_NOTICE)):
         assert _notice_prefix(frame + _NOTICE[:cut]) == cut
+        # Split anywhere, the frame before the notice goes out and the notice is found whole.
+        out, pending, notice = _split(frame + _NOTICE[:cut])
+        assert (out, pending, notice) == (frame, _NOTICE[:cut], b"")
+        assert _split(pending + _NOTICE[cut:] + b'"http://b"}}\n\n')[2].startswith(_NOTICE)
     assert _notice_prefix(frame + b"data: [DO") == 0
 
 
