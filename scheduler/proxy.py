@@ -52,6 +52,7 @@ from starlette.routing import Route
 
 from instance_agent.engine.block_hash import block_hash_chain
 from instance_agent.engine.tokenizer import Tokenizer
+from instance_agent.protocol import OpenAIError
 from scheduler.fleet import Fleet, FleetInstance, NoCapacityError
 from scheduler.forwarding import (
     UpstreamError,
@@ -111,39 +112,9 @@ class ProxyConfig:
     max_body_bytes: int = MAX_BODY_BYTES
 
 
-class ClientError(Exception):
-    """A request the proxy answers itself with an OpenAI error object."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-
-    def body(self) -> bytes:
-        return orjson.dumps(
-            {
-                "error": {
-                    "message": self.message,
-                    "type": self.type,
-                    "param": self.param,
-                    "code": self.code,
-                }
-            }
-        )
-
-
-def error_body(status: int, message: str, type: str, code: str | None = None) -> bytes:
-    return ClientError(status, message, type, code=code).body()
+def _error_json(exc: OpenAIError) -> bytes:
+    """The error object as the bytes the proxy sends (orjson: this is on the request path)."""
+    return orjson.dumps(exc.body())
 
 
 @dataclass(slots=True)
@@ -186,15 +157,15 @@ class _DisconnectWatch:
 
 
 def prompt_token_ids(body: dict[str, Any], chat: bool, tokenizer: Tokenizer) -> list[int]:
-    """Token ids the routing decision hashes; raises `ClientError` for bodies it cannot route."""
+    """Token ids the routing decision hashes; raises `OpenAIError` for bodies it cannot route."""
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise ClientError(400, "'messages' must be a non-empty list", param="messages")
+            raise OpenAIError(400, "'messages' must be a non-empty list", param="messages")
         try:
             text = tokenizer.apply_chat_template(messages)
         except ValueError as exc:
-            raise ClientError(400, str(exc), param="messages") from exc
+            raise OpenAIError(400, str(exc), param="messages") from exc
         return tokenizer.encode(text)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
@@ -214,7 +185,7 @@ def prompt_token_ids(body: dict[str, Any], chat: bool, tokenizer: Tokenizer) -> 
             and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in first)
         ):
             return first
-    raise ClientError(
+    raise OpenAIError(
         400,
         "'prompt' must be a non-empty string, list of token ids, or list of either",
         param="prompt",
@@ -266,7 +237,7 @@ class Proxy:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.config.max_body_bytes:
-                raise ClientError(
+                raise OpenAIError(
                     400,
                     f"request body exceeds {self.config.max_body_bytes} bytes",
                     code="too_large",
@@ -297,11 +268,11 @@ class Proxy:
             raw = await self._read_body(receive)
             watch = _DisconnectWatch(receive)
             status = await self._serve(raw, send, path, chat, request_id, tenant, forward, watch)
-        except ClientError as exc:
+        except OpenAIError as exc:
             status = exc.status
             if watch is not None:
                 watch.stop()
-            await _send_simple(send, exc.status, exc.body(), request_id)
+            await _send_simple(send, exc.status, _error_json(exc), request_id)
         except ConnectionResetError:
             status = "client_closed"
         except asyncio.CancelledError:
@@ -319,9 +290,8 @@ class Proxy:
             if watch is not None:
                 watch.stop()
             with contextlib.suppress(Exception):  # fails if the response had already started
-                await _send_simple(
-                    send, 500, error_body(500, "internal proxy error", "server_error"), request_id
-                )
+                error = OpenAIError(500, "internal proxy error", type="server_error")
+                await _send_simple(send, 500, _error_json(error), request_id)
         finally:
             if watch is not None:
                 watch.stop()
@@ -332,7 +302,7 @@ class Proxy:
             return None
         tenant = self.tenants.authenticate(auth)
         if tenant is None:
-            raise ClientError(
+            raise OpenAIError(
                 401,
                 "invalid or missing API key",
                 type="authentication_error",
@@ -355,11 +325,11 @@ class Proxy:
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
-            raise ClientError(
+            raise OpenAIError(
                 400, f"request body is not valid JSON: {exc}", code="invalid_json"
             ) from exc
         if not isinstance(body, dict):
-            raise ClientError(400, "request body must be a JSON object")
+            raise OpenAIError(400, "request body must be a JSON object")
         token_ids = prompt_token_ids(body, chat, self.tokenizer)
         if tenant is not None:
             salt: str | None = tenant.cache_salt
@@ -369,7 +339,7 @@ class Proxy:
         else:
             client_salt = body.get("cache_salt")
             if client_salt is not None and not isinstance(client_salt, str):
-                raise ClientError(400, "'cache_salt' must be a string", param="cache_salt")
+                raise OpenAIError(400, "'cache_salt' must be a string", param="cache_salt")
             salt = client_salt or None
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         block_hashes = block_hash_chain(token_ids, self.fleet.block_size, salt)
@@ -431,10 +401,10 @@ class Proxy:
             await _send_simple(send, last_status.status, last_status.body, request_id)
             return last_status.status
         if isinstance(last_error, UpstreamTimeout):
-            raise ClientError(504, f"instance timed out: {last_error}", type="timeout_error")
+            raise OpenAIError(504, f"instance timed out: {last_error}", type="timeout_error")
         if last_error is not None or tried:
-            raise ClientError(502, "no instance could serve the request", type="server_error")
-        raise ClientError(503, "no instance is available", type="server_error")
+            raise OpenAIError(502, "no instance could serve the request", type="server_error")
+        raise OpenAIError(503, "no instance is available", type="server_error")
 
     async def _admit(
         self,
@@ -470,7 +440,7 @@ class Proxy:
             admission = self._admission
             if len(admission.waiters) >= self.config.queue_size:
                 self.metrics.rejected("queue_full")
-                raise ClientError(
+                raise OpenAIError(
                     429,
                     "every instance is saturated and the admission queue is full",
                     type="rate_limit_error",
@@ -487,7 +457,7 @@ class Proxy:
                     await waiter
             except TimeoutError:
                 self.metrics.rejected("queue_timeout")
-                raise ClientError(
+                raise OpenAIError(
                     429,
                     f"no instance had room within {self.config.queue_timeout_s}s",
                     type="rate_limit_error",
@@ -686,7 +656,7 @@ def build_app(proxy: Proxy, lifespan: Any = None) -> FastAPI:
         if proxy.fleet.num_dispatchable() > 0:
             return Response(b"", status_code=200)
         return Response(
-            error_body(503, "no dispatchable instance", "server_error"),
+            _error_json(OpenAIError(503, "no dispatchable instance", type="server_error")),
             status_code=503,
             media_type="application/json",
         )

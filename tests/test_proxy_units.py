@@ -16,12 +16,13 @@ import zmq.asyncio
 from instance_agent.engine.kv_events import BlockStored, KVEventBatch
 from instance_agent.engine.tokenizer import ByteTokenizer
 from instance_agent.kv_publisher import KVEventPublisher
+from instance_agent.protocol import OpenAIError
 from scheduler.admin import RegistrationPolicy
 from scheduler.cluster_state import ClusterState
 from scheduler.forwarding import UpstreamConnectError, UpstreamPool, UpstreamTimeout
 from scheduler.health import Health, OutlierDetector
 from scheduler.kv_subscriber import KVEventSubscriber
-from scheduler.proxy import ClientError, prompt_token_ids
+from scheduler.proxy import prompt_token_ids
 from scheduler.tenancy import build_registry, parse_key_spec, read_keys_file
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -314,7 +315,7 @@ def test_prompt_token_ids_for_routing() -> None:
         {"prompt": ["a", 1]},
     ]
     for bad in bad_bodies:
-        with pytest.raises(ClientError) as info:
+        with pytest.raises(OpenAIError) as info:
             prompt_token_ids(bad, False, tok)
         assert info.value.status == 400 and info.value.param == "prompt"
     bad_chats: list[dict[str, Any]] = [
@@ -324,7 +325,7 @@ def test_prompt_token_ids_for_routing() -> None:
         {"messages": [{"role": "x"}]},
     ]
     for bad_chat in bad_chats:
-        with pytest.raises(ClientError):
+        with pytest.raises(OpenAIError):
             prompt_token_ids(bad_chat, True, tok)
 
 
