@@ -16,13 +16,14 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
 import httpx
+
+from scheduler.periodic import PeriodicTask
 
 log = logging.getLogger("kvherd.health")
 
@@ -138,7 +139,7 @@ class ActiveProber:
         self._on_result = on_result
         self.interval_s = interval_s
         self._client = httpx.AsyncClient(timeout=timeout_s, trust_env=False)
-        self._task: asyncio.Task[None] | None = None
+        self._task = PeriodicTask("kvherd-health-prober", self.probe_all, interval_s, log)
 
     async def probe(self, instance_id: str, url: str) -> bool:
         try:
@@ -153,22 +154,9 @@ class ActiveProber:
         targets = self._targets()
         await asyncio.gather(*(self.probe(i, u) for i, u in targets.items()))
 
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self.probe_all()
-            except Exception:  # a probing bug must not stop probing
-                log.exception("health probing failed")
-            await asyncio.sleep(self.interval_s)
-
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="kvherd-health-prober")
+        self._task.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._task.stop()
         await self._client.aclose()

@@ -16,13 +16,13 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 
 import httpx
 
 from scheduler.load_report import LoadReport, LoadReportError, parse_agent_state, parse_prometheus
+from scheduler.periodic import PeriodicTask
 
 log = logging.getLogger("kvherd.load")
 
@@ -47,7 +47,7 @@ class LoadPoller:
         self._scrape_only: set[str] = set()  # instances without the agent state endpoint
         self._no_source_until: dict[str, float] = {}  # instances with no load endpoint at all
         self.idle_recheck_s = idle_recheck_s
-        self._task: asyncio.Task[None] | None = None
+        self._task = PeriodicTask("kvherd-load-poller", self.poll_all, interval_s, log)
 
     async def poll(self, instance_id: str, url: str) -> LoadReport | None:
         base = url.rstrip("/")
@@ -85,22 +85,9 @@ class LoadPoller:
         targets = self._targets()
         await asyncio.gather(*(self.poll(i, u) for i, u in targets.items()))
 
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self.poll_all()
-            except Exception:  # a bug in one round must not stop polling
-                log.exception("load polling failed")
-            await asyncio.sleep(self.interval_s)
-
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="kvherd-load-poller")
+        self._task.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._task.stop()
         await self._client.aclose()

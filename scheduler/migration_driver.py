@@ -26,8 +26,6 @@ Contract:
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +39,7 @@ from policies.migrate_drain import DrainMigration
 from policies.views import ClusterView, MigrationOrder
 from scheduler.fleet import FleetError
 from scheduler.migration_loop import InFlightMigration, MigrationLoop
+from scheduler.periodic import PeriodicTask
 
 if TYPE_CHECKING:
     from scheduler.fleet import Fleet
@@ -128,7 +127,9 @@ class MigrationDriver:
             max_in_flight=max_in_flight,
             order_timeout_s=order_timeout_s,
         )
-        self._task: asyncio.Task[None] | None = None
+        self._task = PeriodicTask(
+            "kvherd-migration", self._tick_round, interval_s, log, wait_first=True
+        )
 
     def set_policy(self, policy: MigrationPolicy) -> None:
         self.loop.set_policy(WithDrain(policy))
@@ -179,23 +180,13 @@ class MigrationDriver:
         now = self.fleet.clock()
         self.loop.tick(self.fleet.cluster.view(now), now)
 
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.loop.interval_s)
-            try:
-                self.tick()
-            except Exception:  # a policy bug must not stop the proxy
-                log.exception("migration tick failed")
+    async def _tick_round(self) -> None:
+        self.tick()
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="kvherd-migration")
+        self._task.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._task.stop()
         await self.executor.close()
         await self._client.aclose()
