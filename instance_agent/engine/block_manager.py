@@ -60,6 +60,9 @@ class BlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU order, oldest first
         self._cached: dict[BlockHash, int] = {}  # block hash -> block id
         self._owner_blocks: dict[str, list[int]] = {}
+        # Leading blocks of each owner's table that `cache_full_blocks` has already handled, so a
+        # decode step costs O(new blocks), not O(context) (vLLM's num_cached_block).
+        self._owner_num_handled: dict[str, int] = {}
         self._events: list[KVEvent] = []
 
     # -- sizes -------------------------------------------------------------------------------
@@ -129,10 +132,14 @@ class BlockManager:
         num_full = min(
             request.num_computed_tokens // self.block_size, len(request.block_hashes), len(table)
         )
+        first = self._owner_num_handled.get(request.request_id, 0)
+        if num_full <= first:
+            return
+        self._owner_num_handled[request.request_id] = num_full
         bs = self.block_size
         run_start = -1
         run_hashes: list[BlockHash] = []
-        for index in range(num_full):
+        for index in range(first, num_full):
             block = self.blocks[table[index]]
             if block.block_hash is not None:
                 self._emit_stored(request, run_start, run_hashes)
@@ -196,6 +203,8 @@ class BlockManager:
             request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         )
         num_new_blocks = self.blocks_needed(num_tokens) - len(table) - len(computed_blocks)
+        if num_new_blocks <= 0 and not computed_blocks:
+            return True  # the common decode step: the last block still has room
         num_revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
         reserve = self.watermark_blocks if respect_watermark else 0
         if max(num_new_blocks, 0) + num_revived > self.num_free_blocks - reserve:
@@ -236,6 +245,9 @@ class BlockManager:
         if new_owner in self._owner_blocks:
             raise ValueError(f"{new_owner!r} already owns blocks")
         self._owner_blocks[new_owner] = self._owner_blocks.pop(old_owner, [])
+        handled = self._owner_num_handled.pop(old_owner, None)
+        if handled is not None:
+            self._owner_num_handled[new_owner] = handled
 
     def _acquire(self, block_ids: Iterable[int], table: list[int]) -> None:
         for block_id in block_ids:
@@ -266,6 +278,7 @@ class BlockManager:
 
     def free_owner(self, owner_id: str) -> None:
         """Drop `owner_id`'s references, tail first, so tails are evicted before heads."""
+        self._owner_num_handled.pop(owner_id, None)
         for block_id in reversed(self._owner_blocks.pop(owner_id, [])):
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -287,6 +300,10 @@ class BlockManager:
             for block_id in table:
                 assert 0 <= block_id < self.num_blocks, f"{owner} holds invalid block {block_id}"
                 refs[block_id] += 1
+        for owner, handled in self._owner_num_handled.items():
+            assert 0 <= handled <= len(self._owner_blocks.get(owner, ())), (
+                f"{owner}: {handled} blocks marked handled but it holds fewer"
+            )
         free_uncached = set(self._free_uncached)
         assert len(free_uncached) == len(self._free_uncached), "duplicate block in free list"
         assert not free_uncached & self._evictable.keys(), "block both free and evictable"
