@@ -289,6 +289,33 @@ def now() -> int:
     return int(time.time())
 
 
+def _choice(key: str, value: Any, finish_reason: str | None) -> dict[str, Any]:
+    """A choice with its content under `key` ("text", "delta" or "message")."""
+    return {"index": 0, key: value, "logprobs": None, "finish_reason": finish_reason}
+
+
+def _chunk(
+    object_: str,
+    response_id: str,
+    created: int,
+    model: str,
+    choice: dict[str, Any],
+    token_ids: list[int] | None,
+    index: int,
+) -> dict[str, Any]:
+    chunk: dict[str, Any] = {
+        "id": response_id,
+        "object": object_,
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+        chunk["kvherd"] = {"token_ids": token_ids, "index": index}
+    return chunk
+
+
 def completion_chunk(
     response_id: str,
     created: int,
@@ -298,23 +325,8 @@ def completion_chunk(
     token_ids: list[int] | None = None,
     index: int = 0,
 ) -> dict[str, Any]:
-    choice: dict[str, Any] = {
-        "index": 0,
-        "text": text,
-        "logprobs": None,
-        "finish_reason": finish_reason,
-    }
-    chunk: dict[str, Any] = {
-        "id": response_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-    }
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-        chunk["kvherd"] = {"token_ids": token_ids, "index": index}
-    return chunk
+    choice = _choice("text", text, finish_reason)
+    return _chunk("text_completion", response_id, created, model, choice, token_ids, index)
 
 
 def chat_chunk(
@@ -326,23 +338,8 @@ def chat_chunk(
     token_ids: list[int] | None = None,
     index: int = 0,
 ) -> dict[str, Any]:
-    choice: dict[str, Any] = {
-        "index": 0,
-        "delta": delta,
-        "logprobs": None,
-        "finish_reason": finish_reason,
-    }
-    chunk: dict[str, Any] = {
-        "id": response_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-    }
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-        chunk["kvherd"] = {"token_ids": token_ids, "index": index}
-    return chunk
+    choice = _choice("delta", delta, finish_reason)
+    return _chunk("chat.completion.chunk", response_id, created, model, choice, token_ids, index)
 
 
 def usage_chunk(
@@ -358,6 +355,29 @@ def usage_chunk(
     }
 
 
+def _response(
+    object_: str,
+    response_id: str,
+    created: int,
+    model: str,
+    choice: dict[str, Any],
+    usage_: dict[str, Any],
+    token_ids: list[int] | None,
+    prompt_token_ids: list[int] | None,
+) -> dict[str, Any]:
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+        choice["prompt_token_ids"] = prompt_token_ids
+    return {
+        "id": response_id,
+        "object": object_,
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage_,
+    }
+
+
 def completion_response(
     response_id: str,
     created: int,
@@ -368,23 +388,10 @@ def completion_response(
     token_ids: list[int] | None = None,
     prompt_token_ids: list[int] | None = None,
 ) -> dict[str, Any]:
-    choice: dict[str, Any] = {
-        "index": 0,
-        "text": text,
-        "logprobs": None,
-        "finish_reason": finish_reason,
-    }
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-        choice["prompt_token_ids"] = prompt_token_ids
-    return {
-        "id": response_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "usage": usage_,
-    }
+    choice = _choice("text", text, finish_reason)
+    return _response(
+        "text_completion", response_id, created, model, choice, usage_, token_ids, prompt_token_ids
+    )
 
 
 def chat_response(
@@ -397,23 +404,10 @@ def chat_response(
     token_ids: list[int] | None = None,
     prompt_token_ids: list[int] | None = None,
 ) -> dict[str, Any]:
-    choice: dict[str, Any] = {
-        "index": 0,
-        "message": {"role": "assistant", "content": text},
-        "logprobs": None,
-        "finish_reason": finish_reason,
-    }
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-        choice["prompt_token_ids"] = prompt_token_ids
-    return {
-        "id": response_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "usage": usage_,
-    }
+    choice = _choice("message", {"role": "assistant", "content": text}, finish_reason)
+    return _response(
+        "chat.completion", response_id, created, model, choice, usage_, token_ids, prompt_token_ids
+    )
 
 
 def sse(payload: dict[str, Any]) -> bytes:
