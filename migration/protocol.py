@@ -21,7 +21,7 @@ import dataclasses
 import enum
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, Self, TypeVar, runtime_checkable
 
 
 class MessageError(ValueError):
@@ -193,15 +193,25 @@ class DestinationError(RuntimeError):
 # -- control messages over the agents' HTTP API --------------------------------------------------
 
 
+class _Message:
+    """A control message: `to_json` gives its fields as JSON, `from_json` parses and type-checks."""
+
+    __slots__ = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_json(cls, data: Any) -> Self:
+        return _parse(cls, data)
+
+
 @dataclass(slots=True)
-class MigrateOrder:
+class MigrateOrder(_Message):
     """`POST /kvherd/v1/migrate` on the source agent."""
 
     request_id: str
     dst: str  # destination agent's base URL, e.g. http://127.0.0.1:8001
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
     @classmethod
     def from_json(cls, data: Any) -> MigrateOrder:
@@ -226,7 +236,7 @@ class TransportEndpoint:
 
 
 @dataclass(slots=True)
-class ReserveRequest:
+class ReserveRequest(_Message):
     """Before each stage: reserve room for `num_blocks` blocks of `request_id` on the destination.
 
     On the first stage (`stage == 0`) `block_hashes` lists the request's full-block hashes so the
@@ -241,9 +251,6 @@ class ReserveRequest:
     # Stage 0: the source's KV geometry; the destination refuses a mismatch.
     block_size: int = 0
     kv_bytes_per_block: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
     @classmethod
     def from_json(cls, data: Any) -> ReserveRequest:
@@ -260,64 +267,39 @@ class ReserveRequest:
 
 
 @dataclass(slots=True)
-class ReserveResponse:
+class ReserveResponse(_Message):
     accepted: bool
     dst_block_ids: list[int] = field(default_factory=list)  # where this stage's blocks go
     num_cached_blocks: int = 0  # stage 0: leading blocks shared from the destination's cache
     transport: TransportEndpoint | None = None  # stage 0: where to rendezvous for the KV bytes
     reason: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, data: Any) -> ReserveResponse:
-        return _parse(cls, data)
-
 
 @dataclass(slots=True)
-class CommitRequest:
+class CommitRequest(_Message):
     migration_id: str
     state: RequestState
 
     def to_json(self) -> dict[str, Any]:
         return {"migration_id": self.migration_id, "state": self.state.to_json()}
 
-    @classmethod
-    def from_json(cls, data: Any) -> CommitRequest:
-        return _parse(cls, data)
-
 
 @dataclass(slots=True)
-class AbortRequest:
+class AbortRequest(_Message):
     migration_id: str
     reason: str
 
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, data: Any) -> AbortRequest:
-        return _parse(cls, data)
-
 
 @dataclass(slots=True)
-class AckResponse:
+class AckResponse(_Message):
     """Answer to commit and abort: `ok` false carries the reason."""
 
     ok: bool
     reason: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, data: Any) -> AckResponse:
-        return _parse(cls, data)
-
 
 @dataclass(slots=True)
-class MigrationOutcome:
+class MigrationOutcome(_Message):
     """What `POST /kvherd/v1/migrate` returns."""
 
     migration_id: str
@@ -338,10 +320,6 @@ class MigrationOutcome:
         data["status"] = self.status.value
         data["reason"] = self.reason.value if self.reason else None
         return data
-
-    @classmethod
-    def from_json(cls, data: Any) -> MigrationOutcome:
-        return _parse(cls, data)
 
 
 # -- parsing -------------------------------------------------------------------------------------
