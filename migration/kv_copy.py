@@ -18,7 +18,7 @@ Contract:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -49,6 +49,19 @@ def _as_rows(flat: torch.Tensor, view: torch.Tensor, n: int) -> torch.Tensor:
     return flat.view(view.dtype).view(n, *view.shape[1:])
 
 
+def _pieces(
+    chunk_bytes: int, views: Sequence[torch.Tensor], block_ids: Sequence[int]
+) -> Iterator[tuple[Sequence[int], int | None, torch.Tensor | None]]:
+    """The pieces a large transfer is framed in, identical on both ends: (block ids, first id of a
+    consecutive run or None, the ids as an index tensor when they are not consecutive)."""
+    per = max(1, chunk_bytes // max(_row(v) for v in views))
+    for start in range(0, len(block_ids), per):
+        piece = block_ids[start : start + per]
+        first = _first_of_run(piece)
+        index = None if first is not None else torch.tensor(piece, device=views[0].device)
+        yield piece, first, index
+
+
 def send_blocks(
     channel: PairChannel, views: Sequence[torch.Tensor], block_ids: Sequence[int], tag: int
 ) -> None:
@@ -66,12 +79,8 @@ def send_blocks(
             offset += size
         channel.send(staging, tag)
         return
-    per = max(1, channel.chunk_bytes // max(_row(v) for v in views))
     buffer: torch.Tensor | None = None
-    for start in range(0, len(block_ids), per):
-        piece = block_ids[start : start + per]
-        first = _first_of_run(piece)
-        index = None if first is not None else torch.tensor(piece, device=views[0].device)
+    for piece, first, index in _pieces(channel.chunk_bytes, views, block_ids):
         for view in views:
             if first is not None:
                 channel.send(view[first : first + len(piece)], tag)
@@ -104,12 +113,8 @@ def recv_blocks(
                 view.index_copy_(0, index, rows)  # type: ignore[arg-type]
             offset += size
         return
-    per = max(1, channel.chunk_bytes // max(_row(v) for v in views))
     buffer: torch.Tensor | None = None
-    for start in range(0, len(block_ids), per):
-        piece = block_ids[start : start + per]
-        first = _first_of_run(piece)
-        index = None if first is not None else torch.tensor(piece, device=views[0].device)
+    for piece, first, index in _pieces(channel.chunk_bytes, views, block_ids):
         for view in views:
             if first is not None:
                 channel.recv_into(view[first : first + len(piece)], tag)
