@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate, compress, count, islice, repeat
+from operator import and_, ne, or_
 
 from instance_agent.engine.block_hash import HashAlgo, block_hash_chain
 from instance_agent.engine.kv_events import (
@@ -37,6 +39,9 @@ from instance_agent.engine.kv_events import (
 )
 
 _GPU_MEDIA = (None, "GPU", "gpu", "cuda")
+# Blocks looked up by the first chunk of a match walk, and the most per chunk (see `match_groups`).
+_FIRST_CHUNK = 16
+_MAX_CHUNK = 512
 
 
 class InstanceSlots:
@@ -95,34 +100,37 @@ class BlockOwners:
 
 
 def match_groups(chain: Sequence[int], maps: Sequence[dict[int, int]]) -> list[tuple[int, int]]:
-    """The walk itself: ``[(instance bits, leading blocks matched), ...]``, a block counting if
-    any of `maps` holds it. Each bit appears in at most one group."""
+    """The walk itself: ``[(instance bits, leading blocks matched), ...]`` by increasing depth, a
+    block counting if any of `maps` holds it. Each bit appears in at most one group.
+
+    The chain is walked in chunks whose lookups, OR-ing and running AND run inside C iterators
+    (`map`, `accumulate`), not one bytecode loop per block: a deep match over thousands of blocks
+    costs a few C-level passes. Chunks start small and double, so a walk that ends early (no
+    instance still matching) looks up at most about twice the blocks it needed.
+    """
     groups: list[tuple[int, int]] = []
-    if not chain:
-        return groups
-    if len(maps) == 1:
-        owners = maps[0]
-        alive = owners.get(chain[0], 0)
-        depth = 1
-        while alive and depth < len(chain):
-            nxt = alive & owners.get(chain[depth], 0)
-            if nxt != alive:
-                groups.append((alive & ~nxt, depth))
-                alive = nxt
-            depth += 1
-    else:
-        first, second = maps[0], maps[1]
-        alive = first.get(chain[0], 0) | second.get(chain[0], 0)
-        depth = 1
-        while alive and depth < len(chain):
-            h = chain[depth]
-            nxt = alive & (first.get(h, 0) | second.get(h, 0))
-            if nxt != alive:
-                groups.append((alive & ~nxt, depth))
-                alive = nxt
-            depth += 1
-    if alive:
-        groups.append((alive, depth))
+    num = len(chain)
+    getters = [m.get for m in maps]
+    zeros = repeat(0)
+    alive = -1  # every bit: the AND of no mask; never recorded (depth 0 is "no match")
+    start, size = 0, _FIRST_CHUNK
+    while start < num:
+        chunk = chain[start : start + size]
+        masks = map(getters[0], chunk, zeros)
+        for get in getters[1:]:
+            masks = map(or_, masks, map(get, chunk, zeros))
+        # running[i]: bits still matching after the first `start + i` blocks.
+        running = list(accumulate(masks, and_, initial=alive))
+        for i in compress(count(), map(ne, running, islice(running, 1, None))):
+            if start + i:  # bits lost at block `start + i` matched exactly that many blocks
+                groups.append((running[i] & ~running[i + 1], start + i))
+        alive = running[-1]
+        if not alive:
+            return groups
+        start += len(chunk)
+        size = min(2 * size, _MAX_CHUNK)
+    if start:
+        groups.append((alive, num))
     return groups
 
 
