@@ -17,8 +17,11 @@ Contract:
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import filterfalse, repeat
+from operator import or_
 
 from scheduler.prefix_index import BlockOwners, InstanceSlots, match_chain
 
@@ -76,10 +79,23 @@ class ApproxIndex:
     def insert(self, instance_id: str, chain: Sequence[int], now: float) -> None:
         entries = self._instances[instance_id]
         expiry, bit, deadline = entries.expiry, entries.bit, now + entries.ttl_s
-        for block_hash in chain:
-            if expiry.pop(block_hash, None) is None:
-                self.owners.add(block_hash, bit)
-            expiry[block_hash] = deadline
+        fresh = dict.fromkeys(chain, deadline)
+        if len(fresh) == len(chain):
+            # Distinct hashes (a real chain): the same as the per-block loop below, in C
+            # iterators. Entries already held move to the end (re-insert refreshes their place
+            # in expiry order); new ones get the instance's bit.
+            added = list(filterfalse(expiry.__contains__, fresh))
+            if len(added) < len(fresh):
+                deque(map(expiry.__delitem__, filter(expiry.__contains__, fresh)), maxlen=0)
+            owners = self.owners.owners
+            bits = map(or_, map(owners.get, added, repeat(0)), repeat(bit, len(added)))
+            owners.update(zip(added, bits, strict=True))
+            expiry.update(fresh)
+        else:
+            for block_hash in chain:
+                if expiry.pop(block_hash, None) is None:
+                    self.owners.add(block_hash, bit)
+                expiry[block_hash] = deadline
         while len(expiry) > self.max_blocks_per_instance:
             oldest = next(iter(expiry))
             del expiry[oldest]
