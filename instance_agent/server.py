@@ -327,35 +327,19 @@ def create_app(agent: Agent, routers: Sequence[APIRouter] = ()) -> FastAPI:
 
     @app.get("/kvherd/v1/requests/{request_id}/stream", response_model=None)
     async def follow_request(request_id: str, wait: float = 5.0) -> Response:
-        if not 0 <= wait <= 60:
-            raise bad_request("wait must be between 0 and 60 seconds", param="wait")
-        stream = await agent.engine_loop.attach(request_id, timeout=wait)
-        if stream is None:
-            raise OpenAIError(
-                404,
-                f"no request {request_id!r} is waiting for a follower here",
-                param="request_id",
-                code="request_not_found",
-            )
+        _check_wait(wait)
+        stream = await _follow(agent, request_id, wait)
         return StreamingResponse(_relay_frames(stream), media_type="text/event-stream")
 
     @app.post("/kvherd/v1/requests/{request_id}/resume", response_model=None)
     async def resume_request(request_id: str, request: Request, wait: float = 5.0) -> Response:
-        if not 0 <= wait <= 60:
-            raise bad_request("wait must be between 0 and 60 seconds", param="wait")
+        _check_wait(wait)
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise bad_request(f"request body is not valid JSON: {exc}") from None
         meta, fmt, start = _resumed(body)
-        stream = await agent.engine_loop.attach(request_id, timeout=wait)
-        if stream is None:
-            raise OpenAIError(
-                404,
-                f"no request {request_id!r} is waiting for a follower here",
-                param="request_id",
-                code="request_not_found",
-            )
+        stream = await _follow(agent, request_id, wait)
         stream.reattach = request.headers.get("x-kvherd-reattach") == "1"
         return StreamingResponse(
             _sse(stream, meta, fmt, start),
@@ -586,6 +570,24 @@ async def _sse(
         stream.close()
     if done:
         yield protocol.SSE_DONE
+
+
+def _check_wait(wait: float) -> None:
+    if not 0 <= wait <= 60:
+        raise bad_request("wait must be between 0 and 60 seconds", param="wait")
+
+
+async def _follow(agent: Agent, request_id: str, wait: float) -> RequestStream:
+    """The stream of a request waiting here for a follower (migrated in, or resumed)."""
+    stream = await agent.engine_loop.attach(request_id, timeout=wait)
+    if stream is None:
+        raise OpenAIError(
+            404,
+            f"no request {request_id!r} is waiting for a follower here",
+            param="request_id",
+            code="request_not_found",
+        )
+    return stream
 
 
 def _resumed(body: Any) -> tuple[_Meta, _Format, int]:
