@@ -14,7 +14,7 @@ Contract:
   (it includes the peer getting round to joining); on any failure the channel is aborted and
   dropped (both sides), and `TransferError` is raised. A dead peer therefore costs at most one
   timeout, never a hang.
-- Payloads are flat byte tensors: the engine decides the layout (`MigratableEngine.read_kv`).
+- Payloads are byte tensors; their layout is `migration.kv_copy`'s (`MigratableEngine.kv_block_views`).
   Large payloads go in chunks of at most `chunk_bytes`, bounding the staging memory on both sides.
 - gloo moves CPU tensors; NCCL (CUDA builds) moves CUDA tensors between CUDA instances.
 """
