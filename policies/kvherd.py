@@ -108,13 +108,28 @@ class KvherdDispatch:
         if len(tied) > 1:  # prefer the longer cached prefix, then a seeded coin
             tied = tied[matched[tied] == matched[tied].max()]
         pick = int(tied[0]) if len(tied) == 1 else int(self._rng.choice(tied.tolist()))
-        best = cluster.instances[pick]
-        finite = np.flatnonzero(np.isfinite(cost))
-        top = finite[np.argsort(cost[finite], kind="stable")[: self.explain_top]]
-        scores = {cluster.instances[i].instance_id: -float(cost[i]) for i in top}
+        instances = cluster.instances
+        best = instances[pick]
+        top = self._cheapest(cost)
+        scores = {
+            instances[i].instance_id: score
+            for i, score in zip(top.tolist(), (-cost[top]).tolist(), strict=True)
+        }
         scores[best.instance_id] = -float(lowest)
         return Decision(
             best.instance_id,
             scores,
             f"lowest est. TTFT cost {lowest:.0f} tokens ({int(matched[pick])} cached blocks)",
         )
+
+    def _cheapest(self, cost: np.ndarray) -> np.ndarray:
+        """Positions of the `explain_top` lowest finite costs, cheapest first, ties by position."""
+        top = self.explain_top
+        finite = np.isfinite(cost)
+        if 0 < top < np.count_nonzero(finite):
+            # Only costs up to the top-th smallest can be among the top: sort those, not the fleet.
+            bound = np.partition(cost, top - 1)[top - 1]
+            candidates = np.flatnonzero(cost <= bound)
+        else:
+            candidates = np.flatnonzero(finite)
+        return candidates[np.argsort(cost[candidates], kind="stable")[:top]]
