@@ -99,10 +99,6 @@ class StagePlanner:
 
     # -- sizes -----------------------------------------------------------------------------------
     @property
-    def num_blocks_on_dst(self) -> int:
-        return len(self._on_dst)
-
-    @property
     def num_live_stages(self) -> int:
         return sum(1 for s in self.stages if not s.final)
 

@@ -14,7 +14,7 @@ Contract:
   (it includes the peer getting round to joining); on any failure the channel is aborted and
   dropped (both sides), and `TransferError` is raised. A dead peer therefore costs at most one
   timeout, never a hang.
-- Payloads are byte tensors; their layout is `migration.kv_copy`'s (`MigratableEngine.kv_block_views`).
+- Payloads are byte tensors laid out by `migration.kv_copy` (`MigratableEngine.kv_block_views`).
   Large payloads go in chunks of at most `chunk_bytes`, bounding the staging memory on both sides.
 - gloo moves CPU tensors; NCCL (CUDA builds) moves CUDA tensors between CUDA instances.
 """
@@ -36,11 +36,6 @@ import torch.distributed as dist
 from migration.protocol import TransportEndpoint
 
 DEFAULT_CHUNK_BYTES = 16 << 20
-
-
-def blocks_per_piece(chunk_bytes: int, bytes_per_block: int) -> int:
-    """Blocks per message when a stage's KV goes out piece by piece (both ends agree on it)."""
-    return max(1, chunk_bytes // bytes_per_block)
 
 
 class TransferError(RuntimeError):

@@ -171,9 +171,6 @@ class KVEventSubscriber:
         self._streams: dict[str, _InstanceStream] = {}
         self.replay_timeout_s = replay_timeout_s
 
-    def subscribed(self, instance_id: str) -> bool:
-        return instance_id in self._streams
-
     def stats(self, instance_id: str) -> dict[str, int] | None:
         stream = self._streams.get(instance_id)
         if stream is None:
