@@ -185,7 +185,15 @@ class ClusterView:
     @property
     def dispatchable(self) -> tuple[InstanceView, ...]:
         if self._dispatchable is None:
-            self._dispatchable = tuple(inst for inst in self.instances if inst.dispatchable)
+            flags = self._columns.get("dispatchable")
+            if flags is None:
+                self._dispatchable = tuple(inst for inst in self.instances if inst.dispatchable)
+            else:  # the column the scheduler core keeps: select without a loop over the fleet
+                keep = np.flatnonzero(flags)
+                if len(keep) == len(self.instances):
+                    self._dispatchable = self.instances
+                else:
+                    self._dispatchable = tuple(map(self.instances.__getitem__, keep.tolist()))
         return self._dispatchable
 
     def column(self, name: str) -> np.ndarray:
