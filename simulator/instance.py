@@ -11,10 +11,15 @@ Contract:
   finishes by length after exactly that many tokens (or at the model's max length).
 - The instance reports each token's time to a `TokenSink` (metrics) and keeps the KV events the block
   manager emits for the cluster to deliver (with delay) to the scheduler's prefix index.
+- Decode fast-forward (`start_decode_run`): when the scheduler guarantees a run of pure-decode
+  steps and they all end before `horizon` (the next event that could observe or change the
+  instance), the instance applies them at once (`BatchScheduler.advance_decode`) with the same step
+  times, token times, block allocations and per-step KV events as stepping one by one.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -35,7 +40,31 @@ _TOKEN_RANGE = DEFAULT_VOCAB_SIZE - DEFAULT_LOW_TOKEN
 class TokenSink(Protocol):
     def on_scheduled(self, request_id: str, now: float) -> None: ...
     def on_token(self, request_id: str, now: float) -> None: ...
+    def on_decode_run(self, request_ids: list[str], times: list[float]) -> None: ...
     def on_finished(self, request: Request, instance_id: str, now: float) -> None: ...
+
+
+def sampled_token(request: Request) -> int:
+    """The synthetic token a request samples next."""
+    return _TOKEN_LOW + ((request.sampling_seed * 40503 + request.num_output_tokens) % _TOKEN_RANGE)
+
+
+def sampled_tokens(request: Request, count: int) -> list[int]:
+    """The next `count` tokens `sampled_token` gives, one step after another."""
+    base = request.sampling_seed * 40503
+    first = request.num_output_tokens
+    return [_TOKEN_LOW + ((base + i) % _TOKEN_RANGE) for i in range(first, first + count)]
+
+
+@dataclass(slots=True)
+class DecodeRun:
+    """A fast-forwarded run of decode steps: each step's start and end time, its KV events, and
+    the pool as an observer saw it while the step was in flight (free and cached blocks)."""
+
+    step_starts: list[float]
+    step_ends: list[float]
+    events: list[list[KVEvent]]
+    pool: list[tuple[int, int]]
 
 
 @dataclass(slots=True)
@@ -106,6 +135,7 @@ class SimInstance:
         )
         self.scheduler = BatchScheduler(config.scheduler_config(), self.block_manager)
         self._output: SchedulerOutput | None = None
+        self._run: DecodeRun | None = None
         self._scheduled_once: set[str] = set()
         self.step_end: float | None = None  # virtual time the running step ends; None when idle
         self.num_steps = 0
@@ -114,7 +144,7 @@ class SimInstance:
 
     @property
     def idle(self) -> bool:
-        return self._output is None
+        return self.step_end is None
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -153,10 +183,7 @@ class SimInstance:
         sampled: dict[str, int] = {}
         for item in output.scheduled:
             if item.samples:
-                req = item.request
-                sampled[req.request_id] = _TOKEN_LOW + (
-                    (req.sampling_seed * 40503 + req.num_output_tokens) % _TOKEN_RANGE
-                )
+                sampled[item.request.request_id] = sampled_token(item.request)
         finished = self.scheduler.update_from_output(output, sampled)
         for item in output.scheduled:
             if item.samples and item.request.num_computed_tokens > item.num_computed_before:
@@ -165,6 +192,78 @@ class SimInstance:
             self._scheduled_once.discard(req.request_id)
             self.sink.on_finished(req, self.instance_id, now)
         return finished
+
+    def start_decode_run(self, now: float, horizon: float, max_steps: int) -> DecodeRun | None:
+        """Fast-forward the next pure-decode steps that end before `horizon`; None if fewer than 2.
+
+        The instance is busy until the run's last step end; call `finish_decode_run` then.
+        """
+        scheduler = self.scheduler
+        k = scheduler.decode_run_length(max_steps)
+        if k < 2:
+            return None
+        running = scheduler.running
+        overhead = self.config.step_overhead_s
+        contexts = [r.num_tokens for r in running]  # a decode's context: its computed tokens + 1
+        starts: list[float] = []
+        ends: list[float] = []
+        durations: list[float] = []
+        t = now
+        for step_time in self.latency.decode_step_times(contexts, k):
+            duration = step_time + overhead
+            end = t + duration
+            if end >= horizon:
+                break
+            starts.append(t)
+            ends.append(end)
+            durations.append(duration)
+            t = end
+        if len(ends) < 2:
+            return None
+        request_ids = [r.request_id for r in running]
+        for rid in request_ids:
+            if rid not in self._scheduled_once:
+                self._scheduled_once.add(rid)
+                self.sink.on_scheduled(rid, now)
+        bm = self.block_manager
+        events: list[list[KVEvent]] = []
+        pool: list[tuple[int, int]] = []
+        applied = scheduler.advance_decode(
+            len(ends),
+            sampled_tokens,
+            after_allocate=lambda: pool.append((bm.num_free_blocks, bm.num_cached_blocks)),
+            after_step=lambda: events.append(bm.take_events()),
+        )
+        del starts[applied:]
+        del ends[applied:]
+        for rid in request_ids:
+            self.sink.on_token(rid, ends[0])
+        self.sink.on_decode_run(request_ids, ends[1:])
+        for duration in durations[:applied]:
+            self.busy_time += duration
+        self.num_steps += applied
+        self.last_step_time = durations[applied - 1]
+        self.step_end = ends[-1]
+        self._run = DecodeRun(starts, ends, events, pool)
+        return self._run
+
+    def finish_decode_run(self) -> None:
+        assert self._run is not None, "no decode run in flight"
+        self._run = None
+        self.step_end = None
+
+    def pool_at(self, now: float) -> tuple[int, int]:
+        """(free blocks, cached blocks) as seen at `now`, inside a decode run or not.
+
+        Inside a run the pool is already at the run's end; an observer at `now` sees it as it was
+        while the step in flight at `now` ran (a tie with a step start counts as the step before).
+        """
+        run = self._run
+        bm = self.block_manager
+        if run is None:
+            return bm.num_free_blocks, bm.num_cached_blocks
+        index = max(bisect.bisect_left(run.step_starts, now) - 1, 0)
+        return run.pool[index]
 
     def take_events(self) -> list[KVEvent]:
         return self.block_manager.take_events()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -17,14 +18,25 @@ from typing import Any
 class EventLoop:
     def __init__(self) -> None:
         self.now = 0.0
-        self._queue: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
+        self._queue: list[tuple[float, int, bool, Callable[..., None], tuple[Any, ...]]] = []
+        self._barriers: list[float] = []  # times of the queued barrier events (a heap)
         self._seq = itertools.count()
         self.num_events = 0
 
     def call_at(self, when: float, callback: Callable[..., None], *args: Any) -> None:
         if when < self.now:
             raise ValueError(f"cannot schedule at {when} before now ({self.now})")
-        heapq.heappush(self._queue, (when, next(self._seq), callback, args))
+        heapq.heappush(self._queue, (when, next(self._seq), True, callback, args))
+        heapq.heappush(self._barriers, when)
+
+    def call_at_quiet(self, when: float, callback: Callable[..., None], *args: Any) -> None:
+        """Schedule an event that is no barrier (see the module contract)."""
+        if when < self.now:
+            raise ValueError(f"cannot schedule at {when} before now ({self.now})")
+        heapq.heappush(self._queue, (when, next(self._seq), False, callback, args))
+
+    def next_barrier(self) -> float:
+        return self._barriers[0] if self._barriers else math.inf
 
     def call_later(self, delay: float, callback: Callable[..., None], *args: Any) -> None:
         self.call_at(self.now + delay, callback, *args)
@@ -39,7 +51,10 @@ class EventLoop:
             if until is not None and queue[0][0] > until:
                 self.now = until
                 return
-            when, _, callback, args = heapq.heappop(queue)
+            when, _, barrier, callback, args = heapq.heappop(queue)
+            if barrier:
+                # Events leave in time order, so this barrier is the earliest one.
+                heapq.heappop(self._barriers)
             self.now = when
             self.num_events += 1
             callback(*args)

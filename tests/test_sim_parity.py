@@ -120,6 +120,9 @@ def test_simulated_instance_schedules_the_real_engines_batches() -> None:
         ClusterConfig(num_instances=1, instance=engine_config),
         _MeasuredSteps(durations),
         load_dispatch_policy("round_robin"),
+        # Step by step: the recorder sees `schedule` calls, which a decode fast-forward skips
+        # (test_sim_fast_forward checks that skipping them changes nothing).
+        fast_forward=False,
     )
     simulated: list[Batch] = []
     _record(cluster.instances["inst-0"].scheduler, simulated)

@@ -12,6 +12,10 @@ Contract (vLLM v1's unified token-budget design):
   step that preempted.
 - `update_from_output` advances progress, appends sampled tokens, caches full blocks, applies
   token-level stop conditions and frees finished requests' blocks.
+- Decode fast-forward: `decode_run_length(limit)` says how many next steps are guaranteed to be
+  pure decode of an unchanged running set, and `advance_decode(k, token_fn)` applies them at once,
+  with exactly the block allocations, prefix caching, KV events and token appends that k calls of
+  `schedule` + `update_from_output` would make (the simulator's way past uneventful steps).
 - Migration support: a request can be suspended (kept with its blocks, not scheduled), resumed,
   released (it left for another instance), or adopted with blocks already filled.
 The scheduler is pure Python: the engine drives it with a model, the simulator with a latency model.
@@ -20,7 +24,7 @@ The scheduler is pure Python: the engine drives it with a model, the simulator w
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from sortedcontainers import SortedList
@@ -277,3 +281,161 @@ class BatchScheduler:
                     assert done is not None
                     finished.append(done)
         return finished
+
+    # -- decode fast-forward -----------------------------------------------------------------
+    def _admission_probe(self) -> Request | None:
+        """The waiting head `schedule` would try to admit after a pure-decode pass, or None."""
+        cfg = self.config
+        n = len(self.running)
+        if not self.waiting or n >= cfg.max_num_seqs or n >= cfg.max_num_batched_tokens:
+            return None
+        head: Request = self.waiting[0]
+        return head
+
+    def _head_admissible(self, head: Request) -> bool:
+        cfg = self.config
+        bm = self.block_manager
+        budget = cfg.max_num_batched_tokens - len(self.running)
+        computed_blocks, num_hit = bm.get_computed_blocks(head)
+        num_new = head.num_tokens - num_hit
+        if not cfg.enable_chunked_prefill and num_new > budget:
+            return False
+        return bm.can_allocate(head, min(num_new, budget), computed_blocks, respect_watermark=True)
+
+    def decode_run_length(self, limit: int) -> int:
+        """How many of the next steps (at most `limit`) are certain to be pure decode steps.
+
+        In such a run every running request decodes one token per step, none finishes (length or
+        stop token), every block-boundary crossing finds a free block (no preemption), and the
+        waiting head, if `schedule` would try it, stays refused: it is refused now, free blocks
+        only shrink during the run, and the run stops before evicting any block cached under one
+        of the head's hashes (which could change its prefix hit). A newly cached block the head
+        could hit ends the run early in `advance_decode`. Returns 0 when the next step is not a
+        pure decode step.
+        """
+        cfg = self.config
+        bm = self.block_manager
+        bs = bm.block_size
+        running = self.running
+        if limit <= 0 or not running or len(running) > cfg.max_num_batched_tokens:
+            return 0
+        k = limit
+        first_alloc: list[int] = []  # per request: the step of its first new block
+        for request in running:
+            params = request.sampling_params
+            num_tokens = request.num_tokens
+            if (
+                request.status is not RequestStatus.RUNNING
+                or request.num_computed_tokens != num_tokens - 1
+                or not request.output_token_ids
+                or params.stop_token_ids
+                or (not params.ignore_eos and request.eos_token_id is not None)
+            ):
+                return 0
+            # Step j appends output token (outputs + j) and makes the sequence num_tokens + j long.
+            k = min(
+                k,
+                params.max_tokens - request.num_output_tokens - 1,
+                cfg.max_model_len - num_tokens - 1,
+            )
+            if k <= 0:
+                return 0
+            capacity = len(bm.block_ids(request.request_id)) * bs
+            # Step j computes position num_tokens + j - 2, so it needs num_tokens + j - 1 slots.
+            first_alloc.append(capacity - num_tokens + 2)
+        free = bm.num_free_blocks
+        head = self._admission_probe()
+        if head is not None:
+            if self._head_admissible(head):
+                return 0
+            free = bm.num_free_before_evicting(set(head.block_hashes), free)
+
+        def allocations(steps: int) -> int:
+            return sum((steps - c) // bs + 1 for c in first_alloc if steps >= c)
+
+        if allocations(k) <= free:
+            return k
+        low, high = 0, k  # allocations(low) <= free < allocations(high)
+        while high - low > 1:
+            mid = (low + high) // 2
+            if allocations(mid) <= free:
+                low = mid
+            else:
+                high = mid
+        return low
+
+    def advance_decode(
+        self,
+        num_steps: int,
+        next_tokens: Callable[[Request, int], Sequence[int]],
+        after_allocate: Callable[[], None] | None = None,
+        after_step: Callable[[], None] | None = None,
+    ) -> int:
+        """Apply `num_steps` pure-decode steps (at most `decode_run_length`) at once.
+
+        The result equals `num_steps` rounds of `schedule` + `update_from_output`: the same blocks
+        allocated in the same order (step by step, running order), the same blocks cached and the
+        same KV events, the same tokens appended. `next_tokens(request, n)` gives the request's next
+        `n` sampled tokens (counter-based sampling makes them a function of its seed and output
+        length). Work is per request and per block crossing, not per token: tokens and block
+        hashes are appended in bulk. `after_allocate` runs after each step's allocations (what
+        an observer sees while the step is in flight), `after_step` after each step's results
+        (the simulator collects that step's KV events there).
+        Returns the steps applied: fewer than `num_steps` only when a step caches a block under a
+        hash of the waiting head, which the next `schedule` must see.
+        """
+        bm = self.block_manager
+        bs = bm.block_size
+        running = self.running
+        head = self._admission_probe()
+        head_hashes = set(head.block_hashes) if head is not None else None
+        starts = [r.num_computed_tokens for r in running]  # = num_tokens - 1: pure decode
+        lengths = [r.num_tokens for r in running]
+        outputs = [r.num_output_tokens for r in running]
+        for request in running:
+            tokens = next_tokens(request, num_steps)
+            request.output_token_ids.extend(tokens)
+            request.token_ids.extend(tokens)
+            request.update_block_hashes()
+        steps = num_steps
+        if head_hashes:
+            # Step j completes a block of request i when starts[i] + j is a multiple of bs.
+            for i, request in enumerate(running):
+                j = bs - starts[i] % bs
+                while j < steps:
+                    if request.block_hashes[(starts[i] + j) // bs - 1] in head_hashes:
+                        steps = j
+                        break
+                    j += bs
+            if steps < num_steps:
+                for i, request in enumerate(running):
+                    del request.output_token_ids[outputs[i] + steps :]
+                    del request.token_ids[lengths[i] + steps :]
+                    del request.block_hashes[(lengths[i] + steps) // bs :]
+        allocs: list[list[int]] = [[] for _ in range(steps + 1)]
+        completions: list[list[int]] = [[] for _ in range(steps + 1)]
+        for i, request in enumerate(running):
+            # Step j computes position starts[i] + j - 1, so it needs starts[i] + j slots.
+            capacity = len(bm.block_ids(request.request_id)) * bs
+            for j in range(capacity - starts[i] + 1, steps + 1, bs):
+                allocs[j].append(i)
+            for j in range(bs - starts[i] % bs, steps + 1, bs):
+                completions[j].append(i)
+        for j in range(1, steps + 1):
+            next(self._step_ids)
+            for i in allocs[j]:
+                request = running[i]
+                request.num_computed_tokens = starts[i] + j - 1
+                allocated = bm.allocate_slots(request, 1)
+                assert allocated, "advance_decode past decode_run_length"
+            if after_allocate is not None:
+                after_allocate()
+            for i in completions[j]:
+                request = running[i]
+                request.num_computed_tokens = starts[i] + j
+                bm.cache_full_blocks(request)
+            if after_step is not None:
+                after_step()
+        for i, request in enumerate(running):
+            request.num_computed_tokens = starts[i] + steps
+        return steps

@@ -199,21 +199,59 @@ class BlockManager:
         as computed tokens. Returns False, changing nothing, if the pool cannot supply the blocks.
         """
         table = self._owner_blocks.get(request.request_id, [])
-        num_tokens = (
-            request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
-        )
-        num_new_blocks = self.blocks_needed(num_tokens) - len(table) - len(computed_blocks)
+        num_new_blocks = self._num_new_blocks(request, num_new_tokens, computed_blocks, table)
         if num_new_blocks <= 0 and not computed_blocks:
             return True  # the common decode step: the last block still has room
-        num_revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
-        reserve = self.watermark_blocks if respect_watermark else 0
-        if max(num_new_blocks, 0) + num_revived > self.num_free_blocks - reserve:
+        if not self._fits(num_new_blocks, computed_blocks, respect_watermark):
             return False
         table = self._owner_blocks.setdefault(request.request_id, table)
         self._acquire(computed_blocks, table)
         for _ in range(num_new_blocks):
             table.append(self._take_free_block())
         return True
+
+    def can_allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: Sequence[int] = (),
+        respect_watermark: bool = False,
+    ) -> bool:
+        """Whether `allocate_slots` with these arguments would succeed now (changes nothing)."""
+        table = self._owner_blocks.get(request.request_id, [])
+        num_new_blocks = self._num_new_blocks(request, num_new_tokens, computed_blocks, table)
+        if num_new_blocks <= 0 and not computed_blocks:
+            return True
+        return self._fits(num_new_blocks, computed_blocks, respect_watermark)
+
+    def _num_new_blocks(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: Sequence[int],
+        table: list[int],
+    ) -> int:
+        num_tokens = (
+            request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        )
+        return self.blocks_needed(num_tokens) - len(table) - len(computed_blocks)
+
+    def _fits(
+        self, num_new_blocks: int, computed_blocks: Sequence[int], respect_watermark: bool
+    ) -> bool:
+        num_revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
+        reserve = self.watermark_blocks if respect_watermark else 0
+        return max(num_new_blocks, 0) + num_revived <= self.num_free_blocks - reserve
+
+    def num_free_before_evicting(self, block_hashes: set[BlockHash], limit: int) -> int:
+        """Fresh blocks that can be handed out before one cached under `block_hashes` is evicted
+        (counted up to `limit`)."""
+        count = len(self._free_uncached)
+        for block_id in self._evictable:
+            if count >= limit or self.blocks[block_id].block_hash in block_hashes:
+                break
+            count += 1
+        return count
 
     def reserve_blocks(
         self, owner_id: str, num_blocks: int, respect_watermark: bool = True

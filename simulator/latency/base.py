@@ -7,6 +7,8 @@ Contract:
   engine scheduler's `SchedulerOutput`, so any model sees exactly the batches the real engine would run.
 - `kv_capacity_tokens` (tokens of KV an instance holds, or None when the model does not know) sizes the
   simulated block pool; `kv_bytes_per_token` (or None) prices migrations.
+- `decode_step_times` prices a run of pure-decode steps at once (the simulator's decode
+  fast-forward); it equals calling `step_time` once per step, bit for bit.
 - Models are pure and deterministic.
 """
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 PrefillChunk = tuple[int, int]  # (num_new_tokens, num_computed_before)
@@ -28,6 +30,17 @@ class LatencyModel(ABC):
     @abstractmethod
     def step_time(self, prefill: Sequence[PrefillChunk], decode_contexts: Sequence[int]) -> float:
         """Seconds one step takes."""
+
+    def decode_step_times(self, decode_contexts: Sequence[int], num_steps: int) -> Iterator[float]:
+        """`step_time` of `num_steps` consecutive pure-decode steps of the same requests, lazily
+        (the caller stops at its horizon).
+
+        Step j (0-based) decodes one token for each request, with contexts `decode_contexts[i] + j`.
+        Models whose decode cost depends only on the count and sum of contexts override this with
+        a closed form that evaluates exactly the same arithmetic as `step_time`.
+        """
+        for j in range(num_steps):
+            yield self.step_time((), [c + j for c in decode_contexts])
 
     def describe(self) -> dict[str, object]:
         return {

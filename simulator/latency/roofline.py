@@ -10,7 +10,7 @@ Presets cover Llama-2 7B/13B/70B on A100-80GB, H100 (SXM) and H200.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from simulator.latency.base import LatencyModel, LatencyModelError, PrefillChunk, attention_pairs
@@ -92,24 +92,49 @@ class RooflineModel(LatencyModel):
         self._bandwidth = self.gpu.hbm_bandwidth * tp * mbu
 
     def step_time(self, prefill: Sequence[PrefillChunk], decode_contexts: Sequence[int]) -> float:
-        shape = self.shape
         num_tokens = len(decode_contexts) + sum(n for n, _ in prefill)
+        pairs = sum(attention_pairs(n, c) for n, c in prefill) + sum(decode_contexts)
+        kv_read = sum(c for _, c in prefill) + sum(decode_contexts)
+        return self._time(num_tokens, pairs, kv_read)
+
+    def decode_step_times(self, decode_contexts: Sequence[int], num_steps: int) -> Iterator[float]:
+        # Only the count and the (integer, so exact) sum of the contexts enter the step time;
+        # the terms that do not change along the run are evaluated once, in `_time`'s order.
+        shape = self.shape
+        n = len(decode_contexts)
+        total = sum(decode_contexts)
+        dense = max(
+            2.0 * shape.num_params * n / self._flops,
+            shape.weight_bytes / self._bandwidth,
+        )
+        attn_scale = 4.0 * shape.num_layers * shape.hidden_size
+        kv_bytes = shape.kv_bytes_per_token
+        comm = self._comm(n)
+        flops = self._flops
+        bandwidth = self._bandwidth
+        overhead = self.step_overhead_s
+        for j in range(num_steps):
+            context = total + j * n
+            attention = max(attn_scale * context / flops, context * kv_bytes / bandwidth)
+            yield dense + attention + comm + overhead
+
+    def _time(self, num_tokens: int, pairs: int, kv_read: int) -> float:
+        shape = self.shape
         dense = max(
             2.0 * shape.num_params * num_tokens / self._flops,
             shape.weight_bytes / self._bandwidth,
         )
         # Attention: QK^T and AV, 2 FLOPs per multiply-add each, over all query heads.
-        pairs = sum(attention_pairs(n, c) for n, c in prefill) + sum(decode_contexts)
         attn_flops = 4.0 * shape.num_layers * shape.hidden_size * pairs
-        kv_read = sum(c for _, c in prefill) + sum(decode_contexts)
         attention = max(
             attn_flops / self._flops, kv_read * shape.kv_bytes_per_token / self._bandwidth
         )
-        comm = 0.0
-        if self.tp > 1:
-            # Ring all-reduce moves 2(tp-1)/tp of the activations, twice per layer.
-            act = num_tokens * shape.hidden_size * shape.dtype_bytes
-            comm = (
-                2 * shape.num_layers * 2 * (self.tp - 1) / self.tp * act / self.gpu.link_bandwidth
-            )
-        return dense + attention + comm + self.step_overhead_s
+        return dense + attention + self._comm(num_tokens) + self.step_overhead_s
+
+    def _comm(self, num_tokens: int) -> float:
+        if self.tp == 1:
+            return 0.0
+        # Ring all-reduce moves 2(tp-1)/tp of the activations, twice per layer.
+        shape = self.shape
+        act = num_tokens * shape.hidden_size * shape.dtype_bytes
+        return 2 * shape.num_layers * 2 * (self.tp - 1) / self.tp * act / self.gpu.link_bandwidth

@@ -1,0 +1,128 @@
+"""The decode fast-forward changes nothing a simulation reports.
+
+The same trace runs with `fast_forward` on and off: every per-request timeline (arrival, first
+scheduling, first and last token, tokens, cached tokens, preemptions, instance), every summary
+figure, the engine step count, the load samples and the KV events the global index received must
+be identical; only the ITL mean may differ in its last bits (the gaps are summed in another
+order).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from instance_agent.engine.kv_events import KVEvent
+from policies import load_dispatch_policy
+from scheduler.load_report import LoadReport
+from simulator.cluster import ClusterConfig, SimCluster
+from simulator.instance import DecodeRun, InstanceConfig
+from simulator.latency import load_latency_model
+from simulator.synthetic import SyntheticSpec, generate
+from simulator.traces import Trace
+
+
+def _trace() -> Trace:
+    return generate(
+        SyntheticSpec(
+            requests=160,
+            rate=12.0,
+            input_mean=500,
+            output_mean=120,
+            num_groups=5,
+            prefix_tokens=512,
+            max_input=2000,
+            seed=3,
+        )
+    )
+
+
+def _run(
+    trace: Trace, policy: str, fast_forward: bool, num_blocks: int
+) -> tuple[SimCluster, list[tuple[float, str, list[KVEvent]]], list[object], int]:
+    """The finished cluster, the KV events and load reports the global state received (with
+    their times), and how many engine steps decode runs fast-forwarded."""
+    config = ClusterConfig(
+        num_instances=3,
+        instance=InstanceConfig(
+            num_blocks=num_blocks, block_size=16, max_num_seqs=24, max_num_batched_tokens=1024
+        ),
+        sample_interval_s=0.25,
+    )
+    cluster = SimCluster(
+        config,
+        load_latency_model("roofline:llama-2-7b:a100-80gb"),
+        load_dispatch_policy(policy),
+        fast_forward=fast_forward,
+    )
+    delivered: list[tuple[float, str, list[KVEvent]]] = []
+    deliver = cluster._deliver_events
+
+    def recording(instance_id: str, events: list[KVEvent]) -> None:
+        delivered.append((cluster.loop.now, instance_id, events))
+        deliver(instance_id, events)
+
+    cluster._deliver_events = recording  # type: ignore[method-assign]
+    reports: list[object] = []
+    deliver_report = cluster._deliver_report
+
+    def recording_report(instance_id: str, report: LoadReport, taken_at: float) -> None:
+        reports.append((cluster.loop.now, instance_id, report, taken_at))
+        deliver_report(instance_id, report, taken_at)
+
+    cluster._deliver_report = recording_report  # type: ignore[method-assign]
+    fast_forwarded = 0
+    for inst in cluster.instances.values():
+        start = inst.start_decode_run
+
+        def counting(
+            now: float,
+            horizon: float,
+            max_steps: int,
+            start: Callable[..., DecodeRun | None] = start,
+        ) -> DecodeRun | None:
+            nonlocal fast_forwarded
+            run = start(now, horizon, max_steps)
+            fast_forwarded += 0 if run is None else len(run.step_ends)
+            return run
+
+        inst.start_decode_run = counting  # type: ignore[method-assign]
+    cluster.run(trace)
+    return cluster, delivered, reports, fast_forwarded
+
+
+@pytest.mark.parametrize(
+    ("policy", "num_blocks"),
+    [("kvherd", 400), ("round_robin", 260), ("round_robin", 4000)],  # tight pools preempt
+)
+def test_fast_forward_gives_identical_results(policy: str, num_blocks: int) -> None:
+    trace = _trace()
+    slow, slow_events, slow_reports, slow_runs = _run(trace, policy, False, num_blocks)
+    fast, fast_events, fast_reports, fast_runs = _run(trace, policy, True, num_blocks)
+
+    slow_cols, fast_cols = slow.metrics.columns(), fast.metrics.columns()
+    assert slow_cols.keys() == fast_cols.keys()
+    for name in slow_cols:
+        assert np.array_equal(slow_cols[name], fast_cols[name]), name
+    slow_summary, fast_summary = slow.metrics.summary(), fast.metrics.summary()
+    assert slow_summary["completed"] == len(trace)
+    for key, value in slow_summary.items():
+        if key == "itl_ms_mean":
+            assert math.isclose(value, fast_summary[key], rel_tol=1e-12)
+        elif isinstance(value, float) and math.isnan(value):
+            assert math.isnan(fast_summary[key]), key
+        else:
+            assert fast_summary[key] == value, key
+    assert slow.metrics.itl.counts.tolist() == fast.metrics.itl.counts.tolist()
+    assert fast_events == slow_events
+    assert fast.load_times == slow.load_times and fast.load_samples == slow.load_samples
+    for iid, inst in slow.instances.items():
+        twin = fast.instances[iid]
+        assert (twin.num_steps, twin.busy_time) == (inst.num_steps, inst.busy_time)
+        assert twin.scheduler.num_preemptions == inst.scheduler.num_preemptions
+    assert fast_reports == slow_reports
+    # The fast-forward did run: most steps went by without a `schedule` call.
+    assert slow_runs == 0 and fast_runs > sum(i.num_steps for i in slow.instances.values()) / 2
