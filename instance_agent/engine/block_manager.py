@@ -137,23 +137,28 @@ class BlockManager:
             return
         self._owner_num_handled[request.request_id] = num_full
         bs = self.block_size
+        blocks = self.blocks
+        cached = self._cached
+        hashes = request.block_hashes
+        tokens = request.token_ids
         run_start = -1
         run_hashes: list[BlockHash] = []
         for index in range(first, num_full):
-            block = self.blocks[table[index]]
+            block = blocks[table[index]]
             if block.block_hash is not None:
                 self._emit_stored(request, run_start, run_hashes)
                 run_hashes = []
                 continue
-            block_hash = request.block_hashes[index]
-            if block_hash in self._cached:
+            block_hash = hashes[index]
+            if block_hash in cached:
                 # The same prefix was computed twice concurrently: keep the first copy cached.
                 self._emit_stored(request, run_start, run_hashes)
                 run_hashes = []
                 continue
             block.block_hash = block_hash
-            block.token_ids = tuple(request.token_ids[index * bs : (index + 1) * bs])
-            self._cached[block_hash] = block.block_id
+            start = index * bs
+            block.token_ids = tuple(tokens[start : start + bs])
+            cached[block_hash] = block.block_id
             if not run_hashes:
                 run_start = index
             run_hashes.append(block_hash)
@@ -206,8 +211,15 @@ class BlockManager:
             return False
         table = self._owner_blocks.setdefault(request.request_id, table)
         self._acquire(computed_blocks, table)
+        free_uncached = self._free_uncached
+        blocks = self.blocks
         for _ in range(num_new_blocks):
-            table.append(self._take_free_block())
+            if free_uncached:  # `_take_free_block`'s first choice, inlined for long prompts
+                block_id = free_uncached.popleft()
+                blocks[block_id].ref_count = 1
+                table.append(block_id)
+            else:
+                table.append(self._take_free_block())
         return True
 
     def can_allocate(
@@ -300,12 +312,14 @@ class BlockManager:
             return self._claim(self._free_uncached.popleft())
         block_id, _ = self._evictable.popitem(last=False)
         block = self.blocks[block_id]
-        assert block.block_hash is not None
-        del self._cached[block.block_hash]
-        self._events.append(BlockRemoved(block_hashes=[block.block_hash]))
+        block_hash = block.block_hash
+        assert block_hash is not None
+        del self._cached[block_hash]
+        self._events.append(BlockRemoved(block_hashes=[block_hash]))
         block.block_hash = None
         block.token_ids = None
-        return self._claim(block_id)
+        block.ref_count = 1
+        return block_id
 
     def _claim(self, block_id: int) -> int:
         self.blocks[block_id].ref_count = 1
