@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, compress, count, islice, repeat
-from operator import and_, ne, or_
+from operator import and_, ne
 
 from instance_agent.engine.block_hash import HashAlgo, block_hash_chain
 from instance_agent.engine.kv_events import (
@@ -116,9 +116,13 @@ def match_groups(chain: Sequence[int], maps: Sequence[dict[int, int]]) -> list[t
     start, size = 0, _FIRST_CHUNK
     while start < num:
         chunk = chain[start : start + size]
-        masks = map(getters[0], chunk, zeros)
+        masks = list(map(getters[0], chunk, zeros))
         for get in getters[1:]:
-            masks = map(or_, masks, map(get, chunk, zeros))
+            # OR in the other map's masks only where it holds the block: the approximate index
+            # covers a fraction of a chain, and an OR of two fleet-wide masks makes a new int.
+            extra = list(map(get, chunk, zeros))
+            for i in compress(count(), extra):
+                masks[i] |= extra[i]
         # running[i]: bits still matching after the first `start + i` blocks.
         running = list(accumulate(masks, and_, initial=alive))
         for i in compress(count(), map(ne, running, islice(running, 1, None))):
