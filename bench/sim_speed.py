@@ -7,6 +7,9 @@ Scenarios (each policy run in a fresh subprocess, so peak RSS is that run's own)
   linear    the Azure trace at 1/4, 1/2 and all of its requests: seconds per request must stay flat.
   million   a synthetic 1M-request trace on 256 instances; `--million-sample K` runs its first K
             requests and extrapolates linearly to 1M (the printout says so).
+`--step-by-step` also runs every azure/mooncake policy with the decode fast-forward off (one
+`schedule()` per engine step, the simulator before the fast-forward) and prints the speed-up; both
+runs must report the same steps and mean TTFT.
 Baseline printed side by side: Vidur on the same Azure run (~50 s, ~4 GB, the issue's figures for
 these machines; Vidur is not installed here) and the targets (<= 5 s and <= 500 MB per policy run,
 1M requests in <= 10 min).
@@ -31,11 +34,18 @@ MILLION = (
     "synthetic:requests=1000000,rate=2000,input_mean=1024,output_mean=128,num_groups=5000,"
     "prefix_tokens=512,max_input=8192,seed=0"
 )
+AZURE_MODEL = "roofline:llama-2-7b:a100-80gb"
+MOONCAKE_MODEL = "roofline:llama-2-70b:a100-80gb:tp4"
 VIDUR_AZURE = {"wall_s": 50.0, "peak_rss_mb": 4096.0}
 
 
 def _one(
-    trace_spec: str, instances: int, policy: str, latency: str, max_requests: int | None
+    trace_spec: str,
+    instances: int,
+    policy: str,
+    latency: str,
+    max_requests: int | None,
+    fast_forward: bool = True,
 ) -> None:
     """Child mode: one policy run; prints a JSON line with its figures."""
     from simulator.experiment import SimSettings, run_policy
@@ -60,7 +70,10 @@ def _one(
     model = load_latency_model(latency)
     assert model.kv_capacity_tokens is not None
     settings = SimSettings(
-        instances, model, InstanceConfig(num_blocks=model.kv_capacity_tokens // 16)
+        instances,
+        model,
+        InstanceConfig(num_blocks=model.kv_capacity_tokens // 16),
+        fast_forward=fast_forward,
     )
     result = run_policy(trace, settings, policy)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
@@ -80,11 +93,15 @@ def _one(
 
 
 def _spawn(
-    trace: str, instances: int, policy: str, latency: str, max_requests: int | None
+    trace: str,
+    instances: int,
+    policy: str,
+    latency: str,
+    max_requests: int | None,
+    fast_forward: bool = True,
 ) -> dict[str, float]:
     cmd = [sys.executable, __file__, "--child", trace, str(instances), policy, latency]
-    if max_requests is not None:
-        cmd.append(str(max_requests))
+    cmd += [str(max_requests or 0), str(int(fast_forward))]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -98,10 +115,29 @@ def _row(name: str, policy: str, r: dict[str, float], note: str = "") -> str:
     )
 
 
+def _runs(
+    step_by_step: bool,
+    name: str,
+    policy: str,
+    trace: str,
+    instances: int,
+    latency: str,
+    k: int | None,
+) -> None:
+    """One policy run (and, with `step_by_step`, the same run without the fast-forward)."""
+    r = _spawn(trace, instances, policy, latency, k)
+    print(_row(name, policy, r), flush=True)
+    if step_by_step:
+        slow = _spawn(trace, instances, policy, latency, k, fast_forward=False)
+        same = slow["steps"] == r["steps"] and slow["ttft_ms_mean"] == r["ttft_ms_mean"]
+        note = f"fast-forward {slow['sim_s'] / r['sim_s']:.2f}x faster; same results: {same}"
+        print(_row(name, f"{policy} (step by step)", slow, note), flush=True)
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         child = sys.argv[2:]
-        _one(child[0], int(child[1]), child[2], child[3], int(child[4]) if len(child) > 4 else None)
+        _one(child[0], int(child[1]), child[2], child[3], int(child[4]) or None, child[5] == "1")
         return 0
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -111,6 +147,11 @@ def main() -> int:
     parser.add_argument("--million-sample", type=int, default=20000)
     parser.add_argument(
         "--fraction", type=float, default=1.0, help="run this fraction of azure/mooncake"
+    )
+    parser.add_argument(
+        "--step-by-step",
+        action="store_true",
+        help="also run azure/mooncake with the decode fast-forward off, side by side",
     )
     args = parser.parse_args()
     scenarios = args.scenarios.split(",")
@@ -123,8 +164,7 @@ def main() -> int:
     if "azure" in scenarios and AZURE.is_file():
         k = None if args.fraction >= 1 else int(19366 * args.fraction)
         for policy in policies:
-            r = _spawn(str(AZURE), 4, policy, "roofline:llama-2-7b:a100-80gb", k)
-            print(_row("azure conv, 4 inst", policy, r), flush=True)
+            _runs(args.step_by_step, "azure conv, 4 inst", policy, str(AZURE), 4, AZURE_MODEL, k)
         v = VIDUR_AZURE
         print(
             f"| azure conv, 4 inst | Vidur (issue's figure) | 19,366 | ~{v['wall_s']:.0f} "
@@ -134,8 +174,9 @@ def main() -> int:
     if "mooncake" in scenarios and MOONCAKE.is_file():
         k = None if args.fraction >= 1 else int(3993 * args.fraction)
         for policy in policies:
-            r = _spawn(str(MOONCAKE), 16, policy, "roofline:llama-2-70b:a100-80gb:tp4", k)
-            print(_row("mooncake, 16 inst", policy, r), flush=True)
+            _runs(
+                args.step_by_step, "mooncake, 16 inst", policy, str(MOONCAKE), 16, MOONCAKE_MODEL, k
+            )
     if "linear" in scenarios and AZURE.is_file():
         for frac in (0.25, 0.5, 1.0):
             k = int(19366 * frac * args.fraction)
