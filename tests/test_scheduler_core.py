@@ -357,3 +357,44 @@ def test_match_array_agrees_with_match(fleet: int) -> None:
     array = cluster.match_array(chain, now=1.0)
     assert {view.instances[i].instance_id: int(array[i]) for i in np.flatnonzero(array)} == expected
     assert sum(1 for v in expected.values() if v) > (64 if fleet > 100 else 0)
+
+
+def test_match_counts_a_block_held_in_either_index_over_a_long_chain() -> None:
+    """Blocks of one instance split between its precise and pending (approximate) entries; the
+    walk must OR them per block, across its chunk boundaries, and stop at each instance's gap."""
+    import random
+
+    rng = random.Random(7)
+    cluster = ClusterState(block_size=16)
+    doc = tokens(16 * 700, 11)
+    chain = block_hash_chain(doc, 16)
+    expected = {}
+    for k in range(40):
+        name = f"m{k}"
+        cluster.add_instance(name, has_kv_events=True, trust_engine_hashes=True)
+        held = [rng.random() < 0.995 for _ in chain]
+        precise = {i for i, h in enumerate(held) if h and rng.random() < 0.5}
+        pending = [chain[i] for i, h in enumerate(held) if h and i not in precise]
+        cluster.apply_kv_events(
+            name,
+            [BlockStored([chain[i]], None, doc[16 * i : 16 * i + 16], 16) for i in sorted(precise)],
+        )
+        cluster.note_routed(name, pending, now=0.0)
+        depth = held.index(False) if False in held else len(chain)
+        if depth:
+            expected[name] = depth
+    assert cluster.match(chain, now=1.0) == expected
+    view = cluster.view(1.0)
+    array = cluster.match_array(chain, now=1.0)
+    assert {view.instances[i].instance_id: int(array[i]) for i in np.flatnonzero(array)} == expected
+
+
+def test_dispatchable_from_the_column_matches_each_instance() -> None:
+    cluster, _ = make(6)
+    view = cluster.view(0.0)
+    assert view.dispatchable == view.instances
+    cluster.set_healthy("i1", False)
+    cluster.set_draining("i4", True)
+    view = cluster.view(0.0, exclude={"i2"})
+    assert [i.instance_id for i in view.dispatchable] == ["i0", "i3", "i5"]
+    assert view.dispatchable == tuple(i for i in view.instances if i.dispatchable)
