@@ -254,7 +254,14 @@ class SimCluster:
     def _start_step(self, instance: SimInstance) -> None:
         loop = self.loop
         if self.fast_forward and not self._migrating:
-            run = instance.start_decode_run(loop.now, loop.next_barrier(), _MAX_RUN_STEPS)
+            # Without a migration policy the barriers are arrivals and admissions, which only
+            # queue a request: the step in flight at one may join the run.
+            run = instance.start_decode_run(
+                loop.now,
+                loop.next_barrier(),
+                _MAX_RUN_STEPS,
+                straddle=self.migration_loop is None,
+            )
             if run is not None:
                 delay = self.config.kv_event_delay_s
                 iid = instance.instance_id

@@ -193,9 +193,14 @@ class SimInstance:
             self.sink.on_finished(req, self.instance_id, now)
         return finished
 
-    def start_decode_run(self, now: float, horizon: float, max_steps: int) -> DecodeRun | None:
+    def start_decode_run(
+        self, now: float, horizon: float, max_steps: int, straddle: bool = False
+    ) -> DecodeRun | None:
         """Fast-forward the next pure-decode steps that end before `horizon`; None if fewer than 2.
 
+        With `straddle`, the run also takes the step in flight at `horizon` (it starts before and
+        ends at or after it): right when the barrier event only queues work for the next
+        `schedule` (an admission), which a step already planned cannot see.
         The instance is busy until the run's last step end; call `finish_decode_run` then.
         """
         scheduler = self.scheduler
@@ -210,9 +215,11 @@ class SimInstance:
         durations: list[float] = []
         t = now
         for step_time in self.latency.decode_step_times(contexts, k):
+            if t >= horizon:  # a barrier at a step start comes first (it was queued first)
+                break
             duration = step_time + overhead
             end = t + duration
-            if end >= horizon:
+            if end >= horizon and not straddle:
                 break
             starts.append(t)
             ends.append(end)

@@ -82,10 +82,11 @@ def _run(
             now: float,
             horizon: float,
             max_steps: int,
+            straddle: bool = False,
             start: Callable[..., DecodeRun | None] = start,
         ) -> DecodeRun | None:
             nonlocal fast_forwarded
-            run = start(now, horizon, max_steps)
+            run = start(now, horizon, max_steps, straddle)
             fast_forwarded += 0 if run is None else len(run.step_ends)
             return run
 
