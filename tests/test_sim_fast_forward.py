@@ -16,7 +16,13 @@ import numpy as np
 import pytest
 
 from instance_agent.engine.kv_events import KVEvent
-from policies import load_dispatch_policy
+from policies import (
+    ClusterView,
+    Decision,
+    RequestView,
+    load_dispatch_policy,
+    load_migration_policy,
+)
 from scheduler.load_report import LoadReport
 from simulator.cluster import ClusterConfig, SimCluster
 from simulator.instance import DecodeRun, InstanceConfig
@@ -40,6 +46,15 @@ def _trace() -> Trace:
     )
 
 
+class _AllToFirst:
+    """Overloads one instance so the migration policy has work."""
+
+    name = "all_to_first"
+
+    def choose(self, request: RequestView, cluster: ClusterView) -> Decision:
+        return Decision(cluster.instances[0].instance_id)
+
+
 def _run(
     trace: Trace, policy: str, fast_forward: bool, num_blocks: int
 ) -> tuple[SimCluster, list[tuple[float, str, list[KVEvent]]], list[object], int]:
@@ -51,11 +66,14 @@ def _run(
             num_blocks=num_blocks, block_size=16, max_num_seqs=24, max_num_batched_tokens=1024
         ),
         sample_interval_s=0.25,
+        migration_interval_s=0.05,
     )
+    migrating = policy == "all_to_first+llumnix"
     cluster = SimCluster(
         config,
         load_latency_model("roofline:llama-2-7b:a100-80gb"),
-        load_dispatch_policy(policy),
+        _AllToFirst() if migrating else load_dispatch_policy(policy),
+        load_migration_policy("llumnix") if migrating else None,
         fast_forward=fast_forward,
     )
     delivered: list[tuple[float, str, list[KVEvent]]] = []
@@ -97,7 +115,8 @@ def _run(
 
 @pytest.mark.parametrize(
     ("policy", "num_blocks"),
-    [("kvherd", 400), ("round_robin", 260), ("round_robin", 4000)],  # tight pools preempt
+    # Tight pools preempt; all-to-first overloads one instance so that llumnix migrates.
+    [("kvherd", 400), ("round_robin", 260), ("round_robin", 4000), ("all_to_first+llumnix", 900)],
 )
 def test_fast_forward_gives_identical_results(policy: str, num_blocks: int) -> None:
     trace = _trace()
@@ -125,5 +144,12 @@ def test_fast_forward_gives_identical_results(policy: str, num_blocks: int) -> N
         assert (twin.num_steps, twin.busy_time) == (inst.num_steps, inst.busy_time)
         assert twin.scheduler.num_preemptions == inst.scheduler.num_preemptions
     assert fast_reports == slow_reports
-    # The fast-forward did run: most steps went by without a `schedule` call.
-    assert slow_runs == 0 and fast_runs > sum(i.num_steps for i in slow.instances.values()) / 2
+    assert fast.migration_stats == slow.migration_stats
+    # The fast-forward did run: most steps went by without a `schedule` call (fewer under
+    # migrations, whose ticks and stages end runs).
+    steps = sum(i.num_steps for i in slow.instances.values())
+    assert slow_runs == 0 and fast_runs > (
+        steps / 10 if slow.migration_stats.started else steps / 2
+    )
+    if policy == "all_to_first+llumnix":
+        assert slow.migration_stats.committed > 0
