@@ -409,3 +409,21 @@ def test_advance_decode_stops_where_the_waiting_head_gains_a_prefix_hit() -> Non
     assert [s.request.request_id for s in fast.schedule().scheduled] == [
         s.request.request_id for s in slow.schedule().scheduled
     ]
+
+
+def test_evictions_in_a_row_are_one_removed_event_and_reset_clears_all() -> None:
+    bm = BlockManager(4, BLOCK, watermark=0.0)
+    sched = BatchScheduler(SchedulerConfig(max_model_len=64), bm)
+    first = make_request("a", list(range(1, 10)), 1)  # 9 tokens: 2 full blocks cached, 3 held
+    sched.add_request(first)
+    run_to_completion(sched)
+    bm.take_events()
+    sched.add_request(make_request("b", list(range(50, 65)), 1))  # its prefill takes all 4 blocks
+    step(sched)
+    removed = [e for e in bm.take_events() if isinstance(e, BlockRemoved)]
+    assert len(removed) == 1 and set(removed[0].block_hashes) == set(first.block_hashes[:2])
+    run_to_completion(sched)
+    assert bm.num_cached_blocks > 0 and bm.reset_prefix_cache()
+    assert isinstance(bm.take_events()[-1], AllBlocksCleared)
+    assert bm.num_cached_blocks == 0 and bm.num_free_blocks == 4
+    bm.check_integrity()

@@ -315,7 +315,13 @@ class BlockManager:
         block_hash = block.block_hash
         assert block_hash is not None
         del self._cached[block_hash]
-        self._events.append(BlockRemoved(block_hashes=[block_hash]))
+        events = self._events
+        if events and isinstance(events[-1], BlockRemoved):
+            # Evictions in a row become one event, as vLLM batches them: fewer events to publish
+            # and index. The pending list is ours until take_events hands it out.
+            events[-1].block_hashes.append(block_hash)
+        else:
+            events.append(BlockRemoved(block_hashes=[block_hash]))
         block.block_hash = None
         block.token_ids = None
         block.ref_count = 1
