@@ -309,7 +309,9 @@ class BlockManager:
 
     def _take_free_block(self) -> int:
         if self._free_uncached:
-            return self._claim(self._free_uncached.popleft())
+            block_id = self._free_uncached.popleft()
+            self.blocks[block_id].ref_count = 1
+            return block_id
         block_id, _ = self._evictable.popitem(last=False)
         block = self.blocks[block_id]
         block_hash = block.block_hash
@@ -325,10 +327,6 @@ class BlockManager:
         block.block_hash = None
         block.token_ids = None
         block.ref_count = 1
-        return block_id
-
-    def _claim(self, block_id: int) -> int:
-        self.blocks[block_id].ref_count = 1
         return block_id
 
     def free(self, request: Request) -> None:
