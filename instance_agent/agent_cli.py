@@ -10,7 +10,9 @@ Contract:
 - Live migration (``/kvherd/v1/migrate`` and the destination endpoints, see `migration_routes`) is
   always mounted; KV bytes move over gloo from ``--advertise-host``.
 - SIGTERM drains: new requests get 503, open requests finish (aborted after ``--drain-timeout``
-  seconds), then the process exits 0. SIGINT stops at once (uvicorn's usual behaviour).
+  seconds), then the process exits 0. With ``--scheduler``, the scheduler hears "draining" at once
+  and migrates the running requests to other instances, so the drain takes a migration, not the
+  rest of every generation. SIGINT stops at once (uvicorn's usual behaviour).
 """
 
 from __future__ import annotations

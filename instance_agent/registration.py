@@ -12,6 +12,9 @@ The contract the scheduler implements (all bodies JSON; every call carries
   (default 2) with a load summary ``{"instance_id", "num_running", "num_waiting", "kv_usage",
   "free_blocks", "freeness", "last_kv_event_seq", "draining"}`` the scheduler may use or ignore.
   A 404 means the scheduler forgot the instance (it restarted): the agent registers again.
+  When the agent starts draining (SIGTERM) it sends one heartbeat at once (`Registrar.announce`)
+  so that the scheduler stops routing to it and migrates its running requests away without
+  waiting for the next interval (Llumnix-style scale-in).
 - ``DELETE {scheduler}/admin/v1/instances/{instance_id}`` on shutdown (best effort, once).
 
 Failures (connection refused, timeouts, 5xx, 401) are logged and retried with exponential backoff
@@ -85,6 +88,15 @@ class Registrar:
             log.warning("heartbeat refused: %s %s", response.status_code, response.text)
             return False
         return True
+
+    async def announce(self) -> None:
+        """One heartbeat now (e.g. "draining" changed); best effort, never raises."""
+        if not self.registered:
+            return
+        try:
+            await self._heartbeat()
+        except httpx.HTTPError as exc:
+            log.warning("scheduler %s unreachable: %s", self.base, exc)
 
     async def _run(self) -> None:
         backoff = self.heartbeat_s

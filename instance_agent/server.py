@@ -124,6 +124,9 @@ class Agent:
         """Refuse new requests and wait for the open ones; abort what is left after `timeout`."""
         self.draining = True
         log.info("draining: %d open requests", self.engine_loop.num_open_requests)
+        if self.registrar is not None:
+            # The scheduler learns it now, stops routing here and migrates our requests away.
+            await self.registrar.announce()
         try:
             await asyncio.wait_for(self.engine_loop.wait_idle(), timeout)
         except TimeoutError:

@@ -11,8 +11,10 @@ object; bodies are JSON; errors are ``{"error": {"message", "type", "param", "co
   fleet's is refused with 400 (block hashes would never match). 201 on a new instance, 200 on a
   re-registration.
 - ``POST /admin/v1/instances/{id}/heartbeat``: 200, or 404 when the instance is unknown (the agent
-  then registers again). Registered instances that stop heartbeating for ``heartbeat_timeout_s``
-  are removed.
+  then registers again). A body with ``"draining": true`` (an agent that got SIGTERM) drains the
+  instance as the drain route does, so its requests migrate away; an agent never un-drains
+  itself, so ``false`` leaves an operator's drain in place. Registered instances that stop
+  heartbeating for ``heartbeat_timeout_s`` are removed.
 - ``DELETE /admin/v1/instances/{id}``: deregister (404 when unknown).
 - ``POST /admin/v1/instances/{id}/drain`` ``{"draining": true|false}`` (default true): stop (or
   resume) routing new requests there; its running requests are live-migrated to other instances
@@ -184,8 +186,10 @@ def build_admin_app(fleet: Fleet, token: str, allow: RegistrationPolicy) -> Fast
         return _json(fleet.describe_one(spec.instance_id), status=201 if created else 200)
 
     @app.post("/admin/v1/instances/{instance_id}/heartbeat")
-    async def heartbeat(instance_id: str) -> Response:
-        if not fleet.heartbeat(instance_id):
+    async def heartbeat(instance_id: str, request: Request) -> Response:
+        body = await _json_body(request)
+        leaving = isinstance(body, dict) and body.get("draining") is True
+        if not fleet.heartbeat(instance_id, leaving=leaving):
             raise FleetError(404, f"unknown instance {instance_id!r}; register again")
         return _json({"instance_id": instance_id, "ok": True})
 

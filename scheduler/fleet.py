@@ -247,11 +247,15 @@ class Fleet:
         log.info("instance %s removed", instance_id)
         return True
 
-    def heartbeat(self, instance_id: str) -> bool:
+    def heartbeat(self, instance_id: str, leaving: bool = False) -> bool:
+        """Record a registered agent's heartbeat; `leaving`: it is draining to shut down."""
         inst = self.instances.get(instance_id)
         if inst is None:
             return False
         inst.last_heartbeat = self.clock()
+        if leaving and not self.cluster.get(instance_id).draining:
+            log.info("instance %s is shutting down: draining it", instance_id)
+            self.cluster.set_draining(instance_id, True)
         return True
 
     def set_draining(self, instance_id: str, draining: bool) -> None:
