@@ -2,19 +2,29 @@
 
 What it does: starts two `bench/fast_backend.py` servers (a trivial OpenAI-compatible backend, so
 only the proxy's own cost shows), ``kvherd serve`` in front of both, and nginx (Debian package,
-installed with apt-get when missing) round-robin in front of both, each as a child process on
-loopback. One load generator (HTTP/1.1 keep-alive, raw asyncio) then measures, for each target in
-turn and with the same requests:
-- latency: ``--latency-requests`` sequential non-streamed ``/v1/completions`` requests on one
-  connection -> p50/p99; "added" is the target's p50/p99 minus the backend's;
-- throughput: ``--concurrency`` connections in a closed loop for ``--duration`` seconds -> req/s;
-- CPU per request of the target's own processes (from /proc, during the latency phase): unlike
+installed with apt-get when missing; a plain production round-robin with keep-alive upstreams) in
+front of both, each as a child process on loopback. One load generator (HTTP/1.1 keep-alive, raw
+asyncio) sends the same non-streamed ``/v1/completions`` requests to every target.
+
+Added latency is a small difference of two noisy numbers on a shared machine, so it is measured in
+many short rounds that interleave the targets (the order rotates each round) and each figure is
+the median of per-round differences against the backend measured in that same round; the
+interquartile range of those differences is printed next to it, so the noise is visible:
+- sequential: per round, ``--round-requests`` requests one after another on one connection per
+  target -> p50/p99 per round; "added" = target minus direct, same round;
+- under load: per round, ``--load-rps`` requests/s arrive open-loop (Poisson, the same arrival
+  times for every target in a round) over at most ``--load-connections`` connections for
+  ``--load-seconds``; latency counts from the arrival, so queueing a target causes is charged to it.
+  This is where proxies differ: a proxy's CPU per request turns into queueing delay under load;
+- throughput: ``--concurrency`` connections in a closed loop for ``--duration`` s -> req/s
+  (median over ``--throughput-rounds``);
+- CPU per request of the target's own processes during the sequential rounds (from /proc): unlike
   latency, it barely moves when other work shares the machine.
-Prints one table, kvherd and the baselines side by side, and checks the targets: kvherd adds
-<= 1 ms at p50, at most 3x what nginx adds, and sustains >= 1,000 req/s.
+Prints the tables side by side and checks the targets: kvherd adds <= 1 ms at p50, at most 3x what
+nginx adds, and sustains >= 1,000 req/s.
 
 Run: ``python bench/proxy_bench.py`` (``--policy round_robin`` to isolate forwarding from routing;
-``--json FILE`` to keep the figures). Every child process is stopped on exit.
+``--json FILE`` to keep the figures, per round included). Every child process is stopped on exit.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -33,7 +44,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,35 +77,90 @@ async def _one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, paylo
     await reader.readexactly(length)
 
 
-async def measure_latency(port: int, payload: bytes, n: int, warmup: int) -> list[float]:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        for _ in range(warmup):
-            await _one(reader, writer, payload)
-        samples = []
-        clock = time.perf_counter
-        for _ in range(n):
-            t0 = clock()
-            await _one(reader, writer, payload)
-            samples.append(clock() - t0)
-        return samples
-    finally:
-        writer.close()
+Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
-async def measure_throughput(port: int, payload: bytes, connections: int, duration: float) -> float:
+@dataclass
+class Target:
+    name: str
+    port: int
+    pid: int
+    payload: bytes = b""
+    conn: Connection | None = None  # the sequential phase's connection, kept across rounds
+    pool: list[Connection] = field(default_factory=list)  # the load phase's connections
+
+
+async def connect(target: Target, warmup: int) -> Connection:
+    conn = await asyncio.open_connection("127.0.0.1", target.port)
+    for _ in range(warmup):
+        await _one(*conn, target.payload)
+    return conn
+
+
+async def sequential_round(target: Target, n: int) -> list[float]:
+    """Latencies of `n` requests sent one after another on the target's connection."""
+    assert target.conn is not None
+    reader, writer = target.conn
+    payload = target.payload
+    clock = time.perf_counter
+    samples = []
+    for _ in range(n):
+        t0 = clock()
+        await _one(reader, writer, payload)
+        samples.append(clock() - t0)
+    return samples
+
+
+def arrival_times(rate: float, seconds: float, seed: int) -> list[float]:
+    """Poisson arrival offsets (seconds from the round's start); the same for every target."""
+    rng = random.Random(seed)
+    times, t = [], rng.expovariate(rate)
+    while t < seconds:
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+
+
+async def load_round(target: Target, arrivals: list[float]) -> list[float]:
+    """Latencies of open-loop arrivals over the target's connection pool (a request waits for a
+    free connection: that wait is the target's queueing and counts in its latency)."""
+    free: asyncio.Queue[Connection] = asyncio.Queue()
+    for conn in target.pool:
+        free.put_nowait(conn)
+    samples: list[float] = []
+    clock = time.perf_counter
+
+    async def request() -> None:
+        t0 = clock()
+        conn = await free.get()
+        try:
+            await _one(*conn, target.payload)
+        finally:
+            free.put_nowait(conn)
+        samples.append(clock() - t0)
+
+    tasks = []
+    start = clock()
+    for at in arrivals:
+        delay = start + at - clock()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(request()))
+    await asyncio.gather(*tasks)
+    return samples
+
+
+async def measure_throughput(target: Target, connections: int, duration: float) -> float:
     done = 0
     stop_at = 0.0
 
     async def worker() -> None:
         nonlocal done
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        reader, writer = await connect(target, warmup=20)  # warms the target's pools too
         try:
-            for _ in range(20):  # warm the connection and the target's pools
-                await _one(reader, writer, payload)
             await started.wait()
             while time.perf_counter() < stop_at:
-                await _one(reader, writer, payload)
+                await _one(reader, writer, target.payload)
                 done += 1
         finally:
             writer.close()
@@ -107,17 +173,6 @@ async def measure_throughput(port: int, payload: bytes, connections: int, durati
     started.set()
     await asyncio.gather(*tasks)
     return done / (time.perf_counter() - t0)
-
-
-@dataclass
-class Result:
-    target: str
-    p50_ms: float
-    p99_ms: float
-    rps: float
-    cpu_us: float  # CPU the target's own processes spent per request (latency phase)
-    added_p50_ms: float = 0.0
-    added_p99_ms: float = 0.0
 
 
 def tree_cpu_seconds(pid: int) -> float:
@@ -135,11 +190,6 @@ def tree_cpu_seconds(pid: int) -> float:
         if int(entry) == pid or int(fields[1]) == pid:
             total += (int(fields[11]) + int(fields[12])) / tick
     return total
-
-
-def _quantile(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
@@ -218,23 +268,166 @@ http {{
     return path
 
 
-async def bench_target(name: str, port: int, pid: int, args: argparse.Namespace) -> Result:
-    payload = request_bytes(port, json.dumps({"prompt": PROMPT, "max_tokens": 1}).encode())
-    cpu_before = tree_cpu_seconds(pid)
-    samples = await measure_latency(port, payload, args.latency_requests, warmup=200)
-    cpu_us = (tree_cpu_seconds(pid) - cpu_before) / (args.latency_requests + 200) * 1e6
-    rps = await measure_throughput(port, payload, args.concurrency, args.duration)
-    p50, p99 = _quantile(samples, 0.5) * 1e3, _quantile(samples, 0.99) * 1e3
-    return Result(name, p50, p99, rps, cpu_us)
+def quantile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+@dataclass
+class Rounds:
+    """Per-round p50/p99 (ms) of one target in one phase."""
+
+    p50: list[float] = field(default_factory=list)
+    p99: list[float] = field(default_factory=list)
+
+    def add(self, samples: list[float]) -> None:
+        self.p50.append(quantile(samples, 0.5) * 1e3)
+        self.p99.append(quantile(samples, 0.99) * 1e3)
+
+
+@dataclass
+class Added:
+    """Median and interquartile range of per-round differences against direct (ms)."""
+
+    p50: float
+    p50_q1: float
+    p50_q3: float
+    p99: float
+
+    @staticmethod
+    def of(target: Rounds, direct: Rounds) -> Added:
+        d50 = sorted(t - d for t, d in zip(target.p50, direct.p50, strict=True))
+        d99 = [t - d for t, d in zip(target.p99, direct.p99, strict=True)]
+        return Added(
+            statistics.median(d50), quantile(d50, 0.25), quantile(d50, 0.75), statistics.median(d99)
+        )
+
+
+@dataclass
+class Result:
+    target: str
+    seq: Rounds
+    load: Rounds
+    rps: list[float]
+    cpu_us: float  # CPU the target's own processes spent per request (sequential phase)
+    seq_added: Added | None = None
+    load_added: Added | None = None
+
+
+async def run_rounds(targets: list[Target], args: argparse.Namespace) -> list[Result]:
+    results = [Result(t.name, Rounds(), Rounds(), [], 0.0) for t in targets]
+    for target in targets:
+        target.conn = await connect(target, warmup=300)
+        target.pool = [await connect(target, warmup=5) for _ in range(args.load_connections)]
+    order = list(range(len(targets)))
+    # Sequential rounds; the order of targets rotates so none always runs after another.
+    cpu = [0.0] * len(targets)
+    for r in range(args.rounds):
+        for i in order[r % len(order) :] + order[: r % len(order)]:
+            before = tree_cpu_seconds(targets[i].pid)
+            samples = await sequential_round(targets[i], args.round_requests)
+            cpu[i] += tree_cpu_seconds(targets[i].pid) - before
+            results[i].seq.add(samples)
+    for i, result in enumerate(results):
+        result.cpu_us = cpu[i] / (args.rounds * args.round_requests) * 1e6
+    for r in range(args.load_rounds):
+        arrivals = arrival_times(args.load_rps, args.load_seconds, seed=r)
+        for i in order[r % len(order) :] + order[: r % len(order)]:
+            results[i].load.add(await load_round(targets[i], arrivals))
+    for target in targets:
+        for _, writer in [target.conn, *target.pool] if target.conn else target.pool:
+            writer.close()
+    for r in range(args.throughput_rounds):
+        for i in order[r % len(order) :] + order[: r % len(order)]:
+            results[i].rps.append(
+                await measure_throughput(targets[i], args.concurrency, args.duration)
+            )
+    direct = results[0]
+    for result in results[1:]:
+        result.seq_added = Added.of(result.seq, direct.seq)
+        result.load_added = Added.of(result.load, direct.load)
+    return results
+
+
+def ratio(kv: float, ng: float) -> str:
+    return f"{kv / ng:.1f}x" if ng > 0 else f"n/a (nginx adds {ng * 1e3:+.0f} us)"
+
+
+def report(results: list[Result], args: argparse.Namespace) -> dict[str, bool]:
+    print(
+        f"\nproxy overhead, non-streamed /v1/completions, {os.cpu_count()} cores, "
+        f"kvherd policy {args.policy!r}; added = median of per-round differences vs direct "
+        "[IQR of those differences]"
+    )
+    print(
+        f"\nsequential, one connection: {args.rounds} rounds x {args.round_requests} requests"
+        f"\n{'target':<8} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'[IQR]':>17} "
+        f"{'+p99 ms':>8} {'CPU us/req':>10}"
+    )
+    for r in results:
+        a = r.seq_added
+        iqr = f"[{a.p50_q1:+.3f}, {a.p50_q3:+.3f}]" if a else ""
+        print(
+            f"{r.target:<8} {statistics.median(r.seq.p50):8.3f} {statistics.median(r.seq.p99):8.3f}"
+            f" {a.p50 if a else 0:+8.3f} {iqr:>17} {a.p99 if a else 0:+8.3f} {r.cpu_us:10.1f}"
+        )
+    print(
+        f"\nunder load: {args.load_rps:.0f} req/s open loop over <= {args.load_connections} "
+        f"connections, {args.load_rounds} rounds x {args.load_seconds:.1f} s"
+        f"\n{'target':<8} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'[IQR]':>17} {'+p99 ms':>8}"
+    )
+    for r in results:
+        a = r.load_added
+        iqr = f"[{a.p50_q1:+.3f}, {a.p50_q3:+.3f}]" if a else ""
+        print(
+            f"{r.target:<8} {statistics.median(r.load.p50):8.3f} "
+            f"{statistics.median(r.load.p99):8.3f} {a.p50 if a else 0:+8.3f} {iqr:>17} "
+            f"{a.p99 if a else 0:+8.3f}"
+        )
+    print(
+        f"\nthroughput: {args.concurrency} connections, closed loop, median of "
+        f"{args.throughput_rounds} x {args.duration:.1f} s"
+    )
+    for r in results:
+        print(f"{r.target:<8} {statistics.median(r.rps):8.0f} req/s")
+    print("(CPU us/req: the target's own processes; for direct, the backend's)")
+    by_name = {r.target: r for r in results}
+    kv = by_name["kvherd"]
+    assert kv.seq_added is not None and kv.load_added is not None
+    checks = {
+        "kvherd adds <= 1 ms at p50": kv.seq_added.p50 <= 1.0,
+        "kvherd sustains >= 1000 req/s": statistics.median(kv.rps) >= 1000,
+    }
+    ng = by_name.get("nginx")
+    if ng is not None and ng.seq_added is not None and ng.load_added is not None:
+        print(
+            f"kvherd/nginx: added p50 sequential {ratio(kv.seq_added.p50, ng.seq_added.p50)}, "
+            f"under load {ratio(kv.load_added.p50, ng.load_added.p50)}; "
+            f"req/s {statistics.median(kv.rps) / statistics.median(ng.rps):.2f}x; "
+            f"CPU per request {kv.cpu_us / ng.cpu_us:.1f}x"
+        )
+        for phase, kv_added, ng_added in (
+            ("sequential", kv.seq_added.p50, ng.seq_added.p50),
+            ("under load", kv.load_added.p50, ng.load_added.p50),
+        ):
+            checks[f"kvherd adds <= 3x nginx at p50 ({phase})"] = kv_added <= 3 * max(ng_added, 0)
+    for name, ok in checks.items():
+        print(f"  [{'ok' if ok else 'MISS'}] {name}")
+    return checks
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policy", default="kvherd", help="kvherd's dispatch policy")
-    parser.add_argument("--latency-requests", type=int, default=3000)
+    parser.add_argument("--rounds", type=int, default=20, help="sequential rounds")
+    parser.add_argument("--round-requests", type=int, default=400)
+    parser.add_argument("--load-rounds", type=int, default=8)
+    parser.add_argument("--load-rps", type=float, default=500.0)
+    parser.add_argument("--load-connections", type=int, default=16)
+    parser.add_argument("--load-seconds", type=float, default=1.0)
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--duration", type=float, default=5.0)
-    parser.add_argument("--rounds", type=int, default=3, help="figures are medians over rounds")
+    parser.add_argument("--duration", type=float, default=3.0)
+    parser.add_argument("--throughput-rounds", type=int, default=3)
     parser.add_argument("--json", default=None, help="also write the figures here")
     parser.add_argument("--no-nginx", action="store_true")
     parser.add_argument(
@@ -279,68 +472,22 @@ def main() -> int:
         env = {**os.environ, "KVHERD_ADMIN_TOKEN": "bench"}
         procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT))
         wait_port(proxy_port, procs[-1])
-        targets = [("direct", backends[0], procs[0].pid), ("kvherd", proxy_port, procs[-1].pid)]
+        targets = [
+            Target("direct", backends[0], procs[0].pid),
+            Target("kvherd", proxy_port, procs[-1].pid),
+        ]
         if not args.no_nginx:
             nginx_port = free_port()
             conf = nginx_config(tmp, nginx_port, backends)
             procs.append(subprocess.Popen([ensure_nginx(), "-c", conf, "-p", tmp]))
             wait_port(nginx_port, procs[-1])
-            targets.append(("nginx", nginx_port, procs[-1].pid))
+            targets.append(Target("nginx", nginx_port, procs[-1].pid))
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 1}).encode()
+        for target in targets:
+            target.payload = request_bytes(target.port, body)
+        results = asyncio.run(run_rounds(targets, args))
 
-        async def run_all() -> list[Result]:
-            # Rounds interleave the targets so a noisy neighbour hurts all of them alike;
-            # each figure is the median over the rounds.
-            rounds = [
-                [await bench_target(name, port, pid, args) for name, port, pid in targets]
-                for _ in range(args.rounds)
-            ]
-            return [
-                Result(
-                    name,
-                    statistics.median(r[i].p50_ms for r in rounds),
-                    statistics.median(r[i].p99_ms for r in rounds),
-                    statistics.median(r[i].rps for r in rounds),
-                    statistics.median(r[i].cpu_us for r in rounds),
-                )
-                for i, (name, _, _) in enumerate(targets)
-            ]
-
-        results = asyncio.run(run_all())
-
-    direct = results[0]
-    for result in results[1:]:
-        result.added_p50_ms = result.p50_ms - direct.p50_ms
-        result.added_p99_ms = result.p99_ms - direct.p99_ms
-    by_name = {r.target: r for r in results}
-    print(
-        f"\nproxy overhead, non-streamed /v1/completions, {os.cpu_count()} cores, "
-        f"kvherd policy {args.policy!r}, medians of {args.rounds} rounds"
-    )
-    print(
-        f"{'target':<8} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} {'req/s':>8} "
-        f"{'CPU us/req':>10}"
-    )
-    for r in results:
-        print(
-            f"{r.target:<8} {r.p50_ms:8.3f} {r.p99_ms:8.3f} {r.added_p50_ms:8.3f} "
-            f"{r.added_p99_ms:8.3f} {r.rps:8.0f} {r.cpu_us:10.1f}"
-        )
-    print("(CPU us/req: the target's own processes; for direct, the backend's)")
-    kv = by_name["kvherd"]
-    checks = {
-        "kvherd adds <= 1 ms at p50": kv.added_p50_ms <= 1.0,
-        "kvherd sustains >= 1000 req/s": kv.rps >= 1000,
-    }
-    if "nginx" in by_name:
-        ng = by_name["nginx"]
-        ratio = kv.added_p50_ms / ng.added_p50_ms if ng.added_p50_ms > 0 else float("inf")
-        print(
-            f"kvherd/nginx: added p50 {ratio:.2f}x, req/s {kv.rps / ng.rps:.2f}x, "
-            f"CPU per request {kv.cpu_us / ng.cpu_us:.2f}x"
-        )
-        checks["kvherd adds <= 3x nginx at p50"] = ratio <= 3.0
-    for name, ok in checks.items():
-        print(f"  [{'ok' if ok else 'MISS'}] {name}")
+    checks = report(results, args)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"results": [asdict(r) for r in results], "checks": checks}, handle, indent=2)
