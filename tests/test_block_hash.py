@@ -65,3 +65,23 @@ def test_partial_blocks_are_not_hashed_and_incremental_extension_agrees() -> Non
     assert block_hash_chain(TOKENS, 16, "s", start=3, parent_hash=full[2]) == full[3:]
     with pytest.raises(ValueError):
         block_hash_chain(TOKENS, 16, algo="md5")  # type: ignore[arg-type]
+
+
+def test_hash_values_are_pinned() -> None:
+    """The values themselves, as every engine, proxy and simulator version must compute them (a
+    faster implementation that changed one bit would split the fleet's view of the cache)."""
+    assert block_hash_chain(TOKENS, 16)[:3] == [
+        12082738089873921480,
+        10013886143760948566,
+        12019207723969392509,
+    ]
+    assert block_hash_chain(TOKENS, 16, "tenant-a")[-1] == 8416099663351977434
+    assert block_hash_chain(TOKENS, 16, algo="sha256")[-1] == 17187645167114028184
+    assert block_hash_chain(TOKENS, 4, "s", start=5, parent_hash=123)[:2] == [
+        6209169282310322803,
+        8529919894438526216,
+    ]
+    # One block of a long prompt hashed alone agrees with the whole chain.
+    long_prompt = [(i * 104729) % 32000 for i in range(4096)]
+    chain = block_hash_chain(long_prompt, 16, "t")
+    assert hash_block(chain[99], long_prompt[1600:1616]) == chain[100]
