@@ -1,9 +1,10 @@
 """The OpenAI-compatible reverse proxy (``kvherd serve``): route each request where it is cheapest.
 
 Contract:
-- Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (routed, forwarded, relayed),
+- Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (routed, forwarded, relayed;
+  served straight from `scheduler.http_front`, other methods get 405),
   ``GET /v1/models`` (the fleet's models), ``GET /metrics`` (`scheduler.proxy_metrics`),
-  ``GET /health`` (200 while at least one instance is dispatchable, else 503).
+  ``GET /health`` (200 while at least one instance is dispatchable, else 503) through FastAPI.
 - Per request: authenticate (`scheduler.tenancy`), parse the body, render the chat template and
   tokenize with the fleet tokenizer, hash full blocks with the tenant's salt, ask the scheduler core
   for an instance, forward the body unchanged except ``cache_salt`` (set to the tenant's salt when
@@ -40,7 +41,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
@@ -48,7 +49,6 @@ from urllib.parse import quote
 import orjson
 from fastapi import FastAPI
 from fastapi.responses import Response
-from starlette.routing import Route
 
 from instance_agent.engine.block_hash import block_hash_chain
 from instance_agent.engine.tokenizer import Tokenizer
@@ -60,6 +60,7 @@ from scheduler.forwarding import (
     UpstreamResponse,
     UpstreamTimeout,
 )
+from scheduler.http_front import Exchange, FrontServer
 from scheduler.proxy_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from scheduler.proxy_metrics import ProxyMetrics
 from scheduler.tenancy import Tenant, TenantRegistry
@@ -89,11 +90,6 @@ def _notice_prefix(data: bytes) -> int:
             return size
     return 0
 
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 # Client headers worth passing on; the body is always sent as JSON (it was parsed as JSON here).
@@ -129,31 +125,6 @@ class _Admission:
             if not waiter.done():
                 waiter.set_result(None)
                 return
-
-
-class _DisconnectWatch:
-    """Cancels the request's task when the client disconnects before the response is complete,
-    so the upstream connection is closed and the instance aborts the request (frees its KV)."""
-
-    __slots__ = ("_future", "_task", "gone")
-
-    def __init__(self, receive: Receive) -> None:
-        self.gone = False
-        self._task = asyncio.current_task()
-        self._future = asyncio.ensure_future(receive())
-        self._future.add_done_callback(self._on_message)
-
-    def _on_message(self, future: asyncio.Future[Message]) -> None:
-        if future.cancelled() or future.exception() is not None:
-            return
-        if future.result().get("type") == "http.disconnect" and self._task is not None:
-            self.gone = True
-            self._task.cancel()
-
-    def stop(self) -> None:
-        """Stop watching (before completing the response, which also ends `receive`)."""
-        self._future.remove_done_callback(self._on_message)
-        self._future.cancel()
 
 
 def prompt_token_ids(body: dict[str, Any], chat: bool, tokenizer: Tokenizer) -> list[int]:
@@ -219,40 +190,19 @@ class Proxy:
         self._id_counter = itertools.count(1)
         fleet.on_capacity = self._admission.wake_one
 
-    # -- ASGI endpoints ---------------------------------------------------------------------------
-    async def completions(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self._generate(scope, receive, send, b"/v1/completions", chat=False)
+    # -- endpoints (`scheduler.http_front` handlers) --------------------------------------------
+    async def completions(self, exchange: Exchange) -> None:
+        await self._generate(exchange, b"/v1/completions", chat=False)
 
-    async def chat_completions(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self._generate(scope, receive, send, b"/v1/chat/completions", chat=True)
+    async def chat_completions(self, exchange: Exchange) -> None:
+        await self._generate(exchange, b"/v1/chat/completions", chat=True)
 
     # -- the request path -------------------------------------------------------------------------
-    async def _read_body(self, receive: Receive) -> bytes:
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise ConnectionResetError("client went away before sending the body")
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.config.max_body_bytes:
-                raise OpenAIError(
-                    400,
-                    f"request body exceeds {self.config.max_body_bytes} bytes",
-                    code="too_large",
-                )
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-    async def _generate(
-        self, scope: Scope, receive: Receive, send: Send, path: bytes, chat: bool
-    ) -> None:
+    async def _generate(self, exchange: Exchange, path: bytes, chat: bool) -> None:
         request_id = b""
         auth: bytes | None = None
         forward: list[tuple[bytes, bytes]] = [(b"content-type", b"application/json")]
-        for name, value in scope["headers"]:
+        for name, value in exchange.headers:
             if name == b"x-request-id":
                 request_id = value[:128]
             elif name == b"authorization":
@@ -262,21 +212,22 @@ class Proxy:
         if not request_id:
             request_id = b"%s-%x" % (self._id_prefix, next(self._id_counter))
         status: int | str
-        watch: _DisconnectWatch | None = None
         try:
+            if exchange.method != b"POST":
+                raise OpenAIError(405, "only POST is allowed here", code="method_not_allowed")
             tenant = self._authenticate(auth)
-            raw = await self._read_body(receive)
-            watch = _DisconnectWatch(receive)
-            status = await self._serve(raw, send, path, chat, request_id, tenant, forward, watch)
+            if exchange.too_large:
+                raise OpenAIError(
+                    400,
+                    f"request body exceeds {self.config.max_body_bytes} bytes",
+                    code="too_large",
+                )
+            status = await self._serve(exchange, path, chat, request_id, tenant, forward)
         except OpenAIError as exc:
             status = exc.status
-            if watch is not None:
-                watch.stop()
-            await _send_simple(send, exc.status, _error_json(exc), request_id)
-        except ConnectionResetError:
-            status = "client_closed"
+            _respond_error(exchange, exc, request_id)
         except asyncio.CancelledError:
-            if watch is None or not watch.gone:
+            if not exchange.gone:
                 raise  # the server is shutting down
             # The client went away; the upstream request was closed on the way out.
             task = asyncio.current_task()
@@ -284,17 +235,13 @@ class Proxy:
                 task.uncancel()
             status = "client_closed"
         except Exception:
-            # A bug must cost one request, not the proxy; the client still gets an error object.
+            # A bug must cost one request, not the proxy; the client still gets an error object
+            # (or, when the response had started, a closed connection).
             log.exception("request %s failed", request_id.decode("latin-1"))
             status = 500
-            if watch is not None:
-                watch.stop()
-            with contextlib.suppress(Exception):  # fails if the response had already started
+            if not exchange.started:
                 error = OpenAIError(500, "internal proxy error", type="server_error")
-                await _send_simple(send, 500, _error_json(error), request_id)
-        finally:
-            if watch is not None:
-                watch.stop()
+                _respond_error(exchange, error, request_id)
         self.metrics.request_done(status)
 
     def _authenticate(self, auth: bytes | None) -> Tenant | None:
@@ -312,16 +259,15 @@ class Proxy:
 
     async def _serve(
         self,
-        raw: bytes,
-        send: Send,
+        exchange: Exchange,
         path: bytes,
         chat: bool,
         request_id: bytes,
         tenant: Tenant | None,
         headers: list[tuple[bytes, bytes]],
-        watch: _DisconnectWatch,
     ) -> int | str:
         started = time.perf_counter()
+        raw = exchange.body
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
@@ -393,12 +339,9 @@ class Proxy:
                     response.close()
                     self.fleet.request_finished(key, instance)
                     raise
-            return await self._relay(
-                send, response, instance, key, request_id, watch, chunks, first
-            )
-        watch.stop()
+            return await self._relay(exchange, response, instance, key, request_id, chunks, first)
         if last_status is not None and last_status.body is not None:
-            await _send_simple(send, last_status.status, last_status.body, request_id)
+            exchange.respond(last_status.status, _json_headers(request_id), last_status.body)
             return last_status.status
         if isinstance(last_error, UpstreamTimeout):
             raise OpenAIError(504, f"instance timed out: {last_error}", type="timeout_error")
@@ -470,12 +413,11 @@ class Proxy:
 
     async def _relay(
         self,
-        send: Send,
+        exchange: Exchange,
         response: UpstreamResponse,
         instance: FleetInstance,
         key: str,
         request_id: bytes,
-        watch: _DisconnectWatch,
         chunks: AsyncIterator[bytes] | None,
         first: bytes,
     ) -> int | str:
@@ -485,27 +427,18 @@ class Proxy:
             headers.append((b"x-kvherd-instance", instance.instance_id.encode()))
         ok = response.status < 400
         if chunks is None:
-            watch.stop()  # from here on uvicorn itself notices a client that goes away
-            body = response.body or b""
-            headers.append((b"content-length", str(len(body)).encode()))
             try:
-                await send(
-                    {"type": "http.response.start", "status": response.status, "headers": headers}
-                )
-                await send({"type": "http.response.body", "body": body})
+                exchange.respond(response.status, headers, response.body or b"")
             finally:
                 self.fleet.request_finished(key, instance, ok=ok)
             return response.status
         self.fleet.first_token(key)
         stream = self._follow_migrations(first, chunks, request_id)
         try:
-            await send(
-                {"type": "http.response.start", "status": response.status, "headers": headers}
-            )
+            exchange.start_stream(response.status, headers)
             async for chunk in stream:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            watch.stop()  # completing the response wakes the watcher with http.disconnect
-            await send({"type": "http.response.body", "body": b""})
+                await exchange.write_chunk(chunk)
+            exchange.end_stream()
         except UpstreamError as exc:
             log.warning("request %s: stream from %s broke: %s", key, instance.instance_id, exc)
             self.fleet.request_failed(key, instance)
@@ -577,69 +510,31 @@ class Proxy:
         return response
 
 
-async def _send_simple(send: Send, status: int, body: bytes, request_id: bytes) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"x-request-id", request_id),
-            ],
-        }
+def _json_headers(request_id: bytes) -> list[tuple[bytes, bytes]]:
+    return [(b"content-type", b"application/json"), (b"x-request-id", request_id)]
+
+
+def _respond_error(exchange: Exchange, exc: OpenAIError, request_id: bytes) -> None:
+    headers = _json_headers(request_id)
+    if exc.status == 405:
+        headers.append((b"allow", b"POST"))
+    exchange.respond(exc.status, headers, _error_json(exc))
+
+
+def build_front(proxy: Proxy) -> FrontServer:
+    """What ``kvherd serve`` serves on its client port: the two generation routes straight from
+    the HTTP server (FastAPI's routing and ASGI cycle cost as much CPU as a routing decision),
+    the rest through FastAPI."""
+    return FrontServer(
+        {b"/v1/completions": proxy.completions, b"/v1/chat/completions": proxy.chat_completions},
+        build_app(proxy),
+        proxy.config.max_body_bytes,
     )
-    await send({"type": "http.response.body", "body": body})
 
 
-class _Endpoint:
-    """A raw ASGI endpoint for Starlette's router: the hot path skips FastAPI's request models."""
-
-    def __init__(self, handler: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
-        self._handler = handler
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self._handler(scope, receive, send)
-
-
-class ProxyASGI:
-    """The client-facing ASGI app: generation requests go straight to the proxy, the rest to
-    FastAPI. FastAPI's middleware and routing cost ~40 µs of CPU per request on the reference
-    machine, a fifth of the proxy's budget, so the two hot routes skip them."""
-
-    def __init__(self, proxy: Proxy, app: FastAPI) -> None:
-        self.proxy = proxy
-        self.fastapi = app
-        self._hot = {
-            "/v1/completions": proxy.completions,
-            "/v1/chat/completions": proxy.chat_completions,
-        }
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            handler = self._hot.get(scope["path"])
-            if handler is not None:
-                await handler(scope, receive, send)
-                return
-        await self.fastapi(scope, receive, send)
-
-
-def build_asgi(proxy: Proxy) -> ProxyASGI:
-    """What ``kvherd serve`` serves on its client port."""
-    return ProxyASGI(proxy, build_app(proxy))
-
-
-def build_app(proxy: Proxy, lifespan: Any = None) -> FastAPI:
-    """The proxy's FastAPI app (client-facing port)."""
-    app = FastAPI(
-        title="kvherd proxy", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
-    )
-    app.router.routes.append(
-        Route("/v1/completions", _Endpoint(proxy.completions), methods=["POST"])
-    )
-    app.router.routes.append(
-        Route("/v1/chat/completions", _Endpoint(proxy.chat_completions), methods=["POST"])
-    )
+def build_app(proxy: Proxy) -> FastAPI:
+    """The proxy's FastAPI app for the client port's control routes."""
+    app = FastAPI(title="kvherd proxy", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -223,7 +223,7 @@ async def serve_fleet(
     from instance_agent.engine.tokenizer import load_tokenizer
     from scheduler.admin import LOOPBACK_PATTERNS, RegistrationPolicy, build_admin_app
     from scheduler.fleet import Fleet, FleetError, FleetSettings
-    from scheduler.proxy import Proxy, ProxyConfig, build_asgi
+    from scheduler.proxy import Proxy, ProxyConfig, build_front
     from scheduler.proxy_metrics import ProxyMetrics
     from scheduler.tenancy import build_registry
 
@@ -292,7 +292,7 @@ async def serve_fleet(
         metrics,
     )
     level = args.log_level.lower()
-    proxy_server = _QuietServer.make(build_asgi(proxy), args.host, args.port, level)
+    front = build_front(proxy)
     admin_server = _QuietServer.make(
         build_admin_app(fleet, token, allow), args.admin_host, args.admin_port, level
     )
@@ -302,7 +302,7 @@ async def serve_fleet(
 
     def on_signal() -> None:
         if stop.is_set():  # a second Ctrl-C: stop without waiting for open requests
-            proxy_server.force_exit = admin_server.force_exit = True
+            front.force_exit = admin_server.force_exit = True
         stop.set()
 
     for sig in signals:
@@ -320,15 +320,17 @@ async def serve_fleet(
             except FleetError as exc:
                 print(f"kvherd serve: instance {entry['url']}: {exc.message}", file=sys.stderr)
                 return 2
-        serving = [
-            asyncio.create_task(proxy_server.serve(), name="kvherd-proxy"),
-            asyncio.create_task(admin_server.serve(), name="kvherd-admin"),
-        ]
-        while not (proxy_server.started and admin_server.started):
-            if any(task.done() for task in serving):
-                break  # a server failed to start (e.g. port in use); its error is logged
+        try:
+            await front.start(args.host, args.port)
+        except OSError as exc:
+            log.error("cannot serve on %s:%d: %s", args.host, args.port, exc)
+            return 1
+        serving = [asyncio.create_task(admin_server.serve(), name="kvherd-admin")]
+        while not admin_server.started:
+            if serving[0].done():
+                break  # the admin server failed to start (e.g. port in use); its error is logged
             await asyncio.sleep(0.02)
-        if proxy_server.started and admin_server.started:
+        if admin_server.started:
             log.info(
                 "kvherd proxy on http://%s:%d, admin on http://%s:%d, policy %s",
                 args.host,
@@ -350,8 +352,8 @@ async def serve_fleet(
         failed = any(task.done() for task in serving)
         if before_shutdown is not None:
             await before_shutdown()
-        proxy_server.should_exit = admin_server.should_exit = True
-        await asyncio.gather(*serving, return_exceptions=True)
+        admin_server.should_exit = True
+        await asyncio.gather(front.stop(), *serving, return_exceptions=True)
         return 1 if failed and not stop.is_set() else 0
     finally:
         for sig in signals:
