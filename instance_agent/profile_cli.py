@@ -4,17 +4,25 @@ Contract:
 - Runs the real `LLMEngine` (``--model tiny|small|PATH``) over a grid of workloads: cold prefills
   of several lengths, prefills after a cached prefix (chunks with context), and decode batches of
   several sizes and context lengths (mixed prefill+decode steps occur naturally between them).
-  Every engine step is timed and its batch shape recorded from the scheduler's own plan; each
+  Every engine step is timed as the agent's engine loop runs it (``engine.step()`` plus taking the
+  step's KV event batch: scheduling, the forward pass, sampling, detokenizing and block accounting,
+  not the forward pass alone) and its batch shape recorded from the scheduler's own plan; each
   workload runs `--repeats` times and a batch shape keeps its fastest time (the usual defence
   against interference from other processes on a shared machine).
+- ``--torch-threads`` sets torch's intra-op threads as ``kvherd agent --torch-threads`` does: a
+  profile only predicts an agent that computes with as many threads. ``--clock thread`` times
+  steps in CPU time of the stepping thread instead of wall time; with one torch thread that is all
+  the work of a step, and other processes competing for the cores do not inflate it.
 - Fits, by least squares (numpy), one linear model over the named features
-  ``const, prefill_tokens, prefill_attention_pairs, decode_batch, decode_context_tokens``
-  (attention pairs of a chunk of n new tokens after c computed ones: n*c + n(n+1)/2) and writes
-  ``--out FILE.json`` in the format ``kvherd-latency-profile/v1``: features, coefficients (seconds),
+  ``const, prefill_sequences, prefill_tokens, prefill_attention_pairs, decode_batch,
+  decode_context_tokens`` (attention pairs of a chunk of n new tokens after c computed ones:
+  n*c + n(n+1)/2; the per-sequence terms carry the engine's Python work per request) and writes
+  ``--out FILE.json`` in the format ``kvherd-latency-profile/v2``: features, coefficients (seconds),
   fit quality (RMSE, mean absolute percentage error, R^2), the engine configuration measured
-  (block size, pool size, batch limits: `kvherd sim` adopts them), KV bytes per token, and every
-  measured point with its prediction. The feature names are the file's contract with the simulator
-  (`simulator.latency.calibrated` evaluates the same names; a test checks both agree on every point).
+  (block size, pool size, batch limits, torch threads, clock: `kvherd sim` adopts the engine
+  limits), KV bytes per token, and every measured point with its prediction. The feature names
+  are the file's contract with the simulator (`simulator.latency.calibrated` evaluates the same
+  names; a test checks both agree on every point).
 - Bad arguments exit with status 2 and one line on stderr.
 """
 
@@ -25,12 +33,14 @@ import json
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-PROFILE_FORMAT = "kvherd-latency-profile/v1"
+PROFILE_FORMAT = "kvherd-latency-profile/v2"
 FEATURES = (
     "const",
+    "prefill_sequences",
     "prefill_tokens",
     "prefill_attention_pairs",
     "decode_batch",
@@ -41,6 +51,7 @@ FEATURES = (
 def step_features(prefill: list[tuple[int, int]], decode: list[int]) -> list[float]:
     return [
         1.0,
+        float(len(prefill)),
         float(sum(n for n, _ in prefill)),
         float(sum(n * c + n * (n + 1) // 2 for n, c in prefill)),
         float(len(decode)),
@@ -63,6 +74,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs of every workload")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--torch-threads", type=int, default=None, help="intra-op CPU threads (default: torch's)"
+    )
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "thread"),
+        default="wall",
+        help="time steps in wall time, or in CPU time of the stepping thread (needs "
+        "--torch-threads 1 on CPU; robust on a busy machine)",
+    )
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -80,8 +101,9 @@ def _grid(limit: int, start: int) -> list[int]:
 
 
 class _Profiler:
-    def __init__(self, engine: Any, seed: int) -> None:
+    def __init__(self, engine: Any, seed: int, clock: Callable[[], float]) -> None:
         self.engine = engine
+        self.clock = clock
         self.points: list[dict[str, Any]] = []
         self._rng = random.Random(seed)
         self._ids = 0
@@ -117,10 +139,12 @@ class _Profiler:
                 return output
 
             scheduler.schedule = planned
+            clock = self.clock
             try:
-                start = time.perf_counter()
+                start = clock()
                 engine.step()
-                elapsed = time.perf_counter() - start
+                engine.take_kv_event_batch()  # the engine loop publishes it after every step
+                elapsed = clock() - start
             finally:
                 del scheduler.schedule  # back to the class method
             prefill, decode = shapes[0]
@@ -183,6 +207,22 @@ def _fit(points: list[dict[str, Any]]) -> tuple[list[float], dict[str, float], l
 def run(args: argparse.Namespace) -> int:
     if args.repeats < 1 or args.max_context < 32 or args.max_batch < 1:
         return _fail("--repeats >= 1, --max-context >= 32 and --max-batch >= 1 are required")
+    if args.torch_threads is not None and args.torch_threads < 1:
+        return _fail("--torch-threads must be at least 1")
+    import torch
+
+    threads_before = torch.get_num_threads()
+    if args.torch_threads is not None:
+        torch.set_num_threads(args.torch_threads)
+    try:
+        return _profile(args)
+    finally:  # an in-process caller keeps its own thread count
+        torch.set_num_threads(threads_before)
+
+
+def _profile(args: argparse.Namespace) -> int:
+    import torch
+
     from instance_agent.engine.llm_engine import EngineConfig, LLMEngine
     from instance_agent.engine.model import kv_bytes_per_block
 
@@ -202,7 +242,12 @@ def run(args: argparse.Namespace) -> int:
         )
     except (ValueError, OSError) as exc:
         return _fail(str(exc))
-    prof = _Profiler(engine, args.seed)
+    threads = torch.get_num_threads()
+    if args.clock == "thread" and (engine.device.type != "cpu" or threads != 1):
+        # Other threads' work (intra-op workers, GPU kernels) would not be counted.
+        return _fail("--clock thread needs the CPU device and --torch-threads 1")
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
+    prof = _Profiler(engine, args.seed, clock)
     prof.add(prof.tokens(64), 4)  # warm-up: first calls allocate and compile
     prof.drain(record=False)
     started = time.perf_counter()
@@ -217,6 +262,8 @@ def run(args: argparse.Namespace) -> int:
         "format": PROFILE_FORMAT,
         "model": args.model,
         "device": str(engine.device),
+        "torch_threads": threads,
+        "clock": args.clock,
         "features": list(FEATURES),
         "coefficients_s": coef,
         "fit": stats,

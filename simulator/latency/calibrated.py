@@ -1,25 +1,36 @@
 """Calibrated latency model: a linear fit of the built-in engine's measured step times.
 
-Contract: `kvherd profile` measures step times and fits
-  t = c0 + c1 * prefill_tokens + c2 * prefill_attention_pairs + c3 * decode_batch + c4 * decode_ctx_tokens
+Contract: `kvherd profile` measures whole engine steps and fits
+  t = c0 + c1 * prefill_sequences + c2 * prefill_tokens + c3 * prefill_attention_pairs
+        + c4 * decode_batch + c5 * decode_context_tokens
 by least squares over the features `step_features` computes; this module loads that JSON file and
-predicts with the very same feature function, so fit and prediction cannot disagree. The file also
-records the engine configuration it was measured with (block size, pool size, batch limits), which
-`kvherd sim` uses for its simulated instances unless told otherwise.
+predicts with the very same feature function, so fit and prediction cannot disagree. Files of the
+first format (``kvherd-latency-profile/v1``, without ``prefill_sequences``) still load; a feature a
+file does not name weighs zero.
+
+The file also records the engine configuration it was measured with (block size, pool size, batch
+limits), which `kvherd sim` uses for its simulated instances unless told otherwise, and may carry a
+``serving`` section: what a live fleet spends per step outside the engine (streaming every
+sequence's token over HTTP, thread hand-offs), ``{"step_s": a, "per_sequence_s": b}``, measured
+against a running fleet (see bench/sim_fidelity.py). A step then takes the fitted time plus
+``a + b * (sequences in the step)``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from simulator.latency.base import LatencyModel, LatencyModelError, PrefillChunk, attention_pairs
 
-PROFILE_FORMAT = "kvherd-latency-profile/v1"
+PROFILE_FORMAT = "kvherd-latency-profile/v2"
+_FORMATS = ("kvherd-latency-profile/v1", PROFILE_FORMAT)
 FEATURES = (
     "const",
+    "prefill_sequences",
     "prefill_tokens",
     "prefill_attention_pairs",
     "decode_batch",
@@ -30,8 +41,10 @@ _MIN_STEP_S = 1e-5
 
 
 def step_features(prefill: Sequence[PrefillChunk], decode_contexts: Sequence[int]) -> list[float]:
+    """The values of `FEATURES`, in order, for one step."""
     return [
         1.0,
+        float(len(prefill)),
         float(sum(n for n, _ in prefill)),
         float(sum(attention_pairs(n, c) for n, c in prefill)),
         float(len(decode_contexts)),
@@ -39,19 +52,41 @@ def step_features(prefill: Sequence[PrefillChunk], decode_contexts: Sequence[int
     ]
 
 
+def _number(value: Any, what: str, source: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise LatencyModelError(f"{source}: {what} must be a finite number, got {value!r}")
+    return float(value)
+
+
 class CalibratedModel(LatencyModel):
     def __init__(self, profile: dict[str, Any], source: str = "profile") -> None:
-        if profile.get("format") != PROFILE_FORMAT:
+        if profile.get("format") not in _FORMATS:
             raise LatencyModelError(
                 f"{source}: not a kvherd latency profile (format {profile.get('format')!r}, "
-                f"expected {PROFILE_FORMAT!r})"
+                f"expected one of {_FORMATS})"
             )
-        if list(profile.get("features", [])) != list(FEATURES):
-            raise LatencyModelError(f"{source}: features {profile.get('features')} != {FEATURES}")
+        names = profile.get("features")
         coef = profile.get("coefficients_s")
-        if not isinstance(coef, list) or len(coef) != len(FEATURES):
-            raise LatencyModelError(f"{source}: coefficients_s must be {len(FEATURES)} numbers")
-        self.coefficients = [float(c) for c in coef]
+        if not isinstance(names, list) or not set(names) <= set(FEATURES):
+            raise LatencyModelError(f"{source}: features {names} must be among {FEATURES}")
+        if not isinstance(coef, list) or len(coef) != len(names):
+            raise LatencyModelError(f"{source}: coefficients_s must be {len(names)} numbers")
+        fitted = {
+            n: _number(c, f"coefficient of {n}", source) for n, c in zip(names, coef, strict=True)
+        }
+        # One weight per known feature, so prediction is a fixed-length dot product.
+        self.fitted = [fitted.get(name, 0.0) for name in FEATURES]
+        serving = profile.get("serving") or {}
+        if not isinstance(serving, dict):
+            raise LatencyModelError(f"{source}: serving must be an object")
+        self.serving = {
+            key: _number(serving.get(key, 0.0), f"serving.{key}", source)
+            for key in ("step_s", "per_sequence_s")
+        }
+        self.coefficients = list(self.fitted)
+        self.coefficients[FEATURES.index("const")] += self.serving["step_s"]
+        for name in ("prefill_sequences", "decode_batch"):
+            self.coefficients[FEATURES.index(name)] += self.serving["per_sequence_s"]
         self.engine: dict[str, int] = {k: int(v) for k, v in profile.get("engine", {}).items()}
         self.fit: dict[str, float] = dict(profile.get("fit", {}))
         self.name = f"calibrated:{source}"
@@ -75,10 +110,23 @@ class CalibratedModel(LatencyModel):
             raise LatencyModelError(f"profile {p} must hold a JSON object")
         return cls(data, source=str(p))
 
+    def engine_step_time(
+        self, prefill: Sequence[PrefillChunk], decode_contexts: Sequence[int]
+    ) -> float:
+        """The fitted engine step alone, without the serving section."""
+        features = step_features(prefill, decode_contexts)
+        t = sum(c * x for c, x in zip(self.fitted, features, strict=True))
+        return max(t, _MIN_STEP_S)
+
     def step_time(self, prefill: Sequence[PrefillChunk], decode_contexts: Sequence[int]) -> float:
         features = step_features(prefill, decode_contexts)
         t = sum(c * x for c, x in zip(self.coefficients, features, strict=True))
         return max(t, _MIN_STEP_S)
 
     def describe(self) -> dict[str, object]:
-        return {**super().describe(), "engine": self.engine, "fit": self.fit}
+        return {
+            **super().describe(),
+            "engine": self.engine,
+            "fit": self.fit,
+            "serving": self.serving,
+        }
