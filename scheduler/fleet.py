@@ -352,7 +352,7 @@ class Fleet:
         inst.keys.add(key)
         if inst.inflight >= self.settings.max_inflight_per_instance:
             saturated.add(inst.instance_id)
-        self.metrics.inflight(inst.instance_id).set(inst.inflight)
+        self.metrics.set_inflight(inst.instance_id, inst.inflight)
         return inst, routed.matched_blocks
 
     def first_token(self, key: str) -> None:
@@ -373,8 +373,8 @@ class Fleet:
         new.inflight += 1
         if new.inflight >= self.settings.max_inflight_per_instance:
             self._saturated.add(new.instance_id)
-        self.metrics.inflight(old.instance_id).set(old.inflight)
-        self.metrics.inflight(new.instance_id).set(new.inflight)
+        self.metrics.set_inflight(old.instance_id, old.inflight)
+        self.metrics.set_inflight(new.instance_id, new.inflight)
         self.on_capacity()
 
     def _release(self, key: str, inst: FleetInstance) -> None:
@@ -389,7 +389,7 @@ class Fleet:
             current.inflight -= 1
             if current.inflight < self.settings.max_inflight_per_instance:
                 self._saturated.discard(current.instance_id)
-            self.metrics.inflight(current.instance_id).set(current.inflight)
+            self.metrics.set_inflight(current.instance_id, current.inflight)
         self.on_capacity()
 
     def request_finished(self, key: str, inst: FleetInstance, ok: bool = True) -> None:

@@ -12,13 +12,27 @@ Contract (what ``GET /metrics`` on the proxy exposes):
 - ``kvherd_admission_queue_depth``: requests waiting for a non-saturated instance;
   ``kvherd_rejected_total{reason}``: requests refused by admission (``queue_full``, ``queue_timeout``).
 - ``kvherd_instances{state}``: instance counts per health state.
-Label children are cached, so the hot path pays a dict lookup and an increment per metric.
+
+The per-request metrics (requests, the three histograms, in-flight) are plain Python numbers that a
+collector turns into metric families at scrape time: prometheus_client's locked counters and
+histogram bucket walks cost several microseconds per update, six times per request, while the
+proxy runs on one event-loop thread that needs no locks. The rare events use prometheus_client.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 _DECISION_BUCKETS = (
     0.00005,
@@ -39,31 +53,60 @@ _BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
+class LoopHistogram:
+    """A histogram updated from one thread (the event loop): a bucket index and two additions."""
+
+    __slots__ = ("bounds", "counts", "documentation", "name", "sum")
+
+    def __init__(self, name: str, documentation: str, bounds: Sequence[float]) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.bounds = tuple(float(b) for b in bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        # bisect_left: a value equal to a bound belongs to that bound's bucket (le = "<=").
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def family(self) -> HistogramMetricFamily:
+        cumulative = []
+        total = 0
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            total += count
+            cumulative.append((_bound_text(bound), total))
+        family = HistogramMetricFamily(self.name, self.documentation)
+        family.add_metric([], cumulative, self.sum)
+        return family
+
+
+def _bound_text(bound: float) -> str:
+    if bound == float("inf"):
+        return "+Inf"
+    return repr(float(bound))
+
+
 class ProxyMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self._requests = Counter(
-            "kvherd_requests", "Client requests finished, by HTTP status", ["status"], registry=r
-        )
-        self.decision_seconds = Histogram(
+        self.decision_seconds = LoopHistogram(
             "kvherd_routing_decision_seconds",
             "Time to route one request (tokenize, hash, policy)",
-            buckets=_DECISION_BUCKETS,
-            registry=r,
+            _DECISION_BUCKETS,
         )
-        self.matched_blocks = Histogram(
+        self.matched_blocks = LoopHistogram(
             "kvherd_matched_prefix_blocks",
             "Leading prompt blocks cached on the chosen instance",
-            buckets=_BLOCK_BUCKETS,
-            registry=r,
+            _BLOCK_BUCKETS,
         )
-        self.prompt_blocks = Histogram(
-            "kvherd_prompt_blocks", "Full blocks per prompt", buckets=_BLOCK_BUCKETS, registry=r
+        self.prompt_blocks = LoopHistogram(
+            "kvherd_prompt_blocks", "Full blocks per prompt", _BLOCK_BUCKETS
         )
-        self._inflight = Gauge(
-            "kvherd_instance_inflight", "Requests in flight per instance", ["instance"], registry=r
-        )
+        self._requests: dict[int | str, int] = {}
+        self._inflight: dict[str, int] = {}
+        r.register(_LoopCollector(self))
         self.retries = Counter("kvherd_retries", "Attempts retried on another instance", registry=r)
         self._ejections = Counter(
             "kvherd_ejections", "Instance ejections (passive or active)", ["instance"], registry=r
@@ -77,26 +120,16 @@ class ProxyMetrics:
         self._instances = Gauge(
             "kvherd_instances", "Registered instances by health state", ["state"], registry=r
         )
-        self._status_children: dict[int | str, Counter] = {}
-        self._inflight_children: dict[str, Gauge] = {}
 
     def request_done(self, status: int | str) -> None:
-        child = self._status_children.get(status)
-        if child is None:
-            child = self._status_children[status] = self._requests.labels(status=str(status))
-        child.inc()
+        requests = self._requests
+        requests[status] = requests.get(status, 0) + 1
 
-    def inflight(self, instance_id: str) -> Gauge:
-        child = self._inflight_children.get(instance_id)
-        if child is None:
-            child = self._inflight_children[instance_id] = self._inflight.labels(
-                instance=instance_id
-            )
-        return child
+    def set_inflight(self, instance_id: str, inflight: int) -> None:
+        self._inflight[instance_id] = inflight
 
     def forget_instance(self, instance_id: str) -> None:
-        if self._inflight_children.pop(instance_id, None) is not None:
-            self._inflight.remove(instance_id)
+        self._inflight.pop(instance_id, None)
 
     def ejected(self, instance_id: str) -> None:
         self._ejections.labels(instance=instance_id).inc()
@@ -110,3 +143,28 @@ class ProxyMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _LoopCollector(Collector):
+    """The per-request metrics as metric families, read at scrape time."""
+
+    def __init__(self, metrics: ProxyMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._metrics
+        requests = CounterMetricFamily(
+            "kvherd_requests", "Client requests finished, by HTTP status", labels=["status"]
+        )
+        for status, count in list(m._requests.items()):
+            requests.add_metric([str(status)], count)
+        yield requests
+        yield m.decision_seconds.family()
+        yield m.matched_blocks.family()
+        yield m.prompt_blocks.family()
+        inflight = GaugeMetricFamily(
+            "kvherd_instance_inflight", "Requests in flight per instance", labels=["instance"]
+        )
+        for instance_id, count in list(m._inflight.items()):
+            inflight.add_metric([instance_id], count)
+        yield inflight

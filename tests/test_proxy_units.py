@@ -568,3 +568,31 @@ async def test_load_poller_falls_back_to_prometheus_then_backs_off() -> None:
         await poller.poll_all()
         assert hits[3:] == [b"/metrics"]
         await poller.stop()
+
+
+def test_loop_histogram_exposes_what_prometheus_client_would() -> None:
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from scheduler.proxy_metrics import LoopHistogram
+
+    bounds = (0, 1, 2, 4, 8, 16)
+    values = [0, 0.5, 1, 1.5, 2, 3, 4, 8, 8.5, 16, 17, 1000]
+    registry = CollectorRegistry()
+    reference = Histogram("blocks", "doc", buckets=bounds, registry=registry)
+    ours = LoopHistogram("blocks", "doc", bounds)
+    for value in values:
+        reference.observe(value)
+        ours.observe(value)
+
+    def samples(text: str) -> list[str]:
+        return [line for line in text.splitlines() if line.startswith("blocks_")]
+
+    expected = [s for s in samples(generate_latest(registry).decode()) if "_created" not in s]
+    class Collector:
+        def collect(self) -> list[Any]:
+            return [ours.family()]
+
+    theirs = CollectorRegistry()
+    theirs.register(Collector())
+    assert samples(generate_latest(theirs).decode()) == expected
+    assert 'blocks_bucket{le="1.0"} 3.0' in expected  # 1 lands in le=1 (le is "<=")
