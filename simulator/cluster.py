@@ -240,6 +240,8 @@ class SimCluster:
         rid = request.request_id
         for periodic in self._periodic:  # the fleet may have gone idle while it was in transit
             periodic.wake()
+        waiting = instance.scheduler.waiting
+        head = waiting[0] if waiting else None
         try:
             instance.add_request(request)
         except InvalidRequestError:
@@ -247,6 +249,9 @@ class SimCluster:
             self.metrics.on_failed(rid)
             self._done_one()
             return
+        # Admissions arrive in arrival order at one priority, so they queue behind the head: a
+        # decode run planned behind a waiting head stays exact (see `_start_step`).
+        assert head is None or waiting[0] is head, "an admission overtook the waiting head"
         if instance.idle:
             self._start_step(instance)
 
@@ -255,12 +260,14 @@ class SimCluster:
         loop = self.loop
         if self.fast_forward and not self._migrating:
             # Without a migration policy the barriers are arrivals and admissions, which only
-            # queue a request: the step in flight at one may join the run.
+            # queue a request: the step in flight at one may join the run. Behind a waiting
+            # request (refused: the run is pure decode) an admission queues behind it and changes
+            # no step of the run, so nothing bounds such a run.
+            horizon = loop.next_barrier()
+            if self.migration_loop is None and instance.scheduler.waiting:
+                horizon = math.inf
             run = instance.start_decode_run(
-                loop.now,
-                loop.next_barrier(),
-                _MAX_RUN_STEPS,
-                straddle=self.migration_loop is None,
+                loop.now, horizon, _MAX_RUN_STEPS, straddle=self.migration_loop is None
             )
             if run is not None:
                 delay = self.config.kv_event_delay_s
@@ -339,13 +346,19 @@ class SimCluster:
     def _report_tick(self) -> bool:
         now = self.loop.now
         with_running = self.migration_loop is not None
-        for iid, inst in self.instances.items():
-            report = load_report(inst, with_running, now)
-            # The global state only: never a barrier for an instance.
-            self.loop.call_at_quiet(
-                now + self.config.report_delay_s, self._deliver_report, iid, report, now
-            )
+        reports = [
+            (iid, load_report(inst, with_running, now)) for iid, inst in self.instances.items()
+        ]
+        # The global state only: never a barrier for an instance. One event delivers the whole
+        # fleet's reports (they are due at the same time, one after another).
+        self.loop.call_at_quiet(
+            now + self.config.report_delay_s, self._deliver_reports, reports, now
+        )
         return self._fleet_busy()
+
+    def _deliver_reports(self, reports: list[tuple[str, LoadReport]], taken_at: float) -> None:
+        for instance_id, report in reports:
+            self._deliver_report(instance_id, report, taken_at)
 
     def _deliver_report(self, instance_id: str, report: LoadReport, taken_at: float) -> None:
         self.state.apply_report(instance_id, report, self.loop.now, taken_at)

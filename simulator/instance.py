@@ -40,7 +40,9 @@ _TOKEN_RANGE = DEFAULT_VOCAB_SIZE - DEFAULT_LOW_TOKEN
 class TokenSink(Protocol):
     def on_scheduled(self, request_id: str, now: float) -> None: ...
     def on_token(self, request_id: str, now: float) -> None: ...
-    def on_decode_run(self, request_ids: list[str], times: list[float]) -> None: ...
+    def on_decode_run(self, request_ids: list[str], times: list[float]) -> None:
+        """Each request got one token at each of `times` (never its first)."""
+
     def on_finished(self, request: Request, instance_id: str, now: float) -> None: ...
 
 
@@ -227,11 +229,8 @@ class SimInstance:
             t = end
         if len(ends) < 2:
             return None
+        # Every request of a decode run was scheduled before (it has output): no on_scheduled.
         request_ids = [r.request_id for r in running]
-        for rid in request_ids:
-            if rid not in self._scheduled_once:
-                self._scheduled_once.add(rid)
-                self.sink.on_scheduled(rid, now)
         bm = self.block_manager
         events: list[list[KVEvent]] = []
         pool: list[tuple[int, int]] = []
@@ -243,9 +242,7 @@ class SimInstance:
         )
         del starts[applied:]
         del ends[applied:]
-        for rid in request_ids:
-            self.sink.on_token(rid, ends[0])
-        self.sink.on_decode_run(request_ids, ends[1:])
+        self.sink.on_decode_run(request_ids, ends)
         for duration in durations[:applied]:
             self.busy_time += duration
         self.num_steps += applied

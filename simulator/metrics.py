@@ -5,7 +5,8 @@ Contract (definitions follow `vllm bench serve`):
 - TPOT per request: (E2E - TTFT) / (output tokens - 1), only for requests with more than one token.
 - ITL: every gap between consecutive tokens of a request, pooled over all requests. Gaps go into a
   log-bucketed histogram (0.5% relative resolution) so memory stays flat for millions of requests;
-  means are exact, percentiles (nearest rank) are within half a bucket.
+  means are compensated sums (order-independent to an ulp), percentiles (nearest rank) are within
+  half a bucket.
 - Queueing: first time the engine scheduled the request - arrival (simulator only; NaN in replay).
 - Throughput: output tokens and requests per second over [first arrival, last completion].
   Goodput: requests per second meeting both SLOs (TTFT <= slo_ttft and TPOT <= slo_tpot).
@@ -15,8 +16,10 @@ Times are seconds internally; summaries report milliseconds for latencies.
 
 from __future__ import annotations
 
+import itertools
 import math
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,41 +30,66 @@ _MIN_GAP_S = 1e-7
 _DECADES = 12  # 1e-7 s .. 1e5 s
 
 
-@dataclass(slots=True)
 class LogHistogram:
-    counts: np.ndarray = field(
-        default_factory=lambda: np.zeros(_BUCKETS_PER_DECADE * _DECADES + 1, dtype=np.int64)
-    )
-    total: float = 0.0
-    n: int = 0
-    # The bucket of the last value: all decodes of one simulated step share their gap.
-    _last: tuple[float, int] = (-1.0, 0)
+    """ITL gaps in log buckets, with their exact count and a compensated sum."""
 
-    def add(self, value: float) -> None:
-        self.total += value
-        self.n += 1
-        last_value, index = self._last
-        if value != last_value:
-            if value <= _MIN_GAP_S:
-                index = 0
-            else:
-                index = int(math.log10(value / _MIN_GAP_S) * _BUCKETS_PER_DECADE) + 1
-                index = min(index, len(self.counts) - 1)
-            self._last = (value, index)
-        self.counts[index] += 1
+    __slots__ = ("_compensation", "_counts", "_last_index", "_last_value", "n", "total")
 
-    def add_repeated(self, value: float, count: int) -> None:
-        """`add(value)` `count` times (the same float sum, in the same order)."""
+    def __init__(self) -> None:
+        # A Python list: one increment per decode step is cheaper than a numpy item update.
+        self._counts = [0] * (_BUCKETS_PER_DECADE * _DECADES + 1)
+        # Neumaier-compensated sum: the mean is within an ulp of the exact one whatever order
+        # the gaps arrive in, so a step's gap shared by its whole batch is added as one product.
+        self.total = 0.0
+        self._compensation = 0.0
+        self.n = 0
+        # The bucket of the last value: all decodes of one simulated step share their gap.
+        self._last_value = -1.0
+        self._last_index = 0
+
+    @property
+    def counts(self) -> np.ndarray:
+        return np.asarray(self._counts, dtype=np.int64)
+
+    def _index(self, value: float) -> int:
+        if value == self._last_value:
+            return self._last_index
+        if value <= _MIN_GAP_S:
+            index = 0
+        else:
+            index = int(math.log10(value / _MIN_GAP_S) * _BUCKETS_PER_DECADE) + 1
+            index = min(index, len(self._counts) - 1)
+        self._last_value = value
+        self._last_index = index
+        return index
+
+    def add(self, value: float, count: int = 1) -> None:
+        """Record `value` `count` times."""
         if count <= 0:
             return
-        self.add(value)
-        for _ in range(count - 1):
-            self.total += value
-        self.n += count - 1
-        self.counts[self._last[1]] += count - 1
+        self.add_each((value,), count)
+
+    def add_each(self, values: Sequence[float], count: int) -> None:
+        """Record each of `values` `count` times (a decode run: each step's gap, once per
+        request of the batch)."""
+        if count <= 0:
+            return
+        counts = self._counts
+        total, compensation = self.total, self._compensation
+        for value in values:
+            counts[self._index(value)] += count
+            term = value * count
+            t = total + term
+            if abs(total) >= abs(term):
+                compensation += (total - t) + term
+            else:
+                compensation += (term - t) + total
+            total = t
+        self.total, self._compensation = total, compensation
+        self.n += count * len(values)
 
     def mean(self) -> float:
-        return self.total / self.n if self.n else math.nan
+        return (self.total + self._compensation) / self.n if self.n else math.nan
 
     def percentile(self, q: float) -> float:
         if not self.n:
@@ -116,18 +144,18 @@ class MetricsCollector:
         return False
 
     def on_decode_run(self, request_ids: list[str], times: list[float]) -> None:
-        """Each request got one more token at each of `times`, and its previous token at the step
-        end just before `times[0]` (a decode fast-forward): equal to calling `on_token` per
-        request per time, except that gaps of other requests are pooled in a different order
-        (the ITL mean can differ in the last bits)."""
+        """Each request got one more token at each of `times` (a decode fast-forward; none is a
+        request's first): equal to calling `on_token` per request per time, gaps pooled in
+        another order (the compensated ITL mean does not see the order)."""
         if not times:
             return
-        n = len(request_ids)
+        itl = self.itl
         lives = [self._live[rid] for rid in request_ids]
-        previous = lives[0].last_token if lives else math.nan
-        for when in times:
-            self.itl.add_repeated(when - previous, n)
-            previous = when
+        first = times[0]
+        # The first gap is to each request's own previous token.
+        itl.add_each([first - live.last_token for live in lives], 1)
+        # Later gaps are the step times, shared by the whole batch.
+        itl.add_each([b - a for a, b in itertools.pairwise(times)], len(lives))
         count = len(times)
         last = times[-1]
         for live in lives:

@@ -51,9 +51,12 @@ def synthesize_prompt(
             f"{len(hash_ids)} block ids cover at most {len(hash_ids) * id_block_size} tokens, "
             f"not {input_length}"
         )
-    ids = np.asarray(hash_ids, dtype=np.uint64)
+    num_blocks = -(-input_length // id_block_size)  # later ids fall past the cut
+    ids = np.asarray(hash_ids[:num_blocks], dtype=np.uint64)
     block_key = _splitmix64(ids ^ _splitmix64(np.asarray([seed], dtype=np.uint64)))
     positions = np.arange(id_block_size, dtype=np.uint64) * _GOLDEN
-    words = _splitmix64(block_key[:, None] + positions[None, :]).reshape(-1)[:input_length]
+    words = _splitmix64((block_key[:, None] + positions[None, :]).reshape(-1)[:input_length])
     tokens = np.uint64(lo) + words % np.uint64(vocab_size - lo)
+    if vocab_size <= 256:  # bytes -> list is a C loop, several times faster than tolist()
+        return list(tokens.astype(np.uint8).tobytes())
     return tokens.astype(np.int64).tolist()
