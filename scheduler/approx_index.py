@@ -11,17 +11,20 @@ Contract:
 - The same index serves as a short-lived "pending" view for event-publishing instances: a routed
   request's blocks count as cached there for a few seconds, until the engine's events confirm
   them, so a burst of requests sharing a prefix does not scatter before the first one is prefilled.
-- Expiry is applied at most every `sweep_interval_s` of the caller's clock (`now`); entries may be
-  up to that much older than their TTL. Pure: the caller supplies `now`.
+- Expiry (`expire(now)`, also run by `match`) takes the instances whose oldest entry is due from a
+  heap, so a call with nothing due costs O(1), and drops at most `max_expire_per_call` entries per
+  call: a backlog (a burst's entries all expiring together) is spread over the next calls instead of
+  landing in one routing decision, and an entry may outlive its TTL until the backlog is worked off.
+  Pure: the caller supplies `now`.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import filterfalse, repeat
-from operator import or_
+from itertools import count, filterfalse, islice, takewhile
 
 from scheduler.prefix_index import BlockOwners, InstanceSlots, match_chain
 
@@ -31,6 +34,8 @@ class _Entries:
     bit: int
     ttl_s: float
     expiry: dict[int, float] = field(default_factory=dict)  # insertion order == expiry order
+    due: bool = False  # has an item in the index's due heap
+    removed: bool = False
 
 
 class ApproxIndex:
@@ -38,19 +43,21 @@ class ApproxIndex:
         self,
         ttl_s: float = 120.0,
         max_blocks_per_instance: int = 1 << 16,
-        sweep_interval_s: float = 1.0,
+        max_expire_per_call: int = 4096,
         slots: InstanceSlots | None = None,
     ) -> None:
-        if ttl_s <= 0 or max_blocks_per_instance <= 0:
-            raise ValueError("ttl_s and max_blocks_per_instance must be positive")
+        if ttl_s <= 0 or max_blocks_per_instance <= 0 or max_expire_per_call <= 0:
+            raise ValueError("ttl_s, max_blocks_per_instance, max_expire_per_call must be positive")
         self.default_ttl_s = ttl_s
         self.max_blocks_per_instance = max_blocks_per_instance
-        self.sweep_interval_s = sweep_interval_s
+        self.max_expire_per_call = max_expire_per_call
         self.owners = BlockOwners()
         self._own_slots = slots is None
         self.slots = InstanceSlots() if slots is None else slots
         self._instances: dict[str, _Entries] = {}
-        self._last_sweep = float("-inf")
+        # (a deadline no later than the instance's oldest entry, tie-break, its entries)
+        self._due: list[tuple[float, int, _Entries]] = []
+        self._tie = count()
 
     def add_instance(self, instance_id: str, ttl_s: float | None = None) -> None:
         """Register (or re-register, which clears) an instance with its own TTL."""
@@ -66,8 +73,8 @@ class ApproxIndex:
         entries = self._instances.pop(instance_id, None)
         if entries is None:
             return False
-        for block_hash in entries.expiry:
-            self.owners.discard(block_hash, entries.bit)
+        entries.removed = True  # its heap item, if any, is skipped when it comes due
+        self.owners.discard_many(list(entries.expiry), entries.bit)
         return True
 
     def __contains__(self, instance_id: object) -> bool:
@@ -78,42 +85,48 @@ class ApproxIndex:
 
     def insert(self, instance_id: str, chain: Sequence[int], now: float) -> None:
         entries = self._instances[instance_id]
-        expiry, bit, deadline = entries.expiry, entries.bit, now + entries.ttl_s
+        expiry, deadline = entries.expiry, now + entries.ttl_s
         fresh = dict.fromkeys(chain, deadline)
-        if len(fresh) == len(chain):
-            # Distinct hashes (a real chain): the same as the per-block loop below, in C
-            # iterators. Entries already held move to the end (re-insert refreshes their place
-            # in expiry order); new ones get the instance's bit.
-            added = list(filterfalse(expiry.__contains__, fresh))
-            if len(added) < len(fresh):
-                deque(map(expiry.__delitem__, filter(expiry.__contains__, fresh)), maxlen=0)
-            owners = self.owners.owners
-            bits = map(or_, map(owners.get, added, repeat(0)), repeat(bit, len(added)))
-            owners.update(zip(added, bits, strict=True))
-            expiry.update(fresh)
-        else:
-            for block_hash in chain:
-                if expiry.pop(block_hash, None) is None:
-                    self.owners.add(block_hash, bit)
-                expiry[block_hash] = deadline
-        while len(expiry) > self.max_blocks_per_instance:
-            oldest = next(iter(expiry))
-            del expiry[oldest]
-            self.owners.discard(oldest, bit)
+        # Entries already held move to the end (a re-insert refreshes their place in expiry
+        # order); new ones get the instance's bit.
+        added = list(filterfalse(expiry.__contains__, fresh))
+        if len(added) < len(fresh):
+            deque(map(expiry.__delitem__, filter(expiry.__contains__, fresh)), maxlen=0)
+        self.owners.add_many(added, entries.bit)
+        expiry.update(fresh)
+        excess = len(expiry) - self.max_blocks_per_instance
+        if excess > 0:
+            self._drop_oldest(entries, excess)
+        if not entries.due and expiry:
+            self._queue(entries)
+
+    def _queue(self, entries: _Entries) -> None:
+        oldest = next(iter(entries.expiry.values()))
+        heapq.heappush(self._due, (oldest, next(self._tie), entries))
+        entries.due = True
+
+    def _drop_oldest(self, entries: _Entries, number: int) -> None:
+        expiry = entries.expiry
+        oldest = list(islice(expiry, number))
+        deque(map(expiry.__delitem__, oldest), maxlen=0)
+        self.owners.discard_many(oldest, entries.bit)
 
     def expire(self, now: float) -> None:
-        """Drop entries whose TTL has passed (at most once per sweep interval)."""
-        if now - self._last_sweep < self.sweep_interval_s:
-            return
-        self._last_sweep = now
-        for entries in self._instances.values():
-            expiry = entries.expiry
-            while expiry:
-                oldest, deadline = next(iter(expiry.items()))
-                if deadline > now:
-                    break
-                del expiry[oldest]
-                self.owners.discard(oldest, entries.bit)
+        """Drop entries whose TTL has passed, at most `max_expire_per_call` of them."""
+        now = float(now)  # `now.__ge__` below compares floats only
+        budget = self.max_expire_per_call
+        due = self._due
+        while due and due[0][0] <= now and budget:
+            entries = heapq.heappop(due)[2]
+            entries.due = False
+            if entries.removed:
+                continue
+            # Deadlines are in insertion order: the expired entries are a leading run.
+            expired = sum(1 for _ in islice(takewhile(now.__ge__, entries.expiry.values()), budget))
+            self._drop_oldest(entries, expired)
+            budget -= expired
+            if entries.expiry:
+                self._queue(entries)
 
     def match(self, chain: Sequence[int], now: float) -> dict[str, int]:
         self.expire(now)

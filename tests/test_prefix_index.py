@@ -252,7 +252,7 @@ def test_index_equals_brute_force_model(ops: list[tuple[str, str, int, int]]) ->
 
 
 def test_approx_index_ttl_refresh_and_bound() -> None:
-    index = ApproxIndex(ttl_s=10.0, max_blocks_per_instance=8, sweep_interval_s=0.0)
+    index = ApproxIndex(ttl_s=10.0, max_blocks_per_instance=8)
     index.add_instance("a")
     index.add_instance("b", ttl_s=2.0)
     chain = block_hash_chain(PROMPT, BS)
@@ -272,3 +272,40 @@ def test_approx_index_ttl_refresh_and_bound() -> None:
 def test_approx_index_rejects_bad_bounds() -> None:
     with pytest.raises(ValueError):
         ApproxIndex(ttl_s=0)
+
+
+def test_approx_expiry_is_bounded_per_call_and_catches_up() -> None:
+    index = ApproxIndex(ttl_s=1.0, max_expire_per_call=4)
+    index.add_instance("a")
+    index.add_instance("b")
+    chain = list(range(1, 11))
+    index.insert("a", chain, now=0.0)
+    index.insert("b", chain[:3], now=0.5)
+    index.insert("a", chain[:2], now=0.5)  # refreshed: now expire last
+    assert index.match(chain, now=0.9) == {"a": 10, "b": 3}  # nothing due yet
+    index.expire(2.0)  # 13 entries are due; 4 go per call, oldest first
+    assert (index.num_blocks("a"), index.num_blocks("b")) == (6, 3)
+    index.expire(2.0)
+    assert (index.num_blocks("a"), index.num_blocks("b")) == (2, 3)
+    assert index.match(chain, now=2.0) == {}  # a's first block went in the third call
+    assert (index.num_blocks("a"), index.num_blocks("b")) == (1, 0)
+    index.expire(2.0)
+    assert index.num_blocks("a") == 0
+    assert index.owners.owners == {}
+
+
+def test_two_engine_hashes_for_the_same_tokens_are_counted() -> None:
+    """An engine that names the same tokens twice (e.g. under two LoRA ids) holds the block until
+    both names are removed."""
+    index = PrefixIndex(BS)
+    index.add_instance("a")
+    other = block_hash_chain(PROMPT, BS, cache_salt="lora-2")
+    index.apply_batch("a", batch(0, stored(PROMPT, 0, 6), BlockStored(other, None, PROMPT, BS)))
+    chain = block_hash_chain(PROMPT, BS)
+    assert index.num_blocks("a") == 12 and index.match(chain) == {"a": 6}
+    index.apply_batch("a", batch(1, BlockRemoved(engine_chain(PROMPT)[3:])))
+    assert index.match(chain) == {"a": 6}  # still named by the second engine hashes
+    index.apply_batch("a", batch(2, BlockRemoved([*other[4:], 12345])))
+    assert index.match(chain) == {"a": 4} and index.num_blocks("a") == 7
+    index.apply_batch("a", batch(3, BlockRemoved(other[:4] + engine_chain(PROMPT)[:3])))
+    assert index.match(chain) == {} and index.owners.owners == {}
