@@ -62,7 +62,7 @@ def replay_cached(events: list[KVEvent], state: set[int]) -> set[int]:
 
 
 def cached_hashes(bm: BlockManager) -> set[int]:
-    return {b.block_hash for b in bm.blocks if b.block_hash is not None}
+    return set(bm.cached_block_hashes())
 
 
 def test_prefix_hit_skips_computed_tokens_and_keeps_output() -> None:

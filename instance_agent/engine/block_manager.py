@@ -24,22 +24,33 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from functools import partial
+from itertools import chain, filterfalse, islice, takewhile
+from operator import indexOf, is_not, or_
+from types import MappingProxyType
+from typing import cast
 
 from instance_agent.engine.block_hash import BlockHash
 from instance_agent.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from instance_agent.engine.request import Request
 
+_is_hit = partial(is_not, None)  # `takewhile` predicate over `dict.get` results: the key is there
 
-@dataclass(slots=True)
-class KVBlock:
-    block_id: int
-    ref_count: int = 0
-    block_hash: BlockHash | None = None
-    token_ids: tuple[int, ...] | None = None  # kept for verifying prefix-cache hits
+
+def _leading_hits(cached: dict[BlockHash, int], block_hashes: Iterable[BlockHash]) -> list[int]:
+    """Block ids under the leading `block_hashes` that `cached` holds, up to the first miss."""
+    return cast("list[int]", list(takewhile(_is_hit, map(cached.get, block_hashes))))
 
 
 class BlockManager:
+    """The pool, the prefix cache and the block tables.
+
+    Per-block state lives in flat structures (a ref-count list, hash and token maps keyed by block
+    id) rather than one object per block: a long prompt allocates, caches, evicts and frees hundreds
+    of blocks at once, and these structures let each of those be a handful of C-level bulk
+    operations (`dict.update(zip(...))`, slices, `map`) instead of a Python loop body per block.
+    """
+
     def __init__(
         self,
         num_blocks: int,
@@ -55,11 +66,17 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark_blocks = int(watermark * num_blocks)
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self._ref: list[int] = [0] * num_blocks  # owners holding each block
+        # Cached blocks only: block id -> its chained hash, and -> its token ids (verifying hits).
+        self._block_hash: dict[int, BlockHash] = {}
+        self._block_tokens: dict[int, list[int]] = {}
         self._free_uncached: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU order, oldest first
         self._cached: dict[BlockHash, int] = {}  # block hash -> block id
         self._owner_blocks: dict[str, list[int]] = {}
+        # Owner -> block table, read-only and live: the batch scheduler reads table lengths on its
+        # per-step paths without a method call per request.
+        self.block_tables: MappingProxyType[str, list[int]] = MappingProxyType(self._owner_blocks)
         # Leading blocks of each owner's table that `cache_full_blocks` has already handled, so a
         # decode step costs O(new blocks), not O(context) (vLLM's num_cached_block).
         self._owner_num_handled: dict[str, int] = {}
@@ -93,84 +110,149 @@ class BlockManager:
         """Hashes of every block in the prefix cache (what this instance's KV events announced)."""
         return list(self._cached)
 
+    def ref_count(self, block_id: int) -> int:
+        """Owners holding `block_id` (0: free, cached or not)."""
+        return self._ref[block_id]
+
     # -- prefix cache ------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """Leading cached blocks of `request` and how many tokens they cover."""
         if not self.enable_prefix_caching:
             return [], 0
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[int] = []
-        tokens = request.token_ids
         bs = self.block_size
-        for index, block_hash in enumerate(request.block_hashes[:max_blocks]):
-            block_id = self._cached.get(block_hash)
-            if block_id is None:
-                break
-            block = self.blocks[block_id]
-            if block.token_ids != tuple(tokens[index * bs : (index + 1) * bs]):
-                break  # a hash collision: never serve another prompt's KV
-            hits.append(block_id)
+        tokens = request.token_ids
+        max_blocks = (len(tokens) - 1) // bs
+        hits = _leading_hits(self._cached, islice(request.block_hashes, max_blocks))
+        if hits:
+            stored = self._block_tokens
+            # One comparison for the whole run; only a hash collision needs the per-block walk.
+            if list(chain.from_iterable(map(stored.__getitem__, hits))) != tokens[: len(hits) * bs]:
+                for index, block_id in enumerate(hits):
+                    if stored[block_id] != tokens[index * bs : (index + 1) * bs]:
+                        del hits[index:]  # a hash collision: never serve another prompt's KV
+                        break
         return hits, len(hits) * bs
 
     def lookup_cached_prefix(self, block_hashes: Sequence[BlockHash]) -> list[int]:
         """Block ids of the leading `block_hashes` present in the cache (hash match only)."""
-        hits: list[int] = []
-        for block_hash in block_hashes:
-            block_id = self._cached.get(block_hash)
-            if block_id is None:
-                break
-            hits.append(block_id)
-        return hits
+        return _leading_hits(self._cached, block_hashes)
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's computed full blocks in the prefix cache (emits BlockStored)."""
         if not self.enable_prefix_caching:
             return
-        table = self._owner_blocks.get(request.request_id)
+        rid = request.request_id
+        first = self._owner_num_handled.get(rid, 0)
+        num_full = request.num_computed_tokens // self.block_size
+        if num_full <= first:  # the common decode step: no block completed
+            return
+        table = self._owner_blocks.get(rid)
         if not table:
             return
-        num_full = min(
-            request.num_computed_tokens // self.block_size, len(request.block_hashes), len(table)
-        )
-        first = self._owner_num_handled.get(request.request_id, 0)
+        hashes = request.block_hashes
+        num_full = min(num_full, len(hashes), len(table))
         if num_full <= first:
             return
-        self._owner_num_handled[request.request_id] = num_full
-        bs = self.block_size
-        blocks = self.blocks
+        self._owner_num_handled[rid] = num_full
+        ids = table[first:num_full]
+        run_hashes = hashes[first:num_full]
+        if (
+            self._block_hash.keys().isdisjoint(ids)
+            and self._cached.keys().isdisjoint(run_hashes)
+            and self._store_run(request, first, ids, run_hashes)
+        ):
+            return  # the common case: every block is new, one run, one event
+        # Some blocks are cached already: prefix hits at the head of the table, or the same
+        # prefix computed twice concurrently (the first copy stays cached). The blocks in between
+        # are stored run by run, one event per run.
+        count = len(ids)
+        if len(set(ids)) != count or len(set(run_hashes)) != count:
+            self._cache_block_by_block(request, first, ids, run_hashes)
+            return
+        # With no repeats, storing one block cannot change another's verdict: decide all at once.
+        skip = list(
+            map(
+                or_,
+                map(self._block_hash.__contains__, ids),
+                map(self._cached.__contains__, run_hashes),
+            )
+        )
+        start = 0
+        while True:
+            try:
+                start = skip.index(False, start)
+            except ValueError:
+                return
+            try:
+                end = skip.index(True, start)
+            except ValueError:
+                end = count
+            self._store_run(request, first + start, ids[start:end], run_hashes[start:end])
+            start = end
+
+    def _store_run(
+        self, request: Request, start: int, ids: list[int], hashes: list[BlockHash]
+    ) -> bool:
+        """Cache `ids` (table positions from `start`, none cached yet) under `hashes`, one event.
+
+        Returns False, changing nothing, when a hash or a block repeats inside the run (the
+        block-by-block path then decides which copy stays cached).
+        """
         cached = self._cached
-        hashes = request.block_hashes
+        block_hash = self._block_hash
+        num_cached = len(cached)
+        num_hashed = len(block_hash)
+        cached.update(zip(hashes, ids, strict=True))
+        block_hash.update(zip(ids, hashes, strict=True))
+        count = len(ids)
+        if len(cached) != num_cached + count or len(block_hash) != num_hashed + count:
+            for h in hashes:
+                cached.pop(h, None)
+            for block_id in ids:
+                block_hash.pop(block_id, None)
+            return False
+        bs = self.block_size
         tokens = request.token_ids
+        begin = start * bs
+        self._block_tokens.update(
+            zip(
+                ids, [tokens[i : i + bs] for i in range(begin, begin + count * bs, bs)], strict=True
+            )
+        )
+        self._emit_stored(request, start, hashes)
+        return True
+
+    def _cache_block_by_block(
+        self, request: Request, first: int, ids: list[int], hashes: list[BlockHash]
+    ) -> None:
+        """The sequential rule, for runs that repeat a hash or a block (a 64-bit collision)."""
+        bs = self.block_size
+        tokens = request.token_ids
+        block_hash = self._block_hash
+        cached = self._cached
         run_start = -1
         run_hashes: list[BlockHash] = []
-        for index in range(first, num_full):
-            block = blocks[table[index]]
-            if block.block_hash is not None:
+        for index, (block_id, h) in enumerate(zip(ids, hashes, strict=True), first):
+            if block_id in block_hash or h in cached:
                 self._emit_stored(request, run_start, run_hashes)
                 run_hashes = []
                 continue
-            block_hash = hashes[index]
-            if block_hash in cached:
-                # The same prefix was computed twice concurrently: keep the first copy cached.
-                self._emit_stored(request, run_start, run_hashes)
-                run_hashes = []
-                continue
-            block.block_hash = block_hash
-            start = index * bs
-            block.token_ids = tuple(tokens[start : start + bs])
-            cached[block_hash] = block.block_id
+            cached[h] = block_id
+            block_hash[block_id] = h
+            self._block_tokens[block_id] = tokens[index * bs : (index + 1) * bs]
             if not run_hashes:
                 run_start = index
-            run_hashes.append(block_hash)
+            run_hashes.append(h)
         self._emit_stored(request, run_start, run_hashes)
 
     def _emit_stored(self, request: Request, start: int, hashes: list[BlockHash]) -> None:
+        """One BlockStored for a run of blocks from table position `start` (the list is kept)."""
         if not hashes:
             return
         bs = self.block_size
         self._events.append(
             BlockStored(
-                block_hashes=list(hashes),
+                block_hashes=hashes,
                 parent_block_hash=request.block_hashes[start - 1] if start > 0 else None,
                 token_ids=request.token_ids[start * bs : (start + len(hashes)) * bs],
                 block_size=bs,
@@ -181,9 +263,8 @@ class BlockManager:
         """Drop every cached block; only possible while no block is owned (vLLM's rule)."""
         if self._owner_blocks:
             return False
-        for block in self.blocks:
-            block.block_hash = None
-            block.token_ids = None
+        self._block_hash.clear()
+        self._block_tokens.clear()
         self._cached.clear()
         self._evictable.clear()
         self._free_uncached = deque(range(self.num_blocks))
@@ -203,23 +284,18 @@ class BlockManager:
         `computed_blocks` are prefix-cache hits (from `get_computed_blocks`) to append first; they count
         as computed tokens. Returns False, changing nothing, if the pool cannot supply the blocks.
         """
-        table = self._owner_blocks.get(request.request_id, [])
+        table = self._owner_blocks.get(request.request_id)
         num_new_blocks = self._num_new_blocks(request, num_new_tokens, computed_blocks, table)
         if num_new_blocks <= 0 and not computed_blocks:
             return True  # the common decode step: the last block still has room
         if not self._fits(num_new_blocks, computed_blocks, respect_watermark):
             return False
-        table = self._owner_blocks.setdefault(request.request_id, table)
-        self._acquire(computed_blocks, table)
-        free_uncached = self._free_uncached
-        blocks = self.blocks
-        for _ in range(num_new_blocks):
-            if free_uncached:  # `_take_free_block`'s first choice, inlined for long prompts
-                block_id = free_uncached.popleft()
-                blocks[block_id].ref_count = 1
-                table.append(block_id)
-            else:
-                table.append(self._take_free_block())
+        if table is None:
+            table = self._owner_blocks[request.request_id] = []
+        if computed_blocks:
+            self._acquire(computed_blocks, table)
+        if num_new_blocks > 0:
+            table += self._take_free_blocks(num_new_blocks)
         return True
 
     def can_allocate(
@@ -230,40 +306,66 @@ class BlockManager:
         respect_watermark: bool = False,
     ) -> bool:
         """Whether `allocate_slots` with these arguments would succeed now (changes nothing)."""
-        table = self._owner_blocks.get(request.request_id, [])
+        table = self._owner_blocks.get(request.request_id)
         num_new_blocks = self._num_new_blocks(request, num_new_tokens, computed_blocks, table)
         if num_new_blocks <= 0 and not computed_blocks:
             return True
         return self._fits(num_new_blocks, computed_blocks, respect_watermark)
+
+    def append_blocks(self, owner_ids: Sequence[str]) -> bool:
+        """Append one fresh block to each owner's table, in order: the block-boundary crossings of
+        one decode step, exactly as one `allocate_slots(request, 1)` per owner would make them.
+
+        Returns False, changing nothing, if the pool has fewer free blocks than owners.
+        """
+        if len(owner_ids) > len(self._free_uncached) + len(self._evictable):
+            return False
+        tables = self._owner_blocks
+        for owner_id, block_id in zip(
+            owner_ids, self._take_free_blocks(len(owner_ids)), strict=True
+        ):
+            tables.setdefault(owner_id, []).append(block_id)
+        return True
 
     def _num_new_blocks(
         self,
         request: Request,
         num_new_tokens: int,
         computed_blocks: Sequence[int],
-        table: list[int],
+        table: list[int] | None,
     ) -> int:
-        num_tokens = (
-            request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
-        )
-        return self.blocks_needed(num_tokens) - len(table) - len(computed_blocks)
+        bs = self.block_size
+        num_hits = len(computed_blocks)
+        num_tokens = request.num_computed_tokens + num_hits * bs + num_new_tokens
+        return -(-num_tokens // bs) - (len(table) if table is not None else 0) - num_hits
 
     def _fits(
         self, num_new_blocks: int, computed_blocks: Sequence[int], respect_watermark: bool
     ) -> bool:
-        num_revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
-        reserve = self.watermark_blocks if respect_watermark else 0
-        return max(num_new_blocks, 0) + num_revived <= self.num_free_blocks - reserve
+        # A hit on an evictable block takes it off the free list too.
+        ref = self._ref
+        num_revived = [ref[b] for b in computed_blocks].count(0) if computed_blocks else 0
+        free = len(self._free_uncached) + len(self._evictable)
+        if respect_watermark:
+            free -= self.watermark_blocks
+        return max(num_new_blocks, 0) + num_revived <= free
 
-    def num_free_before_evicting(self, block_hashes: set[BlockHash], limit: int) -> int:
+    def num_free_before_evicting(self, block_hashes: Iterable[BlockHash], limit: int) -> int:
         """Fresh blocks that can be handed out before one cached under `block_hashes` is evicted
         (counted up to `limit`)."""
         count = len(self._free_uncached)
-        for block_id in self._evictable:
-            if count >= limit or self.blocks[block_id].block_hash in block_hashes:
-                break
-            count += 1
-        return count
+        if count >= limit:
+            return count
+        evictable = self._evictable
+        # Blocks under those hashes that sit in the LRU list; the first of them bounds the count.
+        targets = set(filter(evictable.__contains__, map(self._cached.get, block_hashes)))
+        if not targets:
+            return min(count + len(evictable), limit)
+        try:
+            position = indexOf(map(targets.__contains__, islice(evictable, limit - count)), True)
+        except ValueError:
+            return min(count + len(evictable), limit)
+        return count + position
 
     def reserve_blocks(
         self, owner_id: str, num_blocks: int, respect_watermark: bool = True
@@ -278,7 +380,7 @@ class BlockManager:
         if num_blocks > self.num_free_blocks - reserve:
             return None
         table = self._owner_blocks.setdefault(owner_id, [])
-        new_blocks = [self._take_free_block() for _ in range(num_blocks)]
+        new_blocks = self._take_free_blocks(num_blocks)
         table.extend(new_blocks)
         return new_blocks
 
@@ -286,7 +388,7 @@ class BlockManager:
         """Append already-cached blocks to `owner_id`'s table, taking a reference on each."""
         ids = list(block_ids)
         for block_id in ids:
-            if self.blocks[block_id].block_hash is None:
+            if block_id not in self._block_hash:
                 raise ValueError(f"block {block_id} is not a cached block")
         self._acquire(ids, self._owner_blocks.setdefault(owner_id, []))
 
@@ -299,35 +401,54 @@ class BlockManager:
         if handled is not None:
             self._owner_num_handled[new_owner] = handled
 
-    def _acquire(self, block_ids: Iterable[int], table: list[int]) -> None:
+    def _acquire(self, block_ids: Sequence[int], table: list[int]) -> None:
+        ref = self._ref
+        evictable = self._evictable
         for block_id in block_ids:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self._evictable[block_id]
-            block.ref_count += 1
-            table.append(block_id)
+            if not ref[block_id]:
+                del evictable[block_id]
+            ref[block_id] += 1
+        table.extend(block_ids)
 
-    def _take_free_block(self) -> int:
-        if self._free_uncached:
-            block_id = self._free_uncached.popleft()
-            self.blocks[block_id].ref_count = 1
-            return block_id
-        block_id, _ = self._evictable.popitem(last=False)
-        block = self.blocks[block_id]
-        block_hash = block.block_hash
-        assert block_hash is not None
-        del self._cached[block_hash]
+    def _take_free_blocks(self, count: int) -> list[int]:
+        """`count` blocks off the free lists (the caller checked there are enough), ref count 1:
+        uncached ones first, in free order, then the least recently used cached ones, evicted
+        (one BlockRemoved, merged into a pending one, as vLLM batches them)."""
+        free = self._free_uncached
+        if count == 1 and free:
+            block_ids = [free.popleft()]
+        elif count <= len(free):
+            pop = free.popleft
+            block_ids = [pop() for _ in range(count)]
+        else:
+            block_ids = list(free)
+            free.clear()
+            block_ids += self._evict(count - len(block_ids))
+        ref = self._ref
+        for block_id in block_ids:
+            ref[block_id] = 1
+        return block_ids
+
+    def _evict(self, count: int) -> list[int]:
+        evictable = self._evictable
+        victims = list(islice(evictable, count))
+        for block_id in victims:
+            del evictable[block_id]
+        hashes = list(map(self._block_hash.pop, victims))
+        cached = self._cached
+        for h in hashes:
+            del cached[h]
+        block_tokens = self._block_tokens
+        for block_id in victims:
+            del block_tokens[block_id]
         events = self._events
         if events and isinstance(events[-1], BlockRemoved):
-            # Evictions in a row become one event, as vLLM batches them: fewer events to publish
-            # and index. The pending list is ours until take_events hands it out.
-            events[-1].block_hashes.append(block_hash)
+            # Evictions in a row become one event: fewer events to publish and index. The
+            # pending list is ours until take_events hands it out.
+            events[-1].block_hashes.extend(hashes)
         else:
-            events.append(BlockRemoved(block_hashes=[block_hash]))
-        block.block_hash = None
-        block.token_ids = None
-        block.ref_count = 1
-        return block_id
+            events.append(BlockRemoved(block_hashes=hashes))
+        return victims
 
     def free(self, request: Request) -> None:
         self.free_owner(request.request_id)
@@ -335,11 +456,23 @@ class BlockManager:
     def free_owner(self, owner_id: str) -> None:
         """Drop `owner_id`'s references, tail first, so tails are evicted before heads."""
         self._owner_num_handled.pop(owner_id, None)
-        for block_id in reversed(self._owner_blocks.pop(owner_id, [])):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.block_hash is not None:
+        table = self._owner_blocks.pop(owner_id, None)
+        if not table:
+            return
+        tail_first = table[::-1]  # a copy: scheduled steps may still hold the table itself
+        ref = self._ref
+        cached = self._block_hash
+        if max([ref[b] for b in tail_first]) == 1:
+            # The common case, no block shared: every block becomes free, in one pass per list.
+            for block_id in tail_first:
+                ref[block_id] = 0
+            self._evictable.update(dict.fromkeys(filter(cached.__contains__, tail_first)))
+            self._free_uncached.extend(filterfalse(cached.__contains__, tail_first))
+            return
+        for block_id in tail_first:
+            ref[block_id] -= 1
+            if not ref[block_id]:
+                if block_id in cached:
                     self._evictable[block_id] = None
                 else:
                     self._free_uncached.append(block_id)
@@ -363,20 +496,21 @@ class BlockManager:
         free_uncached = set(self._free_uncached)
         assert len(free_uncached) == len(self._free_uncached), "duplicate block in free list"
         assert not free_uncached & self._evictable.keys(), "block both free and evictable"
-        for block in self.blocks:
-            bid = block.block_id
-            assert block.ref_count == refs[bid], (
-                f"block {bid}: ref_count {block.ref_count} but {refs[bid]} owners hold it"
+        assert self._block_tokens.keys() == self._block_hash.keys(), "hash and token maps differ"
+        for bid in range(self.num_blocks):
+            assert self._ref[bid] == refs[bid], (
+                f"block {bid}: ref_count {self._ref[bid]} but {refs[bid]} owners hold it"
             )
             is_free = bid in free_uncached or bid in self._evictable
-            assert is_free == (block.ref_count == 0), f"block {bid}: free state disagrees with refs"
+            assert is_free == (refs[bid] == 0), f"block {bid}: free state disagrees with refs"
+            block_hash = self._block_hash.get(bid)
             if bid in free_uncached:
-                assert block.block_hash is None, f"uncached free block {bid} has a hash"
+                assert block_hash is None, f"uncached free block {bid} has a hash"
             if bid in self._evictable:
-                assert block.block_hash is not None, f"evictable block {bid} has no hash"
-            if block.block_hash is not None:
-                assert self._cached.get(block.block_hash) == bid, f"block {bid} not in hash map"
-                assert block.token_ids is not None and len(block.token_ids) == self.block_size
-        assert len(self._cached) == sum(b.block_hash is not None for b in self.blocks), (
+                assert block_hash is not None, f"evictable block {bid} has no hash"
+            if block_hash is not None:
+                assert self._cached.get(block_hash) == bid, f"block {bid} not in hash map"
+                assert len(self._block_tokens[bid]) == self.block_size
+        assert len(self._cached) == len(self._block_hash), (
             "hash map has entries for blocks that do not carry that hash"
         )
