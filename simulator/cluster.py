@@ -318,8 +318,8 @@ class SimCluster:
     def on_scheduled(self, request_id: str, now: float) -> None:
         self.metrics.on_scheduled(request_id, now)
 
-    def on_token(self, request_id: str, now: float) -> None:
-        if self.metrics.on_token(request_id, now):
+    def on_tokens(self, request_ids: list[str], now: float) -> None:
+        for request_id in self.metrics.on_tokens(request_ids, now):
             self.router.on_first_token(request_id, now)
 
     def on_decode_run(self, request_ids: list[str], times: list[float]) -> None:

@@ -39,7 +39,9 @@ _TOKEN_RANGE = DEFAULT_VOCAB_SIZE - DEFAULT_LOW_TOKEN
 
 class TokenSink(Protocol):
     def on_scheduled(self, request_id: str, now: float) -> None: ...
-    def on_token(self, request_id: str, now: float) -> None: ...
+    def on_tokens(self, request_ids: list[str], now: float) -> None:
+        """Each request got one token at `now` (a request's first, or a later one)."""
+
     def on_decode_run(self, request_ids: list[str], times: list[float]) -> None:
         """Each request got one token at each of `times` (never its first)."""
 
@@ -142,7 +144,6 @@ class SimInstance:
         self.step_end: float | None = None  # virtual time the running step ends; None when idle
         self.num_steps = 0
         self.busy_time = 0.0
-        self.last_step_time = 0.0
 
     @property
     def idle(self) -> bool:
@@ -173,7 +174,6 @@ class SimInstance:
         self.step_end = now + duration
         self.num_steps += 1
         self.busy_time += duration
-        self.last_step_time = duration
         return self.step_end
 
     def finish_step(self, now: float) -> list[Request]:
@@ -183,13 +183,17 @@ class SimInstance:
         self._output = None
         self.step_end = None
         sampled: dict[str, int] = {}
-        for item in output.scheduled:
-            if item.samples:
-                sampled[item.request.request_id] = sampled_token(item.request)
+        sampling = [item for item in output.scheduled if item.samples]
+        for item in sampling:
+            sampled[item.request.request_id] = sampled_token(item.request)
         finished = self.scheduler.update_from_output(output, sampled)
-        for item in output.scheduled:
-            if item.samples and item.request.num_computed_tokens > item.num_computed_before:
-                self.sink.on_token(item.request.request_id, now)
+        got_token = [
+            item.request.request_id
+            for item in sampling
+            if item.request.num_computed_tokens > item.num_computed_before
+        ]
+        if got_token:
+            self.sink.on_tokens(got_token, now)
         for req in finished:
             self._scheduled_once.discard(req.request_id)
             self.sink.on_finished(req, self.instance_id, now)
@@ -246,7 +250,6 @@ class SimInstance:
         for duration in durations[:applied]:
             self.busy_time += duration
         self.num_steps += applied
-        self.last_step_time = durations[applied - 1]
         self.step_end = ends[-1]
         self._run = DecodeRun(starts, ends, events, pool)
         return self._run

@@ -134,14 +134,26 @@ class MetricsCollector:
 
     def on_token(self, request_id: str, now: float) -> bool:
         """Record one token (or streamed chunk); True when it is the request's first."""
-        live = self._live[request_id]
-        live.num_tokens += 1
-        if live.num_tokens == 1:
-            live.first_token = live.last_token = now
-            return True
-        self.itl.add(now - live.last_token)
-        live.last_token = now
-        return False
+        return bool(self.on_tokens([request_id], now))
+
+    def on_tokens(self, request_ids: list[str], now: float) -> list[str]:
+        """`on_token` for each of `request_ids` (one engine step); returns those whose token
+        was their first."""
+        firsts: list[str] = []
+        gaps: list[float] = []
+        live_of = self._live
+        for request_id in request_ids:
+            live = live_of[request_id]
+            if live.num_tokens:
+                gaps.append(now - live.last_token)
+            else:
+                live.first_token = now
+                firsts.append(request_id)
+            live.num_tokens += 1
+            live.last_token = now
+        if gaps:
+            self.itl.add_each(gaps, 1)
+        return firsts
 
     def on_decode_run(self, request_ids: list[str], times: list[float]) -> None:
         """Each request got one more token at each of `times` (a decode fast-forward; none is a
