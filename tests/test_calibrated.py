@@ -33,16 +33,21 @@ def test_prediction_is_the_linear_model_of_the_step() -> None:
     assert model.kv_capacity_tokens == 1600
 
 
-def test_serving_section_adds_a_step_cost_and_a_cost_per_sequence() -> None:
+def test_serving_section_scales_compute_and_adds_step_and_sequence_costs() -> None:
     plain = CalibratedModel(_profile())
-    served = CalibratedModel(_profile(serving={"step_s": 0.002, "per_sequence_s": 0.0003}))
+    serving = {"compute_scale": 1.5, "step_s": 0.002, "per_sequence_s": 0.0003}
+    served = CalibratedModel(_profile(serving=serving))
     shape: tuple[list[tuple[int, int]], list[int]] = ([(64, 0)], [40, 41, 42])
     assert served.engine_step_time(*shape) == plain.step_time(*shape)
-    assert served.step_time(*shape) == pytest.approx(plain.step_time(*shape) + 0.002 + 4 * 0.0003)
+    expected = 1.5 * plain.step_time(*shape) + 0.002 + 4 * 0.0003
+    assert served.step_time(*shape) == pytest.approx(expected, rel=1e-12)
     # Pure decode runs (the simulator's fast-forward) price the same serving cost per step.
     times = list(served.decode_step_times([40, 41], 3))
     assert times == [served.step_time((), [40 + j, 41 + j]) for j in range(3)]
-    assert served.describe()["serving"] == {"step_s": 0.002, "per_sequence_s": 0.0003}
+    assert served.describe()["serving"] == serving
+    # Without a compute scale the fleet computes as profiled.
+    unscaled = CalibratedModel(_profile(serving={"step_s": 0.002}))
+    assert unscaled.step_time(*shape) == pytest.approx(plain.step_time(*shape) + 0.002)
 
 
 def test_first_format_profiles_still_load(tmp_path: Path) -> None:
@@ -68,6 +73,7 @@ def test_first_format_profiles_still_load(tmp_path: Path) -> None:
         ({"coefficients_s": [1e-3, 0, 0, 0, "x", 0]}, "coefficient of decode_batch"),
         ({"serving": {"step_s": float("nan")}}, "serving.step_s"),
         ({"serving": [1, 2]}, "serving must be an object"),
+        ({"serving": {"compute_scale": 0}}, "compute_scale must be positive"),
     ],
 )
 def test_bad_profiles_are_refused_clearly(change: dict[str, Any], message: str) -> None:

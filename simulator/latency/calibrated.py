@@ -10,10 +10,11 @@ file does not name weighs zero.
 
 The file also records the engine configuration it was measured with (block size, pool size, batch
 limits), which `kvherd sim` uses for its simulated instances unless told otherwise, and may carry a
-``serving`` section: what a live fleet spends per step outside the engine (streaming every
-sequence's token over HTTP, thread hand-offs), ``{"step_s": a, "per_sequence_s": b}``, measured
-against a running fleet (see bench/sim_fidelity.py). A step then takes the fitted time plus
-``a + b * (sequences in the step)``.
+``serving`` section measured against a running fleet (see bench/sim_fidelity.py),
+``{"compute_scale": f, "step_s": a, "per_sequence_s": b}``: how much slower the fleet's agents
+compute than the profile measured (wall time under the machine's load against the profile's clock),
+and what a live fleet spends per step outside the engine (streaming every sequence's token over
+HTTP, thread hand-offs). A step then takes ``f * (fitted time) + a + b * (sequences in the step)``.
 """
 
 from __future__ import annotations
@@ -79,11 +80,14 @@ class CalibratedModel(LatencyModel):
         serving = profile.get("serving") or {}
         if not isinstance(serving, dict):
             raise LatencyModelError(f"{source}: serving must be an object")
+        defaults = {"compute_scale": 1.0, "step_s": 0.0, "per_sequence_s": 0.0}
         self.serving = {
-            key: _number(serving.get(key, 0.0), f"serving.{key}", source)
-            for key in ("step_s", "per_sequence_s")
+            key: _number(serving.get(key, default), f"serving.{key}", source)
+            for key, default in defaults.items()
         }
-        self.coefficients = list(self.fitted)
+        if self.serving["compute_scale"] <= 0:
+            raise LatencyModelError(f"{source}: serving.compute_scale must be positive")
+        self.coefficients = [self.serving["compute_scale"] * c for c in self.fitted]
         self.coefficients[FEATURES.index("const")] += self.serving["step_s"]
         for name in ("prefill_sequences", "decode_batch"):
             self.coefficients[FEATURES.index(name)] += self.serving["per_sequence_s"]
@@ -113,7 +117,7 @@ class CalibratedModel(LatencyModel):
     def engine_step_time(
         self, prefill: Sequence[PrefillChunk], decode_contexts: Sequence[int]
     ) -> float:
-        """The fitted engine step alone, without the serving section."""
+        """The fitted engine step alone, as profiled (no serving section, no compute scale)."""
         features = step_features(prefill, decode_contexts)
         t = sum(c * x for c, x in zip(self.fitted, features, strict=True))
         return max(t, _MIN_STEP_S)
