@@ -92,7 +92,7 @@ class ApproxIndex:
         added = list(filterfalse(expiry.__contains__, fresh))
         if len(added) < len(fresh):
             deque(map(expiry.__delitem__, filter(expiry.__contains__, fresh)), maxlen=0)
-        self.owners.add_many(added, entries.bit)
+        self.owners.add_many(added, entries.bit)  # distinct: keys of `fresh`
         expiry.update(fresh)
         excess = len(expiry) - self.max_blocks_per_instance
         if excess > 0:

@@ -96,16 +96,11 @@ class BlockOwners:
         self.owners[block_hash] = mask | bit
         return True
 
-    def add_many(self, block_hashes: Sequence[int], bit: int) -> list[int]:
-        """Set `bit` for every block; returns the hashes whose bit was already set, in order (a
-        hash named twice counts from its second time)."""
+    def add_many(self, block_hashes: Sequence[int], bit: int) -> None:
+        """Set `bit` for every block of `block_hashes` (distinct hashes)."""
         owners = self.owners
-        if len(set(block_hashes)) < len(block_hashes):
-            return [h for h in block_hashes if not self.add(h, bit)]
-        masks = list(map(owners.get, block_hashes, repeat(0)))
-        already = list(compress(block_hashes, map(and_, masks, repeat(bit))))
+        masks = map(owners.get, block_hashes, repeat(0))
         owners.update(zip(block_hashes, map(or_, masks, repeat(bit)), strict=True))
-        return already
 
     def discard(self, block_hash: int, bit: int) -> None:
         mask = self.owners.get(block_hash, 0) & ~bit
