@@ -210,29 +210,43 @@ class SimInstance:
         The instance is busy until the run's last step end; call `finish_decode_run` then.
         """
         scheduler = self.scheduler
-        k = scheduler.decode_run_length(max_steps)
-        if k < 2:
-            return None
         running = scheduler.running
+        if not running:
+            return None
         overhead = self.config.step_overhead_s
         contexts = [r.num_tokens for r in running]  # a decode's context: its computed tokens + 1
         starts: list[float] = []
         ends: list[float] = []
         durations: list[float] = []
-        t = now
-        for step_time in self.latency.decode_step_times(contexts, k):
-            if t >= horizon:  # a barrier at a step start comes first (it was queued first)
-                break
-            duration = step_time + overhead
-            end = t + duration
-            if end >= horizon and not straddle:
-                break
-            starts.append(t)
-            ends.append(end)
-            durations.append(duration)
-            t = end
+        step_times = self.latency.decode_step_times(contexts, max_steps)
+
+        def plan(count: int) -> None:
+            """Extend the run to `count` steps, stopping at the horizon."""
+            t = ends[-1] if ends else now
+            while len(ends) < count:
+                step_time = next(step_times, None)
+                if step_time is None or t >= horizon:
+                    # A barrier at a step start comes first (it was queued first).
+                    return
+                duration = step_time + overhead
+                end = t + duration
+                if end >= horizon and not straddle:
+                    return
+                starts.append(t)
+                ends.append(end)
+                durations.append(duration)
+                t = end
+
+        # Two steps must fit before the horizon: with dense arrivals they rarely do, and then
+        # the run-length check over every running request is not needed at all.
+        plan(2)
         if len(ends) < 2:
             return None
+        k = scheduler.decode_run_length(max_steps)
+        if k < 2:
+            return None
+        plan(k)
+        del starts[k:], ends[k:], durations[k:]
         # Every request of a decode run was scheduled before (it has output): no on_scheduled.
         request_ids = [r.request_id for r in running]
         bm = self.block_manager
