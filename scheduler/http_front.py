@@ -14,6 +14,8 @@ Contract:
 - Keep-alive per HTTP/1.1 (``connection: close`` and HTTP/1.0 without keep-alive close after the
   response); pipelined requests are answered in order (reading pauses while one waits); idle
   connections close after `keep_alive_s`; ``Expect: 100-continue`` is answered.
+- A request head (URL and headers) over about `MAX_HEAD_BYTES` gets 400 and the connection
+  closes.
 - A body over `max_body_bytes` is not buffered: the handler sees `Exchange.too_large` set and an
   empty body. Unparsable requests get 400 and the connection closes.
 - A client that disconnects before its response completed cancels the request's task with
@@ -69,6 +71,7 @@ _BAD_REQUEST = (
 _INTERNAL_ERROR = (
     b'{"error":{"message":"internal proxy error","type":"server_error","param":null,"code":null}}'
 )
+MAX_HEAD_BYTES = 64 * 1024
 # Pause reading a client whose unanswered pipelined requests pile up past this many.
 _MAX_PIPELINED = 16
 _WRITE_HIGH_WATER = 256 * 1024
@@ -186,6 +189,8 @@ class _FrontProtocol(asyncio.Protocol):
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
         self._url = b""
+        self._head_size = 0
+        self._in_head = False
         self._current: Exchange | None = None  # being parsed
         self._body: list[bytes] = []
         self._body_size = 0
@@ -217,9 +222,13 @@ class _FrontProtocol(asyncio.Protocol):
             task.cancel()
 
     def data_received(self, data: bytes) -> None:
+        was_in_head = self._in_head
         try:
             self._parser.feed_data(data)
-        except (httptools.HttpParserError, httptools.HttpParserUpgrade):
+            if was_in_head and self._in_head:
+                # All of it is head: httptools reports a header only once the next one starts.
+                self._count_head(len(data))
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade, ValueError):
             # An upgrade (websocket, h2c) is no more supported than a malformed request.
             self._queue.clear()
             if self._active is None:
@@ -239,6 +248,8 @@ class _FrontProtocol(asyncio.Protocol):
     # -- httptools callbacks ------------------------------------------------------------------
     def on_message_begin(self) -> None:
         self._url = b""
+        self._head_size = 0
+        self._in_head = True
         self._body = []
         self._body_size = 0
         self._expect_continue = False
@@ -246,8 +257,16 @@ class _FrontProtocol(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        self._count_head(len(url))
+
+    def _count_head(self, size: int) -> None:
+        # httptools itself bounds nothing: an endless head would grow without limit.
+        self._head_size += size
+        if self._head_size > MAX_HEAD_BYTES:
+            raise ValueError("request head too large")
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value))
         if self._current is None:
             self._current = self._new_exchange()
         name = name.lower()
@@ -260,6 +279,7 @@ class _FrontProtocol(asyncio.Protocol):
         return Exchange(self, self._parser.get_method(), url.path, url.query or b"", True)
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
         if self._current is None:  # a request without headers
             self._current = self._new_exchange()
         self._current.keep_alive = self._parser.should_keep_alive() and self._server.accepting

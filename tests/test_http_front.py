@@ -144,12 +144,16 @@ async def test_framing_keepalive_pipelining_and_fallback() -> None:
         assert (await read_response(reader))[2] == b"hi"
         assert await closed(reader)
         writer.close()
-        reader, writer = await connect(server)
-        writer.write(b"BREW /echo HTCPCP/1.0\r\n\r\n")
-        status, headers, body = await read_response(reader)
-        assert status == b"HTTP/1.1 400 Bad Request" and b'"error"' in body
-        assert await closed(reader)
-        writer.close()
+        for bad in (
+            b"BREW /echo HTCPCP/1.0\r\n\r\n",
+            b"GET /echo HTTP/1.1\r\n" + b"x-big: %s\r\n" % (b"y" * 1000) * 70,  # head too large
+        ):
+            reader, writer = await connect(server)
+            writer.write(bad)
+            status, headers, body = await read_response(reader)
+            assert status == b"HTTP/1.1 400 Bad Request" and b'"error"' in body
+            assert await closed(reader)
+            writer.close()
 
 
 async def test_client_disconnect_cancels_the_handler_with_gone_set() -> None:
