@@ -76,30 +76,50 @@ class KvherdDispatch:
         return prefill + decode + memory
 
     def costs(self, request: RequestView, cluster: ClusterView) -> tuple[np.ndarray, np.ndarray]:
-        """Cost of every instance (inf where it may not be chosen) and matched blocks, vectorised."""
+        """Cost of every instance (inf where it may not be chosen) and matched blocks, vectorised.
+
+        In place where it can be: on a large fleet each numpy call costs more in dispatch than in
+        arithmetic, so the number of calls is the decision's cost.
+        """
         matched = cluster.prefix_match_array(request)
+        column = cluster.column
         bs = request.block_size
-        cached_tokens = np.minimum(float(request.num_tokens), matched * bs)
         # Queued prefill: what the instance reported waiting, or what the router itself sent that has
         # not produced a first token (this also covers chunked prefills already running).
-        queued = np.maximum(
-            cluster.column("waiting_prefill_tokens"), cluster.column("pending_prefill_tokens")
-        )
-        cost = queued + self.uncached_weight * (request.num_tokens - cached_tokens)
-        cost += self.decode_token_cost * cluster.column("num_running")
-        room = cluster.column("free_blocks") - cluster.column("head_waiting_blocks")
-        shortfall = np.maximum(0.0, (request.num_blocks - matched) - room)
-        cost += np.where(cluster.column("capacity") > 0, self.memory_penalty * bs * shortfall, 0.0)
-        allowed = cluster.column("dispatchable") > 0
+        cost = np.maximum(column("waiting_prefill_tokens"), column("pending_prefill_tokens"))
+        uncached = matched * -bs  # prompt tokens not covered by the cached prefix, at least 0
+        uncached += request.num_tokens
+        np.maximum(uncached, 0.0, out=uncached)
+        uncached *= self.uncached_weight
+        cost += uncached
+        cost += self.decode_token_cost * column("num_running")
+        # Memory: uncached blocks beyond the free ones the head-of-line waiting request leaves.
+        shortfall = column("head_waiting_blocks") - column("free_blocks")
+        shortfall -= matched
+        shortfall += request.num_blocks
+        np.maximum(shortfall, 0.0, out=shortfall)
+        shortfall *= self.memory_penalty * bs
+        shortfall *= column("capacity") > 0  # only where capacity is known
+        cost += shortfall
+        dispatchable = column("dispatchable")
+        inflight = column("inflight")
+        if dispatchable.all():  # the usual case: only the hot-spot guard can exclude
+            least = inflight.min()
+            if inflight.max() - least > self.balance_abs_threshold:
+                cost[self._hot(inflight, least)] = np.inf
+            return cost, matched
+        allowed = dispatchable > 0
         if not allowed.any():
             raise NoInstanceError(f"no dispatchable instance among {len(cluster)} registered")
-        inflight = cluster.column("inflight")
         least = inflight[allowed].min()
-        hot = (inflight - least > self.balance_abs_threshold) & (
+        cost[~allowed | self._hot(inflight, least)] = np.inf
+        return cost, matched
+
+    def _hot(self, inflight: np.ndarray, least: float) -> np.ndarray:
+        """Instances too far above the least-loaded one, in absolute and relative terms."""
+        return (inflight - least > self.balance_abs_threshold) & (
             inflight > self.balance_rel_threshold * least
         )
-        cost[~allowed | hot] = np.inf
-        return cost, matched
 
     def choose(self, request: RequestView, cluster: ClusterView) -> Decision:
         cost, matched = self.costs(request, cluster)
@@ -125,11 +145,13 @@ class KvherdDispatch:
     def _cheapest(self, cost: np.ndarray) -> np.ndarray:
         """Positions of the `explain_top` lowest finite costs, cheapest first, ties by position."""
         top = self.explain_top
-        finite = np.isfinite(cost)
-        if 0 < top < np.count_nonzero(finite):
+        if top <= 0:
+            return np.zeros(0, dtype=np.intp)
+        if top < len(cost):
             # Only costs up to the top-th smallest can be among the top: sort those, not the fleet.
             bound = np.partition(cost, top - 1)[top - 1]
             candidates = np.flatnonzero(cost <= bound)
         else:
-            candidates = np.flatnonzero(finite)
-        return candidates[np.argsort(cost[candidates], kind="stable")[:top]]
+            candidates = np.arange(len(cost))
+        ranked = candidates[np.argsort(cost[candidates], kind="stable")]
+        return ranked[np.isfinite(cost[ranked])][:top]
