@@ -5,11 +5,16 @@ Steps, all on this machine:
      engine configuration the agents run (block size, pool, batch limits, one torch thread), timing
      whole engine steps in the stepping thread's CPU time (robust to other load on the machine).
   2. Serving probes on a probe fleet (`kvherd up`, round_robin) with the replay client, never the
-     trace: isolated one-token requests through the proxy give the request path (client -> proxy
-     -> agent -> first token back, minus the model's step); bursts of k streaming requests sent
-     to one agent itself (the others idle) give its serving loop's cost per step beyond the
-     engine step, fitted as `step_s + per_sequence_s * k` and written into the profile's
-     ``serving`` section. Each probe runs `--probe-rounds` times; the spread is printed.
+     trace: isolated one-token requests through the proxy (prompts of 16 tokens, one and two
+     token budgets) and bursts of k streaming requests sent to one agent itself (the others
+     idle). Their TTFTs and TPOTs fit, by least squares in relative error, the fleet model
+       step = compute_scale * (profiled engine step) + step_s + per_sequence_s * sequences,
+       TTFT = request_s + the steps of the prefill:
+     the request path (client -> proxy -> agent and the first token back), how much slower the
+     agents compute now than the profile's clock says (1.0 on a quiet machine; other load on
+     the cores raises it), and the serving loop's cost per step outside the engine. The terms
+     go into the profile's ``serving`` section and `--request-overhead-ms`; each of the
+     `--probe-rounds` rounds is also fitted alone, to show their spread.
   3. For each policy, `--repeats` fresh fleets (`kvherd up -n N --policy P`, agents checked
      against the profile's engine through /kvherd/v1/state), each replaying the trace with
      `kvherd replay` after a short warm-up.
@@ -18,10 +23,10 @@ Steps, all on this machine:
 The trace is the Mooncake trace scaled down to fit the model's context: the first `--requests`
 requests that fit, every length divided by `--shrink` and the hash-id block shrunk alike
 (512/shrink tokens), so the prefix-sharing structure is kept; outputs are capped at `--max-output`.
-Printed per policy: TTFT p50/p90, TPOT p50 and hit rate, the real runs' median and their spread
-(min..max over the repeats, as +-% of the median), the simulated value and its error against the
-real median (target: within 10%). An error inside the real spread is indistinguishable from the
-fleet's own run-to-run noise.
+Printed per policy: TTFT p50/p90, TPOT p50, hit rate and engine steps (how the fleet batched the
+work), the real runs' median and their spread (min..max over the repeats, as +-% of the median),
+the simulated value and its error against the real median (target: within 10%). An error inside
+the real spread is indistinguishable from the fleet's own run-to-run noise.
 
     python bench/sim_fidelity.py [--policies round_robin,kvherd] [--instances 2] [--requests 60]
         [--model tiny] [--shrink 16] [--repeats 3]
@@ -56,6 +61,8 @@ METRICS = (
     ("ttft_ms_p90", "TTFT p90 ms"),
     ("tpot_ms_p50", "TPOT p50 ms"),
     ("prefix_hit_rate", "hit rate"),
+    # How the fleet batched the work: timing-free, but a loaded machine batches more per step.
+    ("engine_steps", "engine steps"),
 )
 # The proxy's default load-poll period (`kvherd serve --load-interval`): the sim's report period.
 LOAD_INTERVAL_MS = 250.0
@@ -184,15 +191,22 @@ def _check_engine(agents: list[str], engine: dict[str, int]) -> None:
             raise RuntimeError(f"agent {agent} runs {seen}, the profile measured {want}")
 
 
-def _probe_trace(groups: list[tuple[float, int, int]], first_index: int) -> Any:
-    """(arrival s, requests, output tokens) groups -> a trace of unshared 16-token prompts."""
+def _engine_steps(agents: list[str]) -> int:
+    """Engine steps the fleet has run so far (the agents' own step counters)."""
+    states = [httpx.get(f"{agent}/kvherd/v1/state", timeout=10).json() for agent in agents]
+    return sum(int(state["step_latency"]["total_steps"]) for state in states)
+
+
+def _probe_trace(groups: list[tuple[float, int, int, int]], first_index: int) -> Any:
+    """(arrival s, requests, prompt tokens, output tokens) groups -> a trace of unshared prompts."""
     from simulator.traces import Trace, TraceRequest
 
     requests: list[TraceRequest] = []
-    for arrival, count, output in groups:
+    for arrival, count, prompt, output in groups:
         for _ in range(count):
             index = first_index + len(requests)
-            requests.append(TraceRequest(index, arrival, PROBE_PROMPT, output, (index,)))
+            ids = tuple(range(index * 1000, index * 1000 + -(-prompt // PROBE_PROMPT)))
+            requests.append(TraceRequest(index, arrival, prompt, output, ids))
     return Trace("probe", requests, block_size=PROBE_PROMPT)
 
 
@@ -206,50 +220,101 @@ def _replay_rows(url: str, trace: Any) -> Any:
     return result.metrics.columns()
 
 
-def _probe(
-    url: str, agent: str, args: argparse.Namespace, model: Any, rounds: list[dict[str, Any]]
-) -> None:
-    """One round of serving probes; appends {"ttft_s": s, "step": {k: overhead s}}.
+def _chunks(prompt: int, budget: int) -> list[tuple[int, int]]:
+    """The prefill chunks (new tokens, computed before) of a lone prompt under a token budget."""
+    return [(min(budget, prompt - start), start) for start in range(0, prompt, budget)]
 
-    The request path goes through the proxy; the step probes go to one agent directly, so the
-    other agents stay idle: what is measured is one instance's own serving loop (the simulator's
-    unit), not agents competing for the same CPU cores.
+
+# One probe measurement and what it contains, in the terms of the fleet model
+#   value = request_s * request + compute_scale * engine + step_s * steps + per_sequence_s * seqs
+# (engine: the profile's engine seconds; steps: engine steps; seqs: sequence-steps).
+Observation = tuple[float, float, float, float, float]
+
+
+def _probe(
+    url: str, agent: str, args: argparse.Namespace, model: Any, rounds: list[list[Observation]]
+) -> None:
+    """One round of serving probes, appended to `rounds` as observations.
+
+    Isolated one-token requests through the proxy (16 tokens, one and two token budgets long)
+    give TTFTs: the request path, the engine's compute on this machine now, and per-step costs.
+    Bursts of k streaming requests sent to one agent itself, the other agents idle, give TPOTs:
+    one instance's own serving loop (the simulator's unit), not agents competing for the cores.
     """
     import numpy as np
 
+    budget = args.max_num_batched_tokens
+    lengths = [PROBE_PROMPT, budget, 2 * budget]
+    # Far enough apart that each finds the fleet idle.
+    gap = 0.1 + 3 * model.engine_step_time(_chunks(2 * budget, budget), [])
     base = 1_000_000 * (len(rounds) + 1)
-    # Isolated one-token requests, far enough apart that each finds the fleet idle.
-    isolated = _probe_trace([(0.15 * i, 1, 1) for i in range(2 * args.instances + 4)], base)
-    cols = _replay_rows(url, isolated)
-    ttft = float(np.median(cols["first_token"] - cols["arrival"]))
-    step: dict[int, float] = {}
+    isolated = [(gap * i, 1, lengths[i % 3], 1) for i in range(4 * len(lengths))]
+    cols = _replay_rows(url, _probe_trace(isolated, base))
+    ttft = cols["first_token"] - cols["arrival"]
+    observations: list[Observation] = []
+    for length in lengths:
+        chunks = _chunks(length, budget)
+        value = float(np.median(ttft[cols["prompt_tokens"] == length]))
+        engine = sum(model.engine_step_time([chunk], []) for chunk in chunks)
+        observations.append((value, 1.0, engine, len(chunks), len(chunks)))
     for j, k in enumerate(_probe_batches(args)):
-        burst = _probe_trace([(0.0, k, PROBE_DECODE + 1)], base + 1000 * (j + 1))
+        burst = _probe_trace([(0.0, k, PROBE_PROMPT, PROBE_DECODE + 1)], base + 1000 * (j + 1))
         cols = _replay_rows(agent, burst)
         tpot = float(np.median((cols["last_token"] - cols["first_token"]) / PROBE_DECODE))
         # Contexts run from PROBE_PROMPT + 1 to PROBE_PROMPT + PROBE_DECODE: the model is linear
         # in their sum, so the mean context prices every step of the probe on average.
         context = PROBE_PROMPT + (PROBE_DECODE + 1) / 2
-        step[k] = tpot - model.engine_step_time([], [context] * k)
-    rounds.append({"ttft_s": ttft, "step": step})
+        engine = model.engine_step_time([], [context] * k)
+        observations.append((tpot, 0.0, engine, 1.0, float(k)))
+    rounds.append(observations)
 
 
 def _probe_batches(args: argparse.Namespace) -> list[int]:
     return sorted({1, max(1, args.max_num_seqs // 4), max(1, args.max_num_seqs // 2)})
 
 
-def _serving_fit(rounds: list[dict[str, Any]]) -> tuple[float, float]:
-    """(step_s, per_sequence_s) >= 0 by least squares over every round's step probes."""
+FLEET_TERMS = ("request_s", "compute_scale", "step_s", "per_sequence_s")
+
+
+def _fleet_fit(observations: list[Observation]) -> dict[str, float]:
+    """The fleet model's terms by least squares in relative error, none negative."""
     import numpy as np
 
-    ks = np.array([k for r in rounds for k in r["step"]], dtype=float)
-    overhead = np.array([o for r in rounds for o in r["step"].values()])
-    slope, intercept = np.polyfit(ks, overhead, 1)
-    if slope < 0:  # no measurable per-sequence cost: a constant
-        return max(float(overhead.mean()), 0.0), 0.0
-    if intercept < 0:  # a cost proportional to the batch only
-        return 0.0, float((ks @ overhead) / (ks @ ks))
-    return float(intercept), float(slope)
+    y = np.array([o[0] for o in observations])
+    x = np.array([o[1:] for o in observations])
+    free = list(range(len(FLEET_TERMS)))
+    while True:  # drop a term that fits negative (its cost is below what the probes resolve)
+        coef = np.zeros(len(FLEET_TERMS))
+        solved, *_ = np.linalg.lstsq(x[:, free] / y[:, None], np.ones(len(y)), rcond=None)
+        coef[free] = solved
+        negative = [i for i in free if coef[i] < 0]
+        if not negative:
+            return {name: float(c) for name, c in zip(FLEET_TERMS, coef, strict=True)}
+        free.remove(min(negative, key=lambda i: coef[i]))
+
+
+def _per_request_ttft(path: Path) -> dict[int, float]:
+    """Trace index -> TTFT in ms, from a report's requests CSV."""
+    import csv
+
+    with path.open() as f:
+        return {int(row["index"]): float(row["ttft_ms"]) for row in csv.DictReader(f)}
+
+
+def _paired_ttft_ratio(reals: list[Path], sim: Path) -> float:
+    """Median over requests of sim TTFT / real TTFT (the real one: median over the repeats).
+
+    Paired per request, it is immune to where a percentile falls in the trace's two clusters of
+    TTFTs (about half of the prompts are a few tokens long, the rest hundreds).
+    """
+    real_runs = [_per_request_ttft(path) for path in reals]
+    simulated = _per_request_ttft(sim)
+    ratios = [
+        value / statistics.median(run[index] for run in real_runs)
+        for index, value in simulated.items()
+        if all(index in run for run in real_runs)
+    ]
+    return statistics.median(ratios)
 
 
 def _spread(values: list[float]) -> str:
@@ -277,7 +342,7 @@ def main() -> int:
     parser.add_argument("--num-blocks", type=int, default=512)
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--profile-repeats", type=int, default=3)
+    parser.add_argument("--profile-repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if not MOONCAKE.is_file():
@@ -287,6 +352,7 @@ def main() -> int:
         print("--repeats and --probe-rounds >= 1; --shrink must divide 512", file=sys.stderr)
         return 2
     from simulator.latency.calibrated import CalibratedModel
+    from simulator.report import safe_label
 
     out = args.out or Path(tempfile.mkdtemp(prefix="kvherd-fidelity-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -327,25 +393,26 @@ def main() -> int:
     profile = json.loads(engine_profile.read_text())
     model = CalibratedModel(profile, str(engine_profile))
 
-    rounds: list[dict[str, Any]] = []
+    rounds: list[list[Observation]] = []
     with _fleet("round_robin", args, profile, out / "up_probe.log") as (url, agents):
         for r in range(args.probe_rounds):
             _probe(url, agents[r % len(agents)], args, model, rounds)
-    step_s, per_sequence_s = _serving_fit(rounds)
-    profile["serving"] = {"step_s": step_s, "per_sequence_s": per_sequence_s}
+    fleet = _fleet_fit([o for observations in rounds for o in observations])
+    per_round = [_fleet_fit(observations) for observations in rounds]
+    profile["serving"] = {key: fleet[key] for key in FLEET_TERMS[1:]}
     fleet_profile = out / "profile_fleet.json"
     fleet_profile.write_text(json.dumps(profile, indent=1) + "\n")
-    served = CalibratedModel(profile, str(fleet_profile))
-    request_s = [r["ttft_s"] - served.step_time([(PROBE_PROMPT, 0)], []) for r in rounds]
-    request_ms = max(statistics.median(request_s), 0.0) * 1000.0
+    request_ms = fleet["request_s"] * 1000.0
 
     policies = args.policies.split(",")
     reals: dict[str, list[dict[str, Any]]] = {policy: [] for policy in policies}
     for repeat in range(args.repeats):
         for policy in policies:
-            with _fleet(policy, args, profile, out / f"up_{policy}_{repeat}.log") as (url, _):
+            log = out / f"up_{policy}_{repeat}.log"
+            with _fleet(policy, args, profile, log) as (url, agents):
                 # Warm-up: the first requests of a fresh fleet pay one-off costs.
-                _replay_rows(url, _probe_trace([(0.0, args.instances, 2)], 9_000_000))
+                _replay_rows(url, _probe_trace([(0.0, args.instances, PROBE_PROMPT, 2)], 9_000_000))
+                steps_before = _engine_steps(agents)
                 dest = out / f"real_{policy}_{repeat}"
                 subprocess.run(
                     _kvherd(
@@ -366,11 +433,15 @@ def main() -> int:
                     stdout=subprocess.DEVNULL,
                     cwd=ROOT,
                 )
+                steps = _engine_steps(agents) - steps_before
             summary = json.loads((dest / "summary.json").read_text())["results"][policy]
+            summary["engine_steps"] = steps
             reals[policy].append(summary)
             print(
                 f"real {policy} #{repeat + 1}: "
-                + ", ".join(f"{label} {summary[key]:.3g}" for key, label in METRICS),
+                + ", ".join(f"{label} {summary[key]:.4g}" for key, label in METRICS)
+                # Other work on the machine inflates the real side only: say how busy it was.
+                + f" (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)",
                 flush=True,
             )
     subprocess.run(
@@ -405,6 +476,9 @@ def main() -> int:
         cwd=ROOT,
     )
     simulated = json.loads((out / "sim" / "summary.json").read_text())["results"]
+    timing = json.loads((out / "sim" / "timing.json").read_text())
+    for policy in policies:
+        simulated[policy]["engine_steps"] = timing[policy]["engine_steps"]
 
     print(
         f"\n{len(trace.read_text().splitlines())} Mooncake requests shrunk {args.shrink}x, "
@@ -415,19 +489,14 @@ def main() -> int:
         f"engine profile: {fit['num_points']} batch shapes, R^2 {fit['r2']:.4f}, "
         f"mean |error| {fit['mean_abs_pct_error']:.1f}%"
     )
-    for k in _probe_batches(args):
-        per_round = [r["step"][k] * 1000.0 for r in rounds]
+    for key in FLEET_TERMS:
+        scale = 1.0 if key == "compute_scale" else 1000.0
+        unit = "" if key == "compute_scale" else " ms"
         print(
-            f"probe: serving cost per step at {k} sequence(s) "
-            + " / ".join(f"{v:.3f}" for v in per_round)
-            + " ms"
+            f"probed fleet: {key} {fleet[key] * scale:.3f}{unit} (rounds alone: "
+            + " / ".join(f"{r[key] * scale:.3f}" for r in per_round)
+            + ")"
         )
-    print(
-        f"serving fit: {step_s * 1000:.3f} ms per step + {per_sequence_s * 1000:.3f} ms per "
-        f"sequence; request path {request_ms:.2f} ms (rounds: "
-        + " / ".join(f"{v * 1000:.2f}" for v in request_s)
-        + ")"
-    )
     print("| policy | metric | real median | real spread | sim | sim error |")
     print("|---|---|---:|---:|---:|---:|")
     for policy in policies:
@@ -437,10 +506,18 @@ def main() -> int:
             real = statistics.median(values)
             err = (sim[key] - real) / real if real else float("nan")
             print(
-                f"| {policy} | {label} | {real:.3g} | {_spread(values)} | {sim[key]:.3g} "
+                f"| {policy} | {label} | {real:.4g} | {_spread(values)} | {sim[key]:.4g} "
                 f"| {err:+.1%} |",
                 flush=True,
             )
+        csv_name = f"requests_{safe_label(policy)}.csv"
+        ratio = _paired_ttft_ratio(
+            [out / f"real_{policy}_{r}" / csv_name for r in range(args.repeats)],
+            out / "sim" / csv_name,
+        )
+        print(
+            f"| {policy} | TTFT per request, median sim/real | | | {ratio:.3f} | {ratio - 1:+.1%} |"
+        )
     return 0
 
 
