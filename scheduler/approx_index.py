@@ -24,7 +24,7 @@ import heapq
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import count, filterfalse, islice, takewhile
+from itertools import count, filterfalse, islice, repeat, takewhile
 
 from scheduler.prefix_index import BlockOwners, InstanceSlots, match_chain
 
@@ -86,14 +86,14 @@ class ApproxIndex:
     def insert(self, instance_id: str, chain: Sequence[int], now: float) -> None:
         entries = self._instances[instance_id]
         expiry, deadline = entries.expiry, now + entries.ttl_s
-        fresh = dict.fromkeys(chain, deadline)
         # Entries already held move to the end (a re-insert refreshes their place in expiry
         # order); new ones get the instance's bit.
-        added = list(filterfalse(expiry.__contains__, fresh))
-        if len(added) < len(fresh):
-            deque(map(expiry.__delitem__, filter(expiry.__contains__, fresh)), maxlen=0)
-        self.owners.add_many(added, entries.bit)  # distinct: keys of `fresh`
-        expiry.update(fresh)
+        added = list(filterfalse(expiry.__contains__, chain))
+        if len(added) < len(chain):
+            held = filter(expiry.__contains__, chain)
+            deque(map(expiry.pop, held, repeat(deadline)), maxlen=0)
+        self.owners.add_many(added, entries.bit)
+        expiry.update(zip(chain, repeat(deadline)))
         excess = len(expiry) - self.max_blocks_per_instance
         if excess > 0:
             self._drop_oldest(entries, excess)

@@ -97,7 +97,7 @@ class BlockOwners:
         return True
 
     def add_many(self, block_hashes: Sequence[int], bit: int) -> None:
-        """Set `bit` for every block of `block_hashes` (distinct hashes)."""
+        """Set `bit` for every block of `block_hashes`."""
         owners = self.owners
         masks = map(owners.get, block_hashes, repeat(0))
         owners.update(zip(block_hashes, map(or_, masks, repeat(bit)), strict=True))
