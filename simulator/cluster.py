@@ -19,10 +19,17 @@ Contract:
 - `request_overhead_s` delays each request between the router's decision and the engine (the HTTP
   path of a real fleet); `InstanceConfig.step_overhead_s` adds the serving loop's per-step cost.
 - Decode fast-forward (`fast_forward`, on by default): while no migration is in flight, an
-  instance whose next steps are guaranteed pure decode applies all of those that end before the next
-  barrier event (arrival, admission, load report, sample, migration tick) at once; its step ends
-  and KV-event deliveries are quiet events, since they touch no other instance. Results equal
-  step-by-step simulation except the ITL mean's last bits (gaps are summed in another order).
+  instance whose next steps are guaranteed pure decode applies all of those that end before the
+  next barrier event (arrival, admission, migration tick; a load report too under a migration
+  policy, which reads running requests) at once; its step ends, KV-event deliveries, samples
+  and other load reports are quiet events (they touch or read nothing a run changes, or replay
+  it: `SimInstance.pool_at`). Without a migration policy a run also takes
+  the step in flight at the barrier (an admission only queues work for the next `schedule`),
+  and when it ends with no admission to its instance, the rest of the guaranteed run goes on
+  without a new check: an arrival routed elsewhere splits a run but does not end it. Behind a
+  waiting request an admission changes no step, so such a run has no horizon at all. Results
+  equal step-by-step simulation except the ITL mean's last bit (a compensated sum of the same
+  gaps in another order).
 - A request the engine refuses (too long for an instance) is counted as failed, never crashes the run.
 - Deterministic: same trace, config and seed -> identical results.
 """
@@ -43,7 +50,7 @@ from scheduler.cluster_state import ClusterState
 from scheduler.load_report import LoadReport
 from scheduler.migration_loop import MigrationLoop
 from scheduler.router import Router
-from simulator.instance import InstanceConfig, SimInstance, make_request
+from simulator.instance import DecodeRun, InstanceConfig, SimInstance, make_request
 from simulator.latency.base import LatencyModel
 from simulator.loop import EventLoop
 from simulator.metrics import MetricsCollector
@@ -270,18 +277,29 @@ class SimCluster:
                 loop.now, horizon, _MAX_RUN_STEPS, straddle=self.migration_loop is None
             )
             if run is not None:
-                delay = self.config.kv_event_delay_s
-                iid = instance.instance_id
-                for step_end, events in zip(run.step_ends, run.events, strict=True):
-                    if events:
-                        loop.call_at_quiet(step_end + delay, self._deliver_events, iid, events)
-                loop.call_at_quiet(run.step_ends[-1], self._decode_run_end, instance)
+                self._schedule_run(instance, run)
                 return
         end = instance.start_step(loop.now)
         if end is not None:
             loop.call_at_quiet(end, self._step_end, instance)
 
+    def _schedule_run(self, instance: SimInstance, run: DecodeRun) -> None:
+        loop = self.loop
+        delay = self.config.kv_event_delay_s
+        iid = instance.instance_id
+        for step_end, events in zip(run.step_ends, run.events, strict=True):
+            if events:
+                loop.call_at_quiet(step_end + delay, self._deliver_events, iid, events)
+        loop.call_at_quiet(run.step_ends[-1], self._decode_run_end, instance)
+
     def _decode_run_end(self, instance: SimInstance) -> None:
+        if self.migration_loop is None:
+            # Arrivals elsewhere cut the run only to keep it from running past one routed here;
+            # without one (no admission), the rest of the guaranteed run needs no new check.
+            run = instance.continue_decode_run(self.loop.now, self.loop.next_barrier(), True)
+            if run is not None:
+                self._schedule_run(instance, run)
+                return
         instance.finish_decode_run()
         self._after_step(instance)
 

@@ -15,11 +15,14 @@ Contract:
   steps and they all end before `horizon` (the next event that could observe or change the
   instance), the instance applies them at once (`BatchScheduler.advance_decode`) with the same step
   times, token times, block allocations and per-step KV events as stepping one by one.
+  `continue_decode_run` applies the next steps of the same guaranteed run, up to a new horizon,
+  as long as no request was added since (an admission ends the guarantee).
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -140,6 +143,13 @@ class SimInstance:
         self.scheduler = BatchScheduler(config.scheduler_config(), self.block_manager)
         self._output: SchedulerOutput | None = None
         self._run: DecodeRun | None = None
+        # The guaranteed run the current decode run belongs to: its step times still to plan
+        # (one drawn but not planned yet, if a horizon stopped it), how many steps it may still
+        # take, and its requests.
+        self._step_times: Iterator[float] = iter(())
+        self._drawn: float | None = None
+        self._steps_left = 0
+        self._run_request_ids: list[str] = []
         self._scheduled_once: set[str] = set()
         self.step_end: float | None = None  # virtual time the running step ends; None when idle
         self.num_steps = 0
@@ -151,6 +161,8 @@ class SimInstance:
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
+        # The next `schedule` may admit it: the guaranteed decode run ends with the current one.
+        self._steps_left = 0
 
     def start_step(self, now: float) -> float | None:
         """Plan the next step at `now`; returns its end time, or None when there is nothing to run."""
@@ -202,65 +214,110 @@ class SimInstance:
     def start_decode_run(
         self, now: float, horizon: float, max_steps: int, straddle: bool = False
     ) -> DecodeRun | None:
-        """Fast-forward the next pure-decode steps that end before `horizon`; None if fewer than 2.
+        """Fast-forward the next pure-decode steps that end before `horizon`; None if none (fewer
+        than 2 without `straddle`) fits.
 
         With `straddle`, the run also takes the step in flight at `horizon` (it starts before and
         ends at or after it): right when the barrier event only queues work for the next
-        `schedule` (an admission), which a step already planned cannot see.
-        The instance is busy until the run's last step end; call `finish_decode_run` then.
+        `schedule` (an admission), which a step already planned cannot see. Such a run may be
+        a single step, since `continue_decode_run` extends it past barriers that change nothing.
+        The instance is busy until the run's last step end; then call `continue_decode_run`
+        or `finish_decode_run`.
         """
         scheduler = self.scheduler
         running = scheduler.running
         if not running:
             return None
-        overhead = self.config.step_overhead_s
-        contexts = [r.num_tokens for r in running]  # a decode's context: its computed tokens + 1
+        # A decode's context: its computed tokens + 1.
+        self._step_times = self.latency.decode_step_times(
+            [r.num_tokens for r in running], max_steps
+        )
+        self._drawn = None
         starts: list[float] = []
         ends: list[float] = []
         durations: list[float] = []
-        step_times = self.latency.decode_step_times(contexts, max_steps)
-
-        def plan(count: int) -> None:
-            """Extend the run to `count` steps, stopping at the horizon."""
-            t = ends[-1] if ends else now
-            while len(ends) < count:
-                step_time = next(step_times, None)
-                if step_time is None or t >= horizon:
-                    # A barrier at a step start comes first (it was queued first).
-                    return
-                duration = step_time + overhead
-                end = t + duration
-                if end >= horizon and not straddle:
-                    return
-                starts.append(t)
-                ends.append(end)
-                durations.append(duration)
-                t = end
-
-        # Two steps must fit before the horizon: with dense arrivals they rarely do, and then
-        # the run-length check over every running request is not needed at all.
-        plan(2)
-        if len(ends) < 2:
+        # Check that enough steps fit before the horizon first: a run that could not start
+        # needs no run-length check over every running request.
+        min_steps = 1 if straddle else 2
+        self._plan(now, horizon, straddle, min_steps, starts, ends, durations)
+        if len(ends) < min_steps:
             return None
         k = scheduler.decode_run_length(max_steps)
-        if k < 2:
+        if k < min_steps:
             return None
-        plan(k)
-        del starts[k:], ends[k:], durations[k:]
+        self._plan(now, horizon, straddle, k, starts, ends, durations)
+        self._steps_left = k - len(ends)
         # Every request of a decode run was scheduled before (it has output): no on_scheduled.
-        request_ids = [r.request_id for r in running]
+        self._run_request_ids = [r.request_id for r in running]
+        return self._apply_run(starts, ends, durations)
+
+    def continue_decode_run(
+        self, now: float, horizon: float, straddle: bool = False
+    ) -> DecodeRun | None:
+        """At the end of a decode run, fast-forward the next steps of the same guaranteed run
+        (see `start_decode_run`) that fit before `horizon`, without checking the run anew; None
+        when it has no step left or none fits. Nothing but an admission (`add_request`, which
+        ends the guaranteed run) may have changed the instance since the run started.
+        """
+        if self._steps_left <= 0:
+            return None
+        starts: list[float] = []
+        ends: list[float] = []
+        durations: list[float] = []
+        self._plan(now, horizon, straddle, self._steps_left, starts, ends, durations)
+        if not ends:
+            return None
+        self._steps_left -= len(ends)
+        return self._apply_run(starts, ends, durations)
+
+    def _plan(
+        self,
+        now: float,
+        horizon: float,
+        straddle: bool,
+        count: int,
+        starts: list[float],
+        ends: list[float],
+        durations: list[float],
+    ) -> None:
+        """Extend a run's steps to `count`, stopping at the horizon; a step time drawn but not
+        planned is kept for the next part of the run."""
+        overhead = self.config.step_overhead_s
+        t = ends[-1] if ends else now
+        while len(ends) < count:
+            if t >= horizon:  # a barrier at a step start comes first (it was queued first)
+                return
+            step_time = self._drawn if self._drawn is not None else next(self._step_times, None)
+            self._drawn = None
+            if step_time is None:
+                return
+            duration = step_time + overhead
+            end = t + duration
+            if end >= horizon and not straddle:
+                self._drawn = step_time
+                return
+            starts.append(t)
+            ends.append(end)
+            durations.append(duration)
+            t = end
+
+    def _apply_run(
+        self, starts: list[float], ends: list[float], durations: list[float]
+    ) -> DecodeRun:
         bm = self.block_manager
         events: list[list[KVEvent]] = []
         pool: list[tuple[int, int]] = []
-        applied = scheduler.advance_decode(
+        applied = self.scheduler.advance_decode(
             len(ends),
             sampled_tokens,
             after_allocate=lambda: pool.append((bm.num_free_blocks, bm.num_cached_blocks)),
             after_step=lambda: events.append(bm.take_events()),
         )
-        del starts[applied:]
-        del ends[applied:]
-        self.sink.on_decode_run(request_ids, ends)
+        if applied < len(ends):  # the waiting head must see a block this run cached
+            self._steps_left = 0
+            del starts[applied:]
+            del ends[applied:]
+        self.sink.on_decode_run(self._run_request_ids, ends)
         for duration in durations[:applied]:
             self.busy_time += duration
         self.num_steps += applied
@@ -271,6 +328,7 @@ class SimInstance:
     def finish_decode_run(self) -> None:
         assert self._run is not None, "no decode run in flight"
         self._run = None
+        self._steps_left = 0
         self.step_end = None
 
     def pool_at(self, now: float) -> tuple[int, int]:
