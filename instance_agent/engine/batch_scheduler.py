@@ -206,21 +206,41 @@ class BatchScheduler:
         budget = cfg.max_num_batched_tokens
 
         # 1. Running requests, in admission order; preempt from the back when blocks run out.
+        running = self.running
+        scheduled = output.scheduled
+        tables = bm.block_tables
+        slots_per_block = bm.block_size
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        while index < len(running) and budget > 0:
+            request = running[index]
+            computed = request.num_computed_tokens
+            num_new = min(len(request.token_ids) - computed, budget)
             if num_new <= 0:  # nothing to compute (cannot happen for a healthy request)
                 index += 1
                 continue
+            table = tables.get(request.request_id)
+            if table is not None and computed + num_new <= len(table) * slots_per_block:
+                # The common decode step: its slot is in the last block, nothing to allocate.
+                scheduled.append(
+                    ScheduledRequest(
+                        request,
+                        num_new,
+                        computed,
+                        table,
+                        computed + num_new == len(request.token_ids),
+                    )
+                )
+                budget -= num_new
+                index += 1
+                continue
             while not bm.allocate_slots(request, num_new):
-                victim = max(self.running[index:], key=self._queue_key)
+                victim = max(running[index:], key=self._queue_key)
                 self._preempt(victim)
                 output.preempted.append(victim)
                 if victim is request:
                     break
             else:
-                output.scheduled.append(self._scheduled(request, num_new))
+                scheduled.append(self._scheduled(request, num_new))
                 budget -= num_new
                 index += 1
 
@@ -264,22 +284,26 @@ class BatchScheduler:
     ) -> list[Request]:
         """Apply a step's results; returns the requests that finished in it."""
         finished: list[Request] = []
+        cache_full_blocks = self.block_manager.cache_full_blocks
+        max_model_len = self.config.max_model_len
+        running_status = RequestStatus.RUNNING
         for item in output.scheduled:
             request = item.request
-            if request.status is not RequestStatus.RUNNING:
+            if request.status is not running_status:
                 continue  # aborted, suspended or preempted after the step was planned
             if request.num_computed_tokens != item.num_computed_before:
                 continue  # preempted and re-admitted since: this result is stale
             request.num_computed_tokens += item.num_new_tokens
             if item.samples:
                 request.append_output_token(sampled[request.request_id])
-            self.block_manager.cache_full_blocks(request)
-            if item.samples:
-                stop = request.check_stop(self.config.max_model_len)
+                cache_full_blocks(request)
+                stop = request.check_stop(max_model_len)
                 if stop is not None:
                     done = self.finish_request(request.request_id, stop)
                     assert done is not None
                     finished.append(done)
+            else:
+                cache_full_blocks(request)
         return finished
 
     # -- decode fast-forward -----------------------------------------------------------------
@@ -320,12 +344,15 @@ class BatchScheduler:
         if limit <= 0 or not running or len(running) > cfg.max_num_batched_tokens:
             return 0
         k = limit
+        max_model_len = cfg.max_model_len
+        tables = bm.block_tables
+        running_status = RequestStatus.RUNNING
         first_alloc: list[int] = []  # per request: the step of its first new block
         for request in running:
             params = request.sampling_params
-            num_tokens = request.num_tokens
+            num_tokens = len(request.token_ids)
             if (
-                request.status is not RequestStatus.RUNNING
+                request.status is not running_status
                 or request.num_computed_tokens != num_tokens - 1
                 or not request.output_token_ids
                 or params.stop_token_ids
@@ -335,12 +362,12 @@ class BatchScheduler:
             # Step j appends output token (outputs + j) and makes the sequence num_tokens + j long.
             k = min(
                 k,
-                params.max_tokens - request.num_output_tokens - 1,
-                cfg.max_model_len - num_tokens - 1,
+                params.max_tokens - len(request.output_token_ids) - 1,
+                max_model_len - num_tokens - 1,
             )
             if k <= 0:
                 return 0
-            capacity = len(bm.block_ids(request.request_id)) * bs
+            capacity = len(tables.get(request.request_id, ())) * bs
             # Step j computes position num_tokens + j - 2, so it needs num_tokens + j - 1 slots.
             first_alloc.append(capacity - num_tokens + 2)
         free = bm.num_free_blocks
@@ -348,10 +375,12 @@ class BatchScheduler:
         if head is not None:
             if self._head_admissible(head):
                 return 0
-            free = bm.num_free_before_evicting(set(head.block_hashes), free)
+            free = bm.num_free_before_evicting(head.block_hashes, free)
+        if max(first_alloc) > k:  # requests with no crossing in the run cost nothing
+            first_alloc = [c for c in first_alloc if c <= k]
 
         def allocations(steps: int) -> int:
-            return sum((steps - c) // bs + 1 for c in first_alloc if steps >= c)
+            return sum([(steps - c) // bs + 1 for c in first_alloc if steps >= c])
 
         if allocations(k) <= free:
             return k
@@ -387,20 +416,27 @@ class BatchScheduler:
         bm = self.block_manager
         bs = bm.block_size
         running = self.running
-        head = self._admission_probe()
-        head_hashes = set(head.block_hashes) if head is not None else None
         starts = [r.num_computed_tokens for r in running]  # = num_tokens - 1: pure decode
-        lengths = [r.num_tokens for r in running]
-        outputs = [r.num_output_tokens for r in running]
+        lengths = [len(r.token_ids) for r in running]
+        outputs = [len(r.output_token_ids) for r in running]
         for request in running:
             tokens = next_tokens(request, num_steps)
             request.output_token_ids.extend(tokens)
             request.token_ids.extend(tokens)
             request.update_block_hashes()
         steps = num_steps
+        head = self._admission_probe()
+        head_hashes = set(head.block_hashes) if head is not None else None
         if head_hashes:
-            # Step j completes a block of request i when starts[i] + j is a multiple of bs.
+            # Step j completes a block of request i when starts[i] + j is a multiple of bs:
+            # blocks starts[i] // bs on, those completed before the last step can matter.
             for i, request in enumerate(running):
+                first_block = starts[i] // bs
+                last_block = (starts[i] + steps - 1) // bs
+                if first_block >= last_block or head_hashes.isdisjoint(
+                    request.block_hashes[first_block:last_block]
+                ):
+                    continue
                 j = bs - starts[i] % bs
                 while j < steps:
                     if request.block_hashes[(starts[i] + j) // bs - 1] in head_hashes:
@@ -412,30 +448,34 @@ class BatchScheduler:
                     del request.output_token_ids[outputs[i] + steps :]
                     del request.token_ids[lengths[i] + steps :]
                     del request.block_hashes[(lengths[i] + steps) // bs :]
-        allocs: list[list[int]] = [[] for _ in range(steps + 1)]
-        completions: list[list[int]] = [[] for _ in range(steps + 1)]
-        for i, request in enumerate(running):
-            # Step j computes position starts[i] + j - 1, so it needs starts[i] + j slots.
-            capacity = len(bm.block_ids(request.request_id)) * bs
-            for j in range(capacity - starts[i] + 1, steps + 1, bs):
-                allocs[j].append(i)
-            for j in range(bs - starts[i] % bs, steps + 1, bs):
-                completions[j].append(i)
+        # Per step, in running order: who crosses into a new block, whose block completes.
+        allocs: dict[int, list[str]] = {}
+        completions: dict[int, list[tuple[Request, int]]] = {}
+        tables = bm.block_tables
+        for request, start in zip(running, starts, strict=True):
+            # Step j computes position start + j - 1, so it needs start + j slots.
+            capacity = len(tables[request.request_id]) * bs
+            for j in range(capacity - start + 1, steps + 1, bs):
+                allocs.setdefault(j, []).append(request.request_id)
+            for j in range(bs - start % bs, steps + 1, bs):
+                completions.setdefault(j, []).append((request, start + j))
+        step_ids = self._step_ids
+        cache_full_blocks = bm.cache_full_blocks
         for j in range(1, steps + 1):
-            next(self._step_ids)
-            for i in allocs[j]:
-                request = running[i]
-                request.num_computed_tokens = starts[i] + j - 1
-                allocated = bm.allocate_slots(request, 1)
+            next(step_ids)
+            owners = allocs.get(j)
+            if owners is not None:
+                allocated = bm.append_blocks(owners)
                 assert allocated, "advance_decode past decode_run_length"
             if after_allocate is not None:
                 after_allocate()
-            for i in completions[j]:
-                request = running[i]
-                request.num_computed_tokens = starts[i] + j
-                bm.cache_full_blocks(request)
+            completed = completions.get(j)
+            if completed is not None:
+                for request, computed in completed:
+                    request.num_computed_tokens = computed
+                    cache_full_blocks(request)
             if after_step is not None:
                 after_step()
-        for i, request in enumerate(running):
-            request.num_computed_tokens = starts[i] + steps
+        for request, start in zip(running, starts, strict=True):
+            request.num_computed_tokens = start + steps
         return steps

@@ -154,6 +154,8 @@ class BlockManager:
         if num_full <= first:
             return
         self._owner_num_handled[rid] = num_full
+        if num_full == first + 1 and self._store_block(request, first, table[first]):
+            return  # a decode step completed one block
         ids = table[first:num_full]
         run_hashes = hashes[first:num_full]
         if (
@@ -189,6 +191,27 @@ class BlockManager:
                 end = count
             self._store_run(request, first + start, ids[start:end], run_hashes[start:end])
             start = end
+
+    def _store_block(self, request: Request, index: int, block_id: int) -> bool:
+        """Cache one block at table position `index` if new (`_store_run` of one, cheaper)."""
+        block_hash = request.block_hashes[index]
+        if block_id in self._block_hash or block_hash in self._cached:
+            return False
+        self._cached[block_hash] = block_id
+        self._block_hash[block_id] = block_hash
+        bs = self.block_size
+        begin = index * bs
+        tokens = request.token_ids
+        self._block_tokens[block_id] = tokens[begin : begin + bs]
+        self._events.append(
+            BlockStored(
+                block_hashes=[block_hash],
+                parent_block_hash=request.block_hashes[index - 1] if index > 0 else None,
+                token_ids=tokens[begin : begin + bs],
+                block_size=bs,
+            )
+        )
+        return True
 
     def _store_run(
         self, request: Request, start: int, ids: list[int], hashes: list[BlockHash]
@@ -415,9 +438,11 @@ class BlockManager:
         uncached ones first, in free order, then the least recently used cached ones, evicted
         (one BlockRemoved, merged into a pending one, as vLLM batches them)."""
         free = self._free_uncached
-        if count == 1 and free:
-            block_ids = [free.popleft()]
-        elif count <= len(free):
+        if count == 1:  # a decode step's crossing: skip the bulk machinery
+            block_id = free.popleft() if free else self._evict(1)[0]
+            self._ref[block_id] = 1
+            return [block_id]
+        if count <= len(free):
             pop = free.popleft
             block_ids = [pop() for _ in range(count)]
         else:
@@ -431,16 +456,19 @@ class BlockManager:
 
     def _evict(self, count: int) -> list[int]:
         evictable = self._evictable
-        victims = list(islice(evictable, count))
-        for block_id in victims:
-            del evictable[block_id]
-        hashes = list(map(self._block_hash.pop, victims))
         cached = self._cached
-        for h in hashes:
-            del cached[h]
         block_tokens = self._block_tokens
-        for block_id in victims:
-            del block_tokens[block_id]
+        if count == 1:
+            victims = [evictable.popitem(last=False)[0]]
+            hashes = [self._block_hash.pop(victims[0])]
+            del cached[hashes[0]], block_tokens[victims[0]]
+        else:
+            victims = list(islice(evictable, count))
+            for block_id in victims:
+                del evictable[block_id], block_tokens[block_id]
+            hashes = list(map(self._block_hash.pop, victims))
+            for h in hashes:
+                del cached[h]
         events = self._events
         if events and isinstance(events[-1], BlockRemoved):
             # Evictions in a row become one event: fewer events to publish and index. The

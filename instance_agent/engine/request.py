@@ -213,18 +213,22 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
-        self.token_ids.append(token_id)
-        self.update_block_hashes()
+        tokens = self.token_ids
+        tokens.append(token_id)
+        if (len(self.block_hashes) + 1) * self.block_size <= len(tokens):  # a block filled up
+            self.update_block_hashes()
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """Token-level stop conditions (stop strings are the detokenizer's job)."""
         params = self.sampling_params
-        last = self.output_token_ids[-1] if self.output_token_ids else None
-        if last is not None and not params.ignore_eos and last == self.eos_token_id:
-            return RequestStatus.FINISHED_STOPPED
-        if last is not None and last in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+        outputs = self.output_token_ids
+        if outputs:
+            last = outputs[-1]
+            if not params.ignore_eos and last == self.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if params.stop_token_ids and last in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if len(outputs) >= params.max_tokens or len(self.token_ids) >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
