@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,19 +66,23 @@ class LogHistogram:
 
     def add(self, value: float, count: int = 1) -> None:
         """Record `value` `count` times."""
-        if count <= 0:
-            return
-        self.add_each((value,), count)
+        self.add_counted(((value, count),))
 
-    def add_each(self, values: Sequence[float], count: int) -> None:
+    def add_each(self, values: Iterable[float], count: int) -> None:
         """Record each of `values` `count` times (a decode run: each step's gap, once per
         request of the batch)."""
-        if count <= 0:
-            return
+        self.add_counted((value, count) for value in values)
+
+    def add_counted(self, items: Iterable[tuple[float, int]]) -> None:
+        """Record each `(value, count)`: `value`, `count` times."""
         counts = self._counts
         total, compensation = self.total, self._compensation
-        for value in values:
+        n = 0
+        for value, count in items:
+            if count <= 0:
+                continue
             counts[self._index(value)] += count
+            n += count
             term = value * count
             t = total + term
             if abs(total) >= abs(term):
@@ -86,7 +91,7 @@ class LogHistogram:
                 compensation += (term - t) + total
             total = t
         self.total, self._compensation = total, compensation
-        self.n += count * len(values)
+        self.n += n
 
     def mean(self) -> float:
         return (self.total + self._compensation) / self.n if self.n else math.nan
@@ -151,8 +156,8 @@ class MetricsCollector:
                 firsts.append(request_id)
             live.num_tokens += 1
             live.last_token = now
-        if gaps:
-            self.itl.add_each(gaps, 1)
+        # Requests that decoded in the step before share their gap: one entry per distinct gap.
+        self.itl.add_counted(Counter(gaps).items())
         return firsts
 
     def on_decode_run(self, request_ids: list[str], times: list[float]) -> None:
@@ -164,8 +169,8 @@ class MetricsCollector:
         itl = self.itl
         lives = [self._live[rid] for rid in request_ids]
         first = times[0]
-        # The first gap is to each request's own previous token.
-        itl.add_each([first - live.last_token for live in lives], 1)
+        # The first gap is to each request's own previous token (mostly one shared step end).
+        itl.add_counted(Counter([first - live.last_token for live in lives]).items())
         # Later gaps are the step times, shared by the whole batch.
         itl.add_each([b - a for a, b in itertools.pairwise(times)], len(lives))
         count = len(times)
