@@ -22,10 +22,11 @@ Contract:
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from functools import partial
-from itertools import chain, filterfalse, islice, takewhile
+from itertools import filterfalse, islice, takewhile
 from operator import indexOf, is_not, or_
 from types import MappingProxyType
 from typing import cast
@@ -35,6 +36,12 @@ from instance_agent.engine.kv_events import AllBlocksCleared, BlockRemoved, Bloc
 from instance_agent.engine.request import Request
 
 _is_hit = partial(is_not, None)  # `takewhile` predicate over `dict.get` results: the key is there
+
+
+def _pack(token_ids: list[int]) -> bytes:
+    """Token ids as uint32 bytes: equal lists give equal bytes (every cached block was hashed,
+    so its ids already passed this conversion)."""
+    return array("I", token_ids).tobytes()
 
 
 def _leading_hits(cached: dict[BlockHash, int], block_hashes: Iterable[BlockHash]) -> list[int]:
@@ -69,7 +76,9 @@ class BlockManager:
         self._ref: list[int] = [0] * num_blocks  # owners holding each block
         # Cached blocks only: block id -> its chained hash, and -> its token ids (verifying hits).
         self._block_hash: dict[int, BlockHash] = {}
-        self._block_tokens: dict[int, list[int]] = {}
+        # Token ids are kept packed (uint32 bytes, as the block hash reads them): one flat object
+        # per block, cheap to create, compare and drop, and no reference to thousands of ints.
+        self._block_tokens: dict[int, bytes] = {}
         self._free_uncached: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU order, oldest first
         self._cached: dict[BlockHash, int] = {}  # block hash -> block id
@@ -125,10 +134,12 @@ class BlockManager:
         hits = _leading_hits(self._cached, islice(request.block_hashes, max_blocks))
         if hits:
             stored = self._block_tokens
+            wanted = _pack(tokens[: len(hits) * bs])
             # One comparison for the whole run; only a hash collision needs the per-block walk.
-            if list(chain.from_iterable(map(stored.__getitem__, hits))) != tokens[: len(hits) * bs]:
+            if b"".join(map(stored.__getitem__, hits)) != wanted:
+                stride = 4 * bs
                 for index, block_id in enumerate(hits):
-                    if stored[block_id] != tokens[index * bs : (index + 1) * bs]:
+                    if stored[block_id] != wanted[index * stride : (index + 1) * stride]:
                         del hits[index:]  # a hash collision: never serve another prompt's KV
                         break
         return hits, len(hits) * bs
@@ -202,7 +213,7 @@ class BlockManager:
         bs = self.block_size
         begin = index * bs
         tokens = request.token_ids
-        self._block_tokens[block_id] = tokens[begin : begin + bs]
+        self._block_tokens[block_id] = _pack(tokens[begin : begin + bs])
         self._events.append(
             BlockStored(
                 block_hashes=[block_hash],
@@ -237,10 +248,10 @@ class BlockManager:
         bs = self.block_size
         tokens = request.token_ids
         begin = start * bs
+        packed = _pack(tokens[begin : begin + count * bs])
+        stride = 4 * bs
         self._block_tokens.update(
-            zip(
-                ids, [tokens[i : i + bs] for i in range(begin, begin + count * bs, bs)], strict=True
-            )
+            zip(ids, [packed[i : i + stride] for i in range(0, len(packed), stride)], strict=True)
         )
         self._emit_stored(request, start, hashes)
         return True
@@ -262,7 +273,7 @@ class BlockManager:
                 continue
             cached[h] = block_id
             block_hash[block_id] = h
-            self._block_tokens[block_id] = tokens[index * bs : (index + 1) * bs]
+            self._block_tokens[block_id] = _pack(tokens[index * bs : (index + 1) * bs])
             if not run_hashes:
                 run_start = index
             run_hashes.append(h)
@@ -538,7 +549,7 @@ class BlockManager:
                 assert block_hash is not None, f"evictable block {bid} has no hash"
             if block_hash is not None:
                 assert self._cached.get(block_hash) == bid, f"block {bid} not in hash map"
-                assert len(self._block_tokens[bid]) == self.block_size
+                assert len(self._block_tokens[bid]) == 4 * self.block_size
         assert len(self._cached) == len(self._block_hash), (
             "hash map has entries for blocks that do not carry that hash"
         )
