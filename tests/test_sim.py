@@ -281,3 +281,30 @@ def test_metrics_follow_vllm_bench_definitions() -> None:
     assert s["goodput"] == pytest.approx(1 / 3.0)  # b misses the TTFT SLO
     assert s["prefix_hit_rate"] == pytest.approx(40 / 400)
     assert s["preemptions"] == 1 and s["migrations"] == 2
+
+
+def test_itl_histogram_counted_entries_equal_single_adds_in_any_order() -> None:
+    """A decode run adds a step's gap once per request of the batch as one counted entry; the
+    counts must equal one add per token and the compensated mean must not see the order."""
+    import math
+    import random
+
+    from simulator.metrics import LogHistogram
+
+    rng = random.Random(7)
+    gaps = [rng.choice((0.0123, 0.0456, 1e-9, 250.0)) * rng.uniform(0.5, 2.0) for _ in range(300)]
+    batch = [rng.randint(1, 40) for _ in gaps]
+    one_by_one = LogHistogram()
+    for gap, n in zip(gaps, batch, strict=True):
+        for _ in range(n):
+            one_by_one.add(gap)
+    counted = LogHistogram()
+    pairs = list(zip(gaps, batch, strict=True))
+    rng.shuffle(pairs)
+    counted.add_counted(pairs)
+    assert counted.n == one_by_one.n == sum(batch)
+    assert counted.counts.tolist() == one_by_one.counts.tolist()
+    exact = math.fsum(g * n for g, n in zip(gaps, batch, strict=True)) / sum(batch)
+    assert counted.mean() == pytest.approx(exact, rel=1e-15)
+    assert one_by_one.mean() == pytest.approx(exact, rel=1e-15)
+    assert counted.percentile(50) == one_by_one.percentile(50)
