@@ -309,3 +309,63 @@ def test_two_engine_hashes_for_the_same_tokens_are_counted() -> None:
     assert index.match(chain) == {"a": 4} and index.num_blocks("a") == 7
     index.apply_batch("a", batch(3, BlockRemoved(other[:4] + engine_chain(PROMPT)[:3])))
     assert index.match(chain) == {} and index.owners.owners == {}
+
+
+# -- property: the approximate index equals a brute-force model --------------------------------
+
+CHAINS = [list(range(1, 9)), [1, 2, 3, 40, 41, 42], [50, 51, 52, 53], [1, 2, 60, 61, 62, 63, 64]]
+approx_op = st.one_of(
+    st.tuples(
+        st.just("insert"),
+        st.sampled_from(INSTANCES),
+        st.integers(0, len(CHAINS) - 1),
+        st.integers(0, 3),
+        st.floats(0.0, 3.0),
+    ),
+    st.tuples(st.just("rejoin"), st.sampled_from(INSTANCES), st.just(0), st.just(0), st.just(0.0)),
+    st.tuples(st.just("leave"), st.sampled_from(INSTANCES), st.just(0), st.just(0), st.just(0.0)),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(approx_op, max_size=40))
+def test_approx_index_equals_brute_force_model(ops: list[tuple[str, str, int, int, float]]) -> None:
+    """TTL, refresh on re-insert and the LRU bound, against a model that stores deadlines."""
+    ttl = {"i0": 2.0, "i1": 5.0, "i2": 1.0}
+    index = ApproxIndex(ttl_s=3.0, max_blocks_per_instance=6)
+    model: dict[str, dict[int, float]] = {}
+    for name in INSTANCES:
+        index.add_instance(name, ttl_s=ttl[name])
+        model[name] = {}
+    now = 0.0
+    for kind, name, which, start, dt in ops:
+        now += dt
+        if kind == "rejoin":
+            index.add_instance(name, ttl_s=ttl[name])
+            model[name] = {}
+            continue
+        if kind == "leave":
+            index.remove_instance(name)
+            model.pop(name, None)
+            continue
+        if name not in model:
+            continue
+        chain = CHAINS[which][start:]
+        index.insert(name, chain, now)
+        held = model[name]
+        for block in dict.fromkeys(chain):  # re-inserted blocks move to the end
+            held.pop(block, None)
+            held[block] = now + ttl[name]
+        while len(held) > 6:
+            del held[next(iter(held))]
+        for chain in CHAINS:
+            expected = {}
+            for instance, blocks in model.items():
+                depth = 0
+                while depth < len(chain) and blocks.get(chain[depth], -1.0) > now:
+                    depth += 1
+                if depth:
+                    expected[instance] = depth
+            assert index.match(chain, now) == expected
+    for instance, blocks in model.items():
+        assert index.num_blocks(instance) == sum(deadline > now for deadline in blocks.values())
