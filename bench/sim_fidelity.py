@@ -434,14 +434,16 @@ def main() -> int:
                     cwd=ROOT,
                 )
                 steps = _engine_steps(agents) - steps_before
-            summary = json.loads((dest / "summary.json").read_text())["results"][policy]
+            report = json.loads((dest / "summary.json").read_text())
+            summary = report["results"][policy]
             summary["engine_steps"] = steps
             reals[policy].append(summary)
             print(
                 f"real {policy} #{repeat + 1}: "
                 + ", ".join(f"{label} {summary[key]:.4g}" for key, label in METRICS)
                 # Other work on the machine inflates the real side only: say how busy it was.
-                + f" (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)",
+                + f" (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores, "
+                f"client sent up to {report['meta']['send_lag_ms_max']:.1f} ms late)",
                 flush=True,
             )
     subprocess.run(

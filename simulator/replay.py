@@ -10,6 +10,8 @@ Contract:
   last chunk; the output length is the server's ``usage.completion_tokens`` (else the chunk count),
   and TPOT = (E2E - TTFT) / (output - 1). Prefix hits come from
   ``usage.prompt_tokens_details.cached_tokens``. Queueing time is not observable and stays NaN.
+- The client may send late (a busy machine): how late each request went out against its trace
+  arrival is kept (`ReplayResult.send_lag_s`), since a simulation of the trace assumes none.
 - A request that fails (connection error, non-200 status, malformed stream) is counted as failed
   with its reason; the replay goes on.
 - Results go into the same `MetricsCollector` and report files as `kvherd sim`.
@@ -48,6 +50,7 @@ class ReplayResult:
     model: str
     errors: Counter[str] = field(default_factory=Counter)
     wall_s: float = 0.0
+    send_lag_s: list[float] = field(default_factory=list)
 
 
 class ReplayError(RuntimeError):
@@ -93,7 +96,9 @@ async def _one(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    metrics.on_arrival(rid, time.perf_counter() - t0, tr.input_length)
+    sent = time.perf_counter() - t0
+    metrics.on_arrival(rid, sent, tr.input_length)
+    result.send_lag_s.append(max(sent - tr.arrival_s, 0.0))
     usage: dict[str, Any] = {}
     chunks = 0
     try:

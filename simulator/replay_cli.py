@@ -102,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
         "url": config.url,
         "model": result.model,
         "wall_s": result.wall_s,
+        # How late the client sent requests against the trace (a simulation assumes on time).
+        "send_lag_ms_max": max(result.send_lag_s, default=0.0) * 1000.0,
         "slo_ttft_ms": args.slo_ttft,
         "slo_tpot_ms": args.slo_tpot,
     }

@@ -63,6 +63,8 @@ def test_replay_measures_a_real_agent(tmp_path: Path, capsys: pytest.CaptureFixt
     rows = (out / "requests_replay.csv").read_text().splitlines()
     assert len(rows) == 11  # header + completed requests
     assert (out / "ttft_cdf.png").stat().st_size > 0
+    meta = json.loads((out / "summary.json").read_text())["meta"]
+    assert 0.0 <= meta["send_lag_ms_max"] < meta["wall_s"] * 1000.0
 
 
 def test_replay_unreachable_endpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
