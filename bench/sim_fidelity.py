@@ -290,7 +290,10 @@ def _fleet_fit(observations: list[Observation]) -> dict[str, float]:
         negative = [i for i in free if coef[i] < 0]
         if not negative:
             return {name: float(c) for name, c in zip(FLEET_TERMS, coef, strict=True)}
-        free.remove(min(negative, key=lambda i: coef[i]))
+        worst = min(negative, key=lambda i: coef[i])
+        if FLEET_TERMS[worst] == "compute_scale":  # the engine's own time cannot be dropped
+            raise RuntimeError(f"probes contradict the profile (fit {coef.tolist()})")
+        free.remove(worst)
 
 
 def _per_request_ttft(path: Path) -> dict[int, float]:
