@@ -23,13 +23,13 @@ Contract:
   next barrier event (arrival, admission, migration tick; a load report too under a migration
   policy, which reads running requests) at once; its step ends, KV-event deliveries, samples
   and other load reports are quiet events (they touch or read nothing a run changes, or replay
-  it: `SimInstance.pool_at`). Without a migration policy a run also takes
-  the step in flight at the barrier (an admission only queues work for the next `schedule`),
-  and when it ends with no admission to its instance, the rest of the guaranteed run goes on
-  without a new check: an arrival routed elsewhere splits a run but does not end it. Behind a
-  waiting request an admission changes no step, so such a run has no horizon at all. Results
-  equal step-by-step simulation except the ITL mean's last bit (a compensated sum of the same
-  gaps in another order).
+  it: `SimInstance.pool_at`). Without a migration policy a run also takes the step in flight
+  at the barrier (an admission only queues work for the next `schedule`), and when it ends with
+  no admission to its instance, the rest of the guaranteed run goes on without a new check: an
+  arrival routed elsewhere splits a run but does not end it. Behind a waiting request an
+  admission changes no step, so such a run has no horizon at all. Results equal step-by-step
+  simulation except the ITL mean's last bit (a compensated sum of the same gaps in another
+  order).
 - A request the engine refuses (too long for an instance) is counted as failed, never crashes the run.
 - Deterministic: same trace, config and seed -> identical results.
 """
@@ -56,7 +56,8 @@ from simulator.loop import EventLoop
 from simulator.metrics import MetricsCollector
 from simulator.traces import Trace, TraceRequest
 
-# Longest decode run priced at once: bounds the work wasted when a barrier cuts the run short.
+# Longest decode run guaranteed by one check (`decode_run_length`'s limit); a run that gets
+# that far is checked anew.
 _MAX_RUN_STEPS = 512
 
 
