@@ -26,7 +26,7 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from functools import partial
-from itertools import filterfalse, islice, takewhile
+from itertools import islice, takewhile
 from operator import indexOf, is_not, or_
 from types import MappingProxyType
 from typing import cast
@@ -498,23 +498,20 @@ class BlockManager:
         table = self._owner_blocks.pop(owner_id, None)
         if not table:
             return
-        tail_first = table[::-1]  # a copy: scheduled steps may still hold the table itself
         ref = self._ref
         cached = self._block_hash
-        if max([ref[b] for b in tail_first]) == 1:
-            # The common case, no block shared: every block becomes free, in one pass per list.
-            for block_id in tail_first:
-                ref[block_id] = 0
-            self._evictable.update(dict.fromkeys(filter(cached.__contains__, tail_first)))
-            self._free_uncached.extend(filterfalse(cached.__contains__, tail_first))
-            return
-        for block_id in tail_first:
-            ref[block_id] -= 1
-            if not ref[block_id]:
+        evictable = self._evictable
+        free_append = self._free_uncached.append
+        # A plain loop: OrderedDict.update is slower than item assignment, and shared prefix
+        # blocks need the per-block count anyway.
+        for block_id in reversed(table):
+            count = ref[block_id] - 1
+            ref[block_id] = count
+            if not count:
                 if block_id in cached:
-                    self._evictable[block_id] = None
+                    evictable[block_id] = None
                 else:
-                    self._free_uncached.append(block_id)
+                    free_append(block_id)
 
     # -- events and checks -------------------------------------------------------------------
     def take_events(self) -> list[KVEvent]:
