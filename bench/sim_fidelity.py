@@ -128,6 +128,7 @@ def _fleet(
         "--admin-port",
         str(admin),
         f"--load-interval={LOAD_INTERVAL_MS / 1000.0}",
+        "--expose-instance",  # the replay records which agent served each request
         f"--agent-arg=--block-size={engine['block_size']}",
         f"--agent-arg=--num-gpu-blocks={engine['num_blocks']}",
         f"--agent-arg=--max-num-seqs={engine['max_num_seqs']}",
@@ -296,12 +297,36 @@ def _fleet_fit(observations: list[Observation]) -> dict[str, float]:
         free.remove(worst)
 
 
-def _per_request_ttft(path: Path) -> dict[int, float]:
-    """Trace index -> TTFT in ms, from a report's requests CSV."""
+def _requests(path: Path) -> dict[int, dict[str, str]]:
+    """Trace index -> row of a report's requests CSV."""
     import csv
 
     with path.open() as f:
-        return {int(row["index"]): float(row["ttft_ms"]) for row in csv.DictReader(f)}
+        return {int(row["index"]): row for row in csv.DictReader(f)}
+
+
+def _per_request_ttft(path: Path) -> dict[int, float]:
+    """Trace index -> TTFT in ms, from a report's requests CSV."""
+    return {index: float(row["ttft_ms"]) for index, row in _requests(path).items()}
+
+
+def _routing_agreement(real: Path, sim: Path) -> float:
+    """Share of requests the simulated router sent where the real one did, under the best
+    one-to-one naming of simulated instances to agents (their names differ)."""
+    import itertools
+
+    real_rows, sim_rows = _requests(real), _requests(sim)
+    pairs = [
+        (sim_rows[i]["instance"], real_rows[i]["instance"]) for i in sim_rows if i in real_rows
+    ]
+    agents = sorted({agent for _, agent in pairs})
+    simulated = sorted({instance for instance, _ in pairs})
+    agents += [f"(none {i})" for i in range(len(simulated) - len(agents))]  # names to spare
+    best = 0
+    for names in itertools.permutations(agents, len(simulated)):
+        naming = dict(zip(simulated, names, strict=True))
+        best = max(best, sum(naming[instance] == agent for instance, agent in pairs))
+    return best / len(pairs)
 
 
 def _paired_ttft_ratio(reals: list[Path], sim: Path) -> float:
@@ -522,6 +547,15 @@ def main() -> int:
         )
         print(
             f"| {policy} | TTFT per request, median sim/real | | | {ratio:.3f} | {ratio - 1:+.1%} |"
+        )
+        agreement = [
+            _routing_agreement(out / f"real_{policy}_{r}" / csv_name, out / "sim" / csv_name)
+            for r in range(args.repeats)
+        ]
+        print(
+            f"| {policy} | same instance as real (per run) | | | "
+            + " / ".join(f"{a:.0%}" for a in agreement)
+            + " | |"
         )
     return 0
 

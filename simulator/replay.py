@@ -10,6 +10,8 @@ Contract:
   last chunk; the output length is the server's ``usage.completion_tokens`` (else the chunk count),
   and TPOT = (E2E - TTFT) / (output - 1). Prefix hits come from
   ``usage.prompt_tokens_details.cached_tokens``. Queueing time is not observable and stays NaN.
+  A request's instance is the ``X-Kvherd-Instance`` response header when the endpoint names the
+  one that served it (`kvherd serve --expose-instance`), else the endpoint URL.
 - The client may send late (a busy machine): how late each request went out against its trace
   arrival is kept (`ReplayResult.send_lag_s`), since a simulation of the trace assumes none.
 - A request that fails (connection error, non-200 status, malformed stream) is counted as failed
@@ -101,6 +103,7 @@ async def _one(
     result.send_lag_s.append(max(sent - tr.arrival_s, 0.0))
     usage: dict[str, Any] = {}
     chunks = 0
+    instance = config.url
     try:
         async with client.stream(
             "POST",
@@ -113,6 +116,7 @@ async def _one(
                 result.errors[f"HTTP {response.status_code}"] += 1
                 metrics.on_failed(rid)
                 return
+            instance = response.headers.get("x-kvherd-instance", instance)
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):
                     continue
@@ -140,7 +144,7 @@ async def _one(
         int(details.get("cached_tokens") or 0),
         0,
         0,
-        config.url,
+        instance,
         num_output_tokens=int(usage.get("completion_tokens") or chunks),
     )
 

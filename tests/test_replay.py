@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 from typing import Any
@@ -60,8 +61,11 @@ def test_replay_measures_a_real_agent(tmp_path: Path, capsys: pytest.CaptureFixt
     assert summary["itl_ms_mean"] > 0 and summary["tpot_ms_mean"] > 0
     # Requests of one prefix group share their first 512-token block: the agent hits its cache.
     assert summary["prefix_hit_rate"] > 0
-    rows = (out / "requests_replay.csv").read_text().splitlines()
-    assert len(rows) == 11  # header + completed requests
+    with (out / "requests_replay.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 10  # the completed requests
+    # A bare agent does not name itself in a header: the instance is the endpoint.
+    assert {row["instance"] for row in rows} == {agent.url}
     assert (out / "ttft_cdf.png").stat().st_size > 0
     meta = json.loads((out / "summary.json").read_text())["meta"]
     assert 0.0 <= meta["send_lag_ms_max"] < meta["wall_s"] * 1000.0
