@@ -273,12 +273,17 @@ def next_tokens(request: Request, count: int) -> list[int]:
 
 
 def advance_recorded(
-    sched: BatchScheduler, num_steps: int
+    sched: BatchScheduler, num_steps: int, into_lists: bool = False
 ) -> tuple[int, list[tuple[int, int]], list[list[KVEvent]]]:
-    """advance_decode, recording the pool after each step's allocations and each step's events."""
+    """advance_decode, recording the pool after each step's allocations and each step's events
+    (through the callbacks, or through the lists it fills itself)."""
     bm = sched.block_manager
     pools: list[tuple[int, int]] = []
     events: list[list[KVEvent]] = []
+    if into_lists:
+        applied = sched.advance_decode(num_steps, next_tokens, pools=pools, step_events=events)
+        assert len(pools) == len(events) == applied
+        return applied, pools, events
 
     def after_allocate() -> None:
         pools.append((bm.num_free_blocks, bm.num_cached_blocks))
@@ -355,7 +360,7 @@ def test_advance_decode_equals_single_steps(data: st.DataObject) -> None:
             break
         k = fast.decode_run_length(data.draw(st.integers(1, 12)))
         if k >= 1:
-            applied, pools, fast_events = advance_recorded(fast, k)
+            applied, pools, fast_events = advance_recorded(fast, k, data.draw(st.booleans()))
             assert 1 <= applied <= k
             bm_slow = slow.block_manager
             for j in range(applied):
@@ -427,3 +432,76 @@ def test_evictions_in_a_row_are_one_removed_event_and_reset_clears_all() -> None
     assert isinstance(bm.take_events()[-1], AllBlocksCleared)
     assert bm.num_cached_blocks == 0 and bm.num_free_blocks == 4
     bm.check_integrity()
+
+
+# -- bulk block paths ----------------------------------------------------------------------------
+def fill_with_cached(bm: BlockManager, num_requests: int, prompt_len: int) -> None:
+    """Run requests to completion so their full blocks sit in the cache, evictable."""
+    sched = BatchScheduler(SchedulerConfig(max_model_len=256), bm)
+    for i in range(num_requests):
+        sched.add_request(make_request(f"fill{i}", [200 + i, *range(1, prompt_len)], 1))
+    run_to_completion(sched)
+
+
+def test_append_blocks_equals_one_allocation_per_owner() -> None:
+    """A decode step's crossings in one call: the same block ids, evictions and events as one
+    `allocate_slots(request, 1)` per request, in order."""
+    twins = [BlockManager(24, BLOCK, watermark=0.0) for _ in range(2)]
+    requests = [make_request(f"d{i}", list(range(10 * i + 1, 10 * i + 5)), 8) for i in range(6)]
+    for bm in twins:
+        fill_with_cached(bm, 4, 13)  # 12 cached blocks, evictable; 12 uncached free
+        bm.take_events()
+        for request in requests:  # each holds one full block
+            request.num_computed_tokens = 0
+            assert bm.allocate_slots(request, 4)
+            request.num_computed_tokens = 4
+    bulk, single = twins
+    for _ in range(3):  # 18 crossings: the uncached blocks run out, then LRU evictions
+        assert bulk.append_blocks([r.request_id for r in requests])
+        for request in requests:
+            assert single.allocate_slots(request, 1)
+            request.num_computed_tokens += 4
+        events = bulk.take_events()
+        assert events == single.take_events()
+        for request in requests:
+            assert bulk.block_ids(request.request_id) == single.block_ids(request.request_id)
+        bulk.check_integrity()
+    assert any(isinstance(e, BlockRemoved) for e in events)
+    assert bulk.num_free_blocks == single.num_free_blocks == 0
+    assert not bulk.append_blocks(["d0"])  # all or nothing: an empty pool changes nothing
+    assert bulk.block_ids("d0") == single.block_ids("d0")
+    bulk.check_integrity()
+
+
+def test_prefix_hit_stops_at_a_hash_collision() -> None:
+    """A cached block whose hash matches but whose tokens differ is never served."""
+    bm = BlockManager(32, BLOCK)
+    fill_with_cached(bm, 1, 17)  # prompt [200, 1..16]: four full blocks cached
+    owner = make_request("owner", [200, *range(1, 17)], 1)
+    probe = make_request("probe", [200, *range(1, 9), *[99] * 8, 5], 1)
+    probe.block_hashes[:4] = owner.block_hashes[:4]  # forge a collision on blocks 2 and 3
+    hits, num_hit = bm.get_computed_blocks(probe)
+    assert hits == bm.lookup_cached_prefix(owner.block_hashes[:2]) and num_hit == 2 * BLOCK
+    same, _ = bm.get_computed_blocks(make_request("twin", [200, *range(1, 17)], 1))
+    assert same == bm.lookup_cached_prefix(owner.block_hashes[:4])
+
+
+def test_caching_a_run_that_repeats_a_hash_keeps_the_first_copy() -> None:
+    """A (forged) 64-bit collision inside one prefill: the first block stays cached under the
+    hash, the repeat is skipped and splits the stored run, the maps stay consistent."""
+    bm = BlockManager(16, BLOCK)
+    request = make_request("r", list(range(1, 22)), 1)  # five full blocks
+    request.block_hashes[3] = request.block_hashes[1]
+    assert bm.allocate_slots(request, 21)
+    request.num_computed_tokens = 21
+    bm.cache_full_blocks(request)
+    table = bm.block_ids("r")
+    stored = [e for e in bm.take_events() if isinstance(e, BlockStored)]
+    assert [e.block_hashes for e in stored] == [request.block_hashes[:3], request.block_hashes[4:5]]
+    assert stored[1].parent_block_hash == request.block_hashes[3]
+    assert bm.lookup_cached_prefix(request.block_hashes[1:2]) == [table[1]]
+    assert bm.num_cached_blocks == 4
+    bm.check_integrity()
+    bm.free_owner("r")
+    bm.check_integrity()
+    assert bm.num_free_blocks == 16

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from sortedcontainers import SortedList
 
 from instance_agent.engine.block_manager import BlockManager
+from instance_agent.engine.kv_events import KVEvent
 from instance_agent.engine.request import InvalidRequestError, Request, RequestStatus
 
 
@@ -399,6 +400,9 @@ class BatchScheduler:
         next_tokens: Callable[[Request, int], Sequence[int]],
         after_allocate: Callable[[], None] | None = None,
         after_step: Callable[[], None] | None = None,
+        *,
+        pools: list[tuple[int, int]] | None = None,
+        step_events: list[list[KVEvent]] | None = None,
     ) -> int:
         """Apply `num_steps` pure-decode steps (at most `decode_run_length`) at once.
 
@@ -410,6 +414,10 @@ class BatchScheduler:
         hashes are appended in bulk. `after_allocate` runs after each step's allocations (what
         an observer sees while the step is in flight), `after_step` after each step's results
         (the simulator collects that step's KV events there).
+        `pools` and `step_events`, when given, record the same without a Python call per step:
+        per step, (free blocks, cached blocks) after its allocations and the KV events it emitted
+        (events pending before the run count as the first step's); use them instead of callbacks
+        that take events.
         Returns the steps applied: fewer than `num_steps` only when a step caches a block under a
         hash of the waiting head, which the next `schedule` must see.
         """
@@ -461,14 +469,21 @@ class BatchScheduler:
                 completions.setdefault(j, []).append((request, start + j))
         step_ids = self._step_ids
         cache_full_blocks = bm.cache_full_blocks
+        pool = (-1, -1)
+        changed = True  # the pool (and pending events) must be read at the first step
         for j in range(1, steps + 1):
             next(step_ids)
             owners = allocs.get(j)
             if owners is not None:
                 allocated = bm.append_blocks(owners)
                 assert allocated, "advance_decode past decode_run_length"
+                changed = True
             if after_allocate is not None:
                 after_allocate()
+            if pools is not None:
+                if changed:  # only allocations and completions move the pool
+                    pool = (bm.num_free_blocks, bm.num_cached_blocks)
+                pools.append(pool)
             completed = completions.get(j)
             if completed is not None:
                 for request, computed in completed:
@@ -476,6 +491,9 @@ class BatchScheduler:
                     cache_full_blocks(request)
             if after_step is not None:
                 after_step()
+            if step_events is not None:
+                step_events.append(bm.take_events() if changed or completed else [])
+            changed = completed is not None
         for request, start in zip(running, starts, strict=True):
             request.num_computed_tokens = start + steps
         return steps
