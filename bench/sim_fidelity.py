@@ -438,8 +438,11 @@ def main() -> int:
         for policy in policies:
             log = out / f"up_{policy}_{repeat}.log"
             with _fleet(policy, args, profile, log) as (url, agents):
-                # Warm-up: the first requests of a fresh fleet pay one-off costs.
-                _replay_rows(url, _probe_trace([(0.0, args.instances, PROBE_PROMPT, 2)], 9_000_000))
+                # Warm-up: the first requests of a fresh agent pay one-off costs. Sent to the
+                # agents themselves: through the proxy they would draw from the policy's seeded
+                # tie-break coin, which then no longer flips as in the simulation.
+                for i, agent in enumerate(agents):
+                    _replay_rows(agent, _probe_trace([(0.0, 1, PROBE_PROMPT, 2)], 9_000_000 + i))
                 steps_before = _engine_steps(agents)
                 dest = out / f"real_{policy}_{repeat}"
                 subprocess.run(
