@@ -425,13 +425,14 @@ class BatchScheduler:
         bs = bm.block_size
         running = self.running
         starts = [r.num_computed_tokens for r in running]  # = num_tokens - 1: pure decode
-        lengths = [len(r.token_ids) for r in running]
-        outputs = [len(r.output_token_ids) for r in running]
         for request in running:
             tokens = next_tokens(request, num_steps)
+            assert len(tokens) == num_steps, "next_tokens must give exactly the tokens asked for"
             request.output_token_ids.extend(tokens)
-            request.token_ids.extend(tokens)
-            request.update_block_hashes()
+            sequence = request.token_ids
+            sequence.extend(tokens)
+            if (len(request.block_hashes) + 1) * bs <= len(sequence):  # a block filled up
+                request.update_block_hashes()
         steps = num_steps
         head = self._admission_probe()
         head_hashes = set(head.block_hashes) if head is not None else None
@@ -452,21 +453,25 @@ class BatchScheduler:
                         break
                     j += bs
             if steps < num_steps:
-                for i, request in enumerate(running):
-                    del request.output_token_ids[outputs[i] + steps :]
-                    del request.token_ids[lengths[i] + steps :]
-                    del request.block_hashes[(lengths[i] + steps) // bs :]
+                surplus = num_steps - steps
+                for request in running:
+                    del request.output_token_ids[len(request.output_token_ids) - surplus :]
+                    del request.token_ids[len(request.token_ids) - surplus :]
+                    del request.block_hashes[len(request.token_ids) // bs :]
         # Per step, in running order: who crosses into a new block, whose block completes.
         allocs: dict[int, list[str]] = {}
         completions: dict[int, list[tuple[Request, int]]] = {}
         tables = bm.block_tables
         for request, start in zip(running, starts, strict=True):
             # Step j computes position start + j - 1, so it needs start + j slots.
-            capacity = len(tables[request.request_id]) * bs
-            for j in range(capacity - start + 1, steps + 1, bs):
-                allocs.setdefault(j, []).append(request.request_id)
-            for j in range(bs - start % bs, steps + 1, bs):
-                completions.setdefault(j, []).append((request, start + j))
+            first_alloc = len(tables[request.request_id]) * bs - start + 1
+            if first_alloc <= steps:
+                for j in range(first_alloc, steps + 1, bs):
+                    allocs.setdefault(j, []).append(request.request_id)
+            first_completion = bs - start % bs
+            if first_completion <= steps:
+                for j in range(first_completion, steps + 1, bs):
+                    completions.setdefault(j, []).append((request, start + j))
         step_ids = self._step_ids
         cache_full_blocks = bm.cache_full_blocks
         pool = (-1, -1)
