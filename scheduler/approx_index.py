@@ -15,6 +15,8 @@ Contract:
   heap, so a call with nothing due costs O(1), and drops at most `max_expire_per_call` entries per
   call: a backlog (a burst's entries all expiring together) is spread over the next calls instead of
   landing in one routing decision, and an entry may outlive its TTL until the backlog is worked off.
+  Its block -> instances map is sharded (`ShardedBlockOwners`): it grows inside routing
+  decisions, and one big dict would stall a decision for milliseconds each time it grows.
   Pure: the caller supplies `now`.
 """
 
@@ -26,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import count, filterfalse, islice, repeat, takewhile
 
-from scheduler.prefix_index import BlockOwners, InstanceSlots, match_chain
+from scheduler.prefix_index import InstanceSlots, ShardedBlockOwners, match_chain
 
 
 @dataclass(slots=True)
@@ -51,7 +53,7 @@ class ApproxIndex:
         self.default_ttl_s = ttl_s
         self.max_blocks_per_instance = max_blocks_per_instance
         self.max_expire_per_call = max_expire_per_call
-        self.owners = BlockOwners()
+        self.owners = ShardedBlockOwners()
         self._own_slots = slots is None
         self.slots = InstanceSlots() if slots is None else slots
         self._instances: dict[str, _Entries] = {}
@@ -130,4 +132,4 @@ class ApproxIndex:
 
     def match(self, chain: Sequence[int], now: float) -> dict[str, int]:
         self.expire(now)
-        return match_chain(chain, (self.owners.owners,), self.slots)
+        return match_chain(chain, (self.owners,), self.slots)

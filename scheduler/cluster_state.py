@@ -198,7 +198,7 @@ class ClusterState:
     def match(self, chain: Sequence[int], now: float) -> dict[str, int]:
         """Leading blocks of `chain` cached per instance, a block counting if either index has it."""
         self.approx_index.expire(now)
-        maps = (self.prefix_index.owners.owners, self.approx_index.owners.owners)
+        maps = (self.prefix_index.owners, self.approx_index.owners)
         return match_chain(chain, maps, self.slots)
 
     def note_routed(
@@ -257,7 +257,7 @@ class ClusterState:
     def match_array(self, chain: Sequence[int], now: float) -> np.ndarray:
         """`match` as a float64 array in view order (registration order)."""
         self.approx_index.expire(now)
-        maps = (self.prefix_index.owners.owners, self.approx_index.owners.owners)
+        maps = (self.prefix_index.owners, self.approx_index.owners)
         out = np.zeros(len(self._order))
         groups = match_groups(chain, maps)
         if not groups:

@@ -118,8 +118,67 @@ class BlockOwners:
         if not all(masks):
             deque(map(owners.pop, compress(block_hashes, map(not_, masks)), repeat(None)), 0)
 
+    def masks(self, chunk: Sequence[int]) -> list[int]:
+        """Each block's mask (0: nobody holds it)."""
+        return list(map(self.owners.get, chunk, repeat(0)))
 
-def match_groups(chain: Sequence[int], maps: Sequence[dict[int, int]]) -> list[tuple[int, int]]:
+    def __len__(self) -> int:
+        return len(self.owners)
+
+
+class ShardedBlockOwners:
+    """`BlockOwners` split over `num_shards` dicts by the hash's low bits.
+
+    The approximate index grows inside routing decisions (every routed chain is recorded), and a
+    CPython dict grows by rebuilding its whole table: one dict of ~170k entries (a few hundred
+    routed 32k-token prompts) costs one decision several milliseconds. Split, each rebuild touches
+    1/`num_shards` of the entries; a lookup costs one extra C-level step per block.
+    """
+
+    def __init__(self, num_shards: int = 64) -> None:
+        if num_shards <= 0 or num_shards & (num_shards - 1):
+            raise ValueError("num_shards must be a power of two")
+        self._low = num_shards - 1
+        self.shards: list[dict[int, int]] = [{} for _ in range(num_shards)]
+
+    def _shards_of(self, block_hashes: Iterable[int]) -> list[dict[int, int]]:
+        return list(map(self.shards.__getitem__, map(and_, block_hashes, repeat(self._low))))
+
+    def add_many(self, block_hashes: Sequence[int], bit: int) -> None:
+        """Set `bit` for every block of `block_hashes`."""
+        shards = self._shards_of(block_hashes)
+        masks = map(or_, map(dict.get, shards, block_hashes, repeat(0)), repeat(bit))
+        deque(map(dict.__setitem__, shards, block_hashes, masks), 0)
+
+    def discard_many(self, block_hashes: Sequence[int], bit: int) -> None:
+        """Clear `bit` for every block; blocks no instance holds any more are dropped."""
+        shards = self._shards_of(block_hashes)
+        masks = list(map(and_, map(dict.get, shards, block_hashes, repeat(0)), repeat(~bit)))
+        kept = list(map(bool, masks))
+        deque(
+            map(dict.__setitem__, compress(shards, kept), compress(block_hashes, kept),
+                compress(masks, kept)),
+            0,
+        )  # fmt: skip
+        if not all(kept):
+            gone = list(map(not_, kept))
+            deque(
+                map(dict.pop, compress(shards, gone), compress(block_hashes, gone), repeat(None)),
+                0,
+            )
+
+    def masks(self, chunk: Sequence[int]) -> list[int]:
+        """Each block's mask (0: nobody holds it)."""
+        return list(map(dict.get, self._shards_of(chunk), chunk, repeat(0)))
+
+    def __len__(self) -> int:
+        return sum(map(len, self.shards))
+
+
+OwnerMap = BlockOwners | ShardedBlockOwners
+
+
+def match_groups(chain: Sequence[int], maps: Sequence[OwnerMap]) -> list[tuple[int, int]]:
     """The walk itself: ``[(instance bits, leading blocks matched), ...]`` by increasing depth, a
     block counting if any of `maps` holds it. Each bit appears in at most one group.
 
@@ -130,17 +189,16 @@ def match_groups(chain: Sequence[int], maps: Sequence[dict[int, int]]) -> list[t
     """
     groups: list[tuple[int, int]] = []
     num = len(chain)
-    getters = [m.get for m in maps]
-    zeros = repeat(0)
+    first, rest = maps[0], maps[1:]
     alive = -1  # every bit: the AND of no mask; never recorded (depth 0 is "no match")
     start, size = 0, _FIRST_CHUNK
     while start < num:
         chunk = chain[start : start + size]
-        masks = list(map(getters[0], chunk, zeros))
-        for get in getters[1:]:
+        masks = first.masks(chunk)
+        for other in rest:
             # OR in the other map's masks only where it holds the block: the approximate index
             # covers a fraction of a chain, and an OR of two fleet-wide masks makes a new int.
-            extra = list(map(get, chunk, zeros))
+            extra = other.masks(chunk)
             for i in compress(count(), extra):
                 masks[i] |= extra[i]
         # running[i]: bits still matching after the first `start + i` blocks.
@@ -159,7 +217,7 @@ def match_groups(chain: Sequence[int], maps: Sequence[dict[int, int]]) -> list[t
 
 
 def match_chain(
-    chain: Sequence[int], maps: Sequence[dict[int, int]], slots: InstanceSlots
+    chain: Sequence[int], maps: Sequence[OwnerMap], slots: InstanceSlots
 ) -> dict[str, int]:
     """Leading blocks of `chain` held per instance, a block counting if any map holds it."""
     result: dict[str, int] = {}
@@ -422,4 +480,4 @@ class PrefixIndex:
 
     # -- queries -----------------------------------------------------------------------------
     def match(self, chain: Sequence[int]) -> dict[str, int]:
-        return match_chain(chain, (self.owners.owners,), self.slots)
+        return match_chain(chain, (self.owners,), self.slots)

@@ -17,7 +17,7 @@ from instance_agent.engine.kv_events import (
     KVEventBatch,
 )
 from scheduler.approx_index import ApproxIndex
-from scheduler.prefix_index import PrefixIndex
+from scheduler.prefix_index import BlockOwners, PrefixIndex, ShardedBlockOwners
 
 BS = 4
 
@@ -291,7 +291,7 @@ def test_approx_expiry_is_bounded_per_call_and_catches_up() -> None:
     assert (index.num_blocks("a"), index.num_blocks("b")) == (1, 0)
     index.expire(2.0)
     assert index.num_blocks("a") == 0
-    assert index.owners.owners == {}
+    assert len(index.owners) == 0
 
 
 def test_two_engine_hashes_for_the_same_tokens_are_counted() -> None:
@@ -370,3 +370,30 @@ def test_approx_index_equals_brute_force_model(ops: list[tuple[str, str, int, in
     index.expire(now)  # expiry is lazy: only calls apply it
     for instance, blocks in model.items():
         assert index.num_blocks(instance) == sum(deadline > now for deadline in blocks.values())
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.booleans(),  # add or discard
+            st.integers(0, 5),  # instance slot
+            st.lists(st.integers(0, 40), max_size=12),  # block hashes (low bits collide)
+        ),
+        max_size=60,
+    )
+)
+def test_sharded_owners_equal_one_dict(ops: list[tuple[bool, int, list[int]]]) -> None:
+    plain, sharded = BlockOwners(), ShardedBlockOwners(num_shards=4)
+    universe = list(range(41))
+    for add, slot, hashes in ops:
+        if add:
+            hashes = list(dict.fromkeys(hashes))  # add_many's callers pass distinct hashes
+            plain.add_many(hashes, 1 << slot)
+            sharded.add_many(hashes, 1 << slot)
+        else:
+            plain.discard_many(hashes, 1 << slot)
+            sharded.discard_many(hashes, 1 << slot)
+        assert sharded.masks(universe) == plain.masks(universe)
+        assert len(sharded) == len(plain)  # blocks nobody holds are dropped in both
+    with pytest.raises(ValueError):
+        ShardedBlockOwners(num_shards=3)
