@@ -74,10 +74,10 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark_blocks = int(watermark * num_blocks)
         self._ref: list[int] = [0] * num_blocks  # owners holding each block
-        # Cached blocks only: block id -> its chained hash, and -> its token ids (verifying hits).
+        # Cached blocks only: block id -> its chained hash, and -> its token ids (verifying hits)
+        # packed as uint32 bytes, as the block hash reads them: one flat object per block, cheap
+        # to create, compare and drop, holding no references to thousands of ints.
         self._block_hash: dict[int, BlockHash] = {}
-        # Token ids are kept packed (uint32 bytes, as the block hash reads them): one flat object
-        # per block, cheap to create, compare and drop, and no reference to thousands of ints.
         self._block_tokens: dict[int, bytes] = {}
         self._free_uncached: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU order, oldest first
@@ -118,10 +118,6 @@ class BlockManager:
     def cached_block_hashes(self) -> list[BlockHash]:
         """Hashes of every block in the prefix cache (what this instance's KV events announced)."""
         return list(self._cached)
-
-    def ref_count(self, block_id: int) -> int:
-        """Owners holding `block_id` (0: free, cached or not)."""
-        return self._ref[block_id]
 
     # -- prefix cache ------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
