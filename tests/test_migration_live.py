@@ -23,7 +23,9 @@ from test_proxy import agents as agents_started
 pytestmark = pytest.mark.timeout(180)
 
 PROMPT = [(i * 11 + 7) % 250 for i in range(45)]
-MAX_TOKENS = 120
+# Long enough that a migration ordered early has time to finish first: the tiny model decodes
+# ~1 token/ms on an idle machine, and a migration takes tens of milliseconds.
+MAX_TOKENS = 600
 GREEDY = {"temperature": 0.0}
 SEEDED = {"temperature": 0.9, "top_p": 0.95, "seed": 1234}
 _ids = itertools.count()
@@ -175,7 +177,7 @@ def test_migrated_request_matches_an_unmigrated_run(
     got = generation.result()
     if after_tokens < MAX_TOKENS - 1:
         # Most of the request is still ahead: the migration has time to finish first.
-        assert outcome["status"] == "committed", outcome
+        assert outcome["status"] == "committed", json.dumps(outcome)
     if outcome["status"] == "committed":
         # Blocks B already caches (the prompt, after the first test) are shared, not sent.
         moved = outcome["blocks_sent"] + outcome["blocks_skipped"]

@@ -26,6 +26,8 @@ GREEDY = {"temperature": 0.0}
 SEEDED = {"temperature": 0.9, "top_p": 0.95, "seed": 77}
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 _ids = itertools.count()
+# Long enough that an order given after a few tokens lands before the end (~1 token/ms idle).
+LONG = 600
 
 
 @pytest.fixture(scope="module")
@@ -145,9 +147,9 @@ async def test_admin_migrate_through_the_proxy_is_invisible_to_the_client(
     proxy: RunningProxy, pair: list[AgentProcess], sampling: dict[str, Any], stream: bool
 ) -> None:
     async with httpx.AsyncClient(timeout=60) as client:
-        expected = await Completion(client, proxy.url, body(sampling, stream, 150)).result()
-        assert len(expected.tokens) == 150
-        moving = Completion(client, proxy.url, body(sampling, stream, 150))
+        expected = await Completion(client, proxy.url, body(sampling, stream, LONG)).result()
+        assert len(expected.tokens) == LONG
+        moving = Completion(client, proxy.url, body(sampling, stream, LONG))
         src = await running_on(proxy, moving.request_id, 5)
         dst = next(i for i in proxy.fleet.instances if i != src)
         response = await client.post(
@@ -178,7 +180,7 @@ async def test_migrated_chat_stream_continues_through_the_proxy(
 ) -> None:
     chat = {
         "messages": [{"role": "user", "content": "Tell me a long story about KV caches."}],
-        "max_tokens": 150,
+        "max_tokens": LONG,
         "ignore_eos": True,
         "temperature": 0.0,
         "stream": True,
