@@ -123,9 +123,9 @@ class Request:
         "num_cached_tokens",
         "num_computed_tokens",
         "num_preemptions",
+        "num_prompt_tokens",
         "output_token_ids",
         "priority",
-        "prompt_token_ids",
         "request_id",
         "sampling_params",
         "sampling_seed",
@@ -146,9 +146,11 @@ class Request:
         hash_algo: HashAlgo = "xxh3_64",
     ) -> None:
         self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids)
-        # Prompt then output: the sequence whose KV the engine computes.
+        # Prompt then output: the sequence whose KV the engine computes. The prompt is its
+        # leading `num_prompt_tokens` (not a second list: a simulated fleet holds millions of
+        # prompt tokens at once).
         self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
         self.output_token_ids: list[int] = []
         self.sampling_params = sampling_params
         # Unseeded requests still get a fixed seed, so their sampling state is migratable.
@@ -177,8 +179,9 @@ class Request:
         return len(self.token_ids)
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def prompt_token_ids(self) -> list[int]:
+        """A copy of the prompt's token ids."""
+        return self.token_ids[: self.num_prompt_tokens]
 
     @property
     def num_output_tokens(self) -> int:
