@@ -29,16 +29,21 @@ balance_abs_threshold 128 (a guard at 32 fired at 2x the rate and cost 20% mean 
 requests off their cached prefix), decode_token_cost 32, memory_penalty 2.0,
 balance_rel_threshold 2.0, seed 0. Decision scores
 are the negated costs of the `explain_top` (default 16) cheapest instances. Scoring is vectorised
-over `ClusterView.column`s, so a decision over 1,024 instances costs tens of microseconds.
+over `ClusterView.column`s, so a decision over 1,024 instances costs tens of microseconds; fleets
+of up to `SMALL_FLEET` instances are scored in plain Python instead (a dozen numpy calls cost more
+than the arithmetic there), with the very same costs, ties and scores.
 """
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
 
 from policies.views import ClusterView, Decision, InstanceView, NoInstanceError, RequestView
+
+SMALL_FLEET = 16
 
 
 class KvherdDispatch:
@@ -122,6 +127,47 @@ class KvherdDispatch:
         )
 
     def choose(self, request: RequestView, cluster: ClusterView) -> Decision:
+        if len(cluster.instances) <= SMALL_FLEET:
+            return self.choose_scalar(request, cluster)
+        return self.choose_vectorised(request, cluster)
+
+    def choose_scalar(self, request: RequestView, cluster: ClusterView) -> Decision:
+        """`choose_vectorised`'s decision, one instance at a time."""
+        instances = cluster.instances
+        allowed = [inst.dispatchable for inst in instances]
+        if not any(allowed):
+            raise NoInstanceError(f"no dispatchable instance among {len(cluster)} registered")
+        least = min(inst.inflight for inst, ok in zip(instances, allowed, strict=True) if ok)
+        match = cluster.prefix_match(request)
+        matched = [match.get(inst.instance_id, 0) for inst in instances]
+        cost = [
+            self.cost(request, inst, blocks)
+            if ok
+            and not (
+                inst.inflight - least > self.balance_abs_threshold
+                and inst.inflight > self.balance_rel_threshold * least
+            )
+            else math.inf
+            for inst, blocks, ok in zip(instances, matched, allowed, strict=True)
+        ]
+        lowest = min(cost)
+        tied = [i for i, c in enumerate(cost) if c == lowest]
+        if len(tied) > 1:  # prefer the longer cached prefix, then a seeded coin
+            deepest = max(matched[i] for i in tied)
+            tied = [i for i in tied if matched[i] == deepest]
+        pick = tied[0] if len(tied) == 1 else self._rng.choice(tied)
+        ranked = sorted(range(len(cost)), key=cost.__getitem__)
+        top = [i for i in ranked if cost[i] != math.inf][: max(self.explain_top, 0)]
+        scores = {instances[i].instance_id: -float(cost[i]) for i in top}
+        best = instances[pick]
+        scores[best.instance_id] = -float(lowest)
+        return Decision(
+            best.instance_id,
+            scores,
+            f"lowest est. TTFT cost {lowest:.0f} tokens ({int(matched[pick])} cached blocks)",
+        )
+
+    def choose_vectorised(self, request: RequestView, cluster: ClusterView) -> Decision:
         cost, matched = self.costs(request, cluster)
         lowest = cost.min()
         tied = np.flatnonzero(cost == lowest)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
@@ -386,3 +387,38 @@ def test_policies_import_nothing_else_of_kvherd() -> None:
                 names = [node.module]
             for name in names:
                 assert name.split(".")[0] not in forbidden, f"{path.name} imports {name}"
+
+
+def test_kvherd_small_fleet_path_decides_exactly_like_the_vectorised_one() -> None:
+    rng = random.Random(7)
+    scalar, vectorised = KvherdDispatch(explain_top=3), KvherdDispatch(explain_top=3)
+    for case in range(300):
+        n = rng.randrange(1, 12)
+        instances = [
+            InstanceView(
+                f"i{k}",
+                capacity=rng.choice((0, 500)),
+                free_blocks=rng.randrange(0, 200),
+                num_running=rng.randrange(0, 4),
+                waiting_prefill_tokens=rng.choice((0, 0, 160, 320)),
+                head_waiting_blocks=rng.randrange(0, 20),
+                inflight=rng.choice((0, 1, 140, 300)),  # exercises the hot-spot guard
+                healthy=rng.random() > 0.1,
+            )
+            for k in range(n)
+        ]
+        matched = {f"i{k}": rng.choice((0, 5, 10)) for k in range(n)}
+        req = request(rng.choice((160, 800)), rid=f"r{case}")
+        view = cluster(*instances, matched=matched)
+        try:
+            want = vectorised.choose_vectorised(req, view)
+        except NoInstanceError:
+            with pytest.raises(NoInstanceError):
+                scalar.choose_scalar(req, view)
+            continue
+        got = scalar.choose_scalar(req, view)  # ties drawn from the same seeded coin
+        assert (got.instance_id, got.scores, got.reason) == (
+            want.instance_id,
+            want.scores,
+            want.reason,
+        )
