@@ -21,8 +21,8 @@ Contract:
   fit quality (RMSE, mean absolute percentage error, R^2), the engine configuration measured
   (block size, pool size, batch limits, torch threads, clock: `kvherd sim` adopts the engine
   limits), KV bytes per token, and every measured point with its prediction. The feature names
-  are the file's contract with the simulator (`simulator.latency.calibrated` evaluates the same
-  names; a test checks both agree on every point).
+  are the file's contract with the simulator: both compute them with
+  `instance_agent.engine.step_features`.
 - Bad arguments exit with status 2 and one line on stderr.
 """
 
@@ -37,26 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-PROFILE_FORMAT = "kvherd-latency-profile/v2"
-FEATURES = (
-    "const",
-    "prefill_sequences",
-    "prefill_tokens",
-    "prefill_attention_pairs",
-    "decode_batch",
-    "decode_context_tokens",
-)
-
-
-def step_features(prefill: list[tuple[int, int]], decode: list[int]) -> list[float]:
-    return [
-        1.0,
-        float(len(prefill)),
-        float(sum(n for n, _ in prefill)),
-        float(sum(n * c + n * (n + 1) // 2 for n, c in prefill)),
-        float(len(decode)),
-        float(sum(decode)),
-    ]
+from instance_agent.engine.step_features import FEATURES, PROFILE_FORMAT, step_features
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -19,6 +19,7 @@ PURE_MODULES = [
     "instance_agent.engine.block_manager",
     "instance_agent.engine.batch_scheduler",
     "instance_agent.engine.tokenizer",
+    "instance_agent.engine.step_features",
     "policies.registry",
     "scheduler.cluster_state",
     "scheduler.prefix_index",

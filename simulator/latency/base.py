@@ -61,8 +61,3 @@ def profiles_dir() -> Path:
         return Path(env)
     # The repository sits next to ../shared/traces (see the traces README).
     return Path(__file__).resolve().parents[3] / "shared" / "traces" / "profiles"
-
-
-def attention_pairs(num_new: int, num_before: int) -> int:
-    """Query-key pairs a causal prefill chunk computes: each new token attends to its context."""
-    return num_new * num_before + num_new * (num_new + 1) // 2

@@ -3,8 +3,9 @@
 Contract: `kvherd profile` measures whole engine steps and fits
   t = c0 + c1 * prefill_sequences + c2 * prefill_tokens + c3 * prefill_attention_pairs
         + c4 * decode_batch + c5 * decode_context_tokens
-by least squares over the features `step_features` computes; this module loads that JSON file and
-predicts with the very same feature function, so fit and prediction cannot disagree. Files of the
+by least squares over the features `instance_agent.engine.step_features` computes; this module
+loads that JSON file and predicts with the very same feature function, so fit and prediction
+cannot disagree. Files of the
 first format (``kvherd-latency-profile/v1``, without ``prefill_sequences``) still load; a feature a
 file does not name weighs zero.
 
@@ -25,32 +26,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from simulator.latency.base import LatencyModel, LatencyModelError, PrefillChunk, attention_pairs
+from instance_agent.engine.step_features import FEATURES, PROFILE_FORMAT, step_features
+from simulator.latency.base import LatencyModel, LatencyModelError, PrefillChunk
 
-PROFILE_FORMAT = "kvherd-latency-profile/v2"
 _FORMATS = ("kvherd-latency-profile/v1", PROFILE_FORMAT)
-FEATURES = (
-    "const",
-    "prefill_sequences",
-    "prefill_tokens",
-    "prefill_attention_pairs",
-    "decode_batch",
-    "decode_context_tokens",
-)
 # Floor for predictions: a fit may extrapolate below zero far outside the measured grid.
 _MIN_STEP_S = 1e-5
-
-
-def step_features(prefill: Sequence[PrefillChunk], decode_contexts: Sequence[int]) -> list[float]:
-    """The values of `FEATURES`, in order, for one step."""
-    return [
-        1.0,
-        float(len(prefill)),
-        float(sum(n for n, _ in prefill)),
-        float(sum(attention_pairs(n, c) for n, c in prefill)),
-        float(len(decode_contexts)),
-        float(sum(decode_contexts)),
-    ]
 
 
 def _number(value: Any, what: str, source: str) -> float:

@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from simulator.latency.base import LatencyModel, LatencyModelError, PrefillChunk, attention_pairs
+from instance_agent.engine.step_features import attention_pairs
+from simulator.latency.base import LatencyModel, LatencyModelError, PrefillChunk
 
 
 @dataclass(frozen=True, slots=True)
