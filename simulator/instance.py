@@ -304,14 +304,10 @@ class SimInstance:
     def _apply_run(
         self, starts: list[float], ends: list[float], durations: list[float]
     ) -> DecodeRun:
-        bm = self.block_manager
         events: list[list[KVEvent]] = []
         pool: list[tuple[int, int]] = []
         applied = self.scheduler.advance_decode(
-            len(ends),
-            sampled_tokens,
-            after_allocate=lambda: pool.append((bm.num_free_blocks, bm.num_cached_blocks)),
-            after_step=lambda: events.append(bm.take_events()),
+            len(ends), sampled_tokens, pools=pool, step_events=events
         )
         if applied < len(ends):  # the waiting head must see a block this run cached
             self._steps_left = 0

@@ -273,25 +273,13 @@ def next_tokens(request: Request, count: int) -> list[int]:
 
 
 def advance_recorded(
-    sched: BatchScheduler, num_steps: int, into_lists: bool = False
+    sched: BatchScheduler, num_steps: int
 ) -> tuple[int, list[tuple[int, int]], list[list[KVEvent]]]:
-    """advance_decode, recording the pool after each step's allocations and each step's events
-    (through the callbacks, or through the lists it fills itself)."""
-    bm = sched.block_manager
+    """advance_decode, recording the pool after each step's allocations and each step's events."""
     pools: list[tuple[int, int]] = []
     events: list[list[KVEvent]] = []
-    if into_lists:
-        applied = sched.advance_decode(num_steps, next_tokens, pools=pools, step_events=events)
-        assert len(pools) == len(events) == applied
-        return applied, pools, events
-
-    def after_allocate() -> None:
-        pools.append((bm.num_free_blocks, bm.num_cached_blocks))
-
-    def after_step() -> None:
-        events.append(bm.take_events())
-
-    applied = sched.advance_decode(num_steps, next_tokens, after_allocate, after_step)
+    applied = sched.advance_decode(num_steps, next_tokens, pools=pools, step_events=events)
+    assert len(pools) == len(events) == applied
     return applied, pools, events
 
 
@@ -360,7 +348,7 @@ def test_advance_decode_equals_single_steps(data: st.DataObject) -> None:
             break
         k = fast.decode_run_length(data.draw(st.integers(1, 12)))
         if k >= 1:
-            applied, pools, fast_events = advance_recorded(fast, k, data.draw(st.booleans()))
+            applied, pools, fast_events = advance_recorded(fast, k)
             assert 1 <= applied <= k
             bm_slow = slow.block_manager
             for j in range(applied):

@@ -398,8 +398,6 @@ class BatchScheduler:
         self,
         num_steps: int,
         next_tokens: Callable[[Request, int], Sequence[int]],
-        after_allocate: Callable[[], None] | None = None,
-        after_step: Callable[[], None] | None = None,
         *,
         pools: list[tuple[int, int]] | None = None,
         step_events: list[list[KVEvent]] | None = None,
@@ -411,13 +409,10 @@ class BatchScheduler:
         same KV events, the same tokens appended. `next_tokens(request, n)` gives the request's next
         `n` sampled tokens (counter-based sampling makes them a function of its seed and output
         length). Work is per request and per block crossing, not per token: tokens and block
-        hashes are appended in bulk. `after_allocate` runs after each step's allocations (what
-        an observer sees while the step is in flight), `after_step` after each step's results
-        (the simulator collects that step's KV events there).
-        `pools` and `step_events`, when given, record the same without a Python call per step:
-        per step, (free blocks, cached blocks) after its allocations and the KV events it emitted
-        (events pending before the run count as the first step's); use them instead of callbacks
-        that take events.
+        hashes are appended in bulk. `pools` and `step_events`, when given, record per step what
+        an observer of stepping would see (the simulator replays them): (free blocks, cached
+        blocks) after the step's allocations, while it is in flight, and the KV events it emitted
+        (events pending before the run count as the first step's).
         Returns the steps applied: fewer than `num_steps` only when a step caches a block under a
         hash of the waiting head, which the next `schedule` must see.
         """
@@ -483,8 +478,6 @@ class BatchScheduler:
                 allocated = bm.append_blocks(owners)
                 assert allocated, "advance_decode past decode_run_length"
                 changed = True
-            if after_allocate is not None:
-                after_allocate()
             if pools is not None:
                 if changed:  # only allocations and completions move the pool
                     pool = (bm.num_free_blocks, bm.num_cached_blocks)
@@ -494,8 +487,6 @@ class BatchScheduler:
                 for request, computed in completed:
                     request.num_computed_tokens = computed
                     cache_full_blocks(request)
-            if after_step is not None:
-                after_step()
             if step_events is not None:
                 step_events.append(bm.take_events() if changed or completed else [])
             changed = completed is not None
