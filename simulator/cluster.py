@@ -8,7 +8,8 @@ Contract:
   state, precise prefix index) and `scheduler.router.Router` (view -> policy -> optimistic charge).
   It sees the fleet as the proxy does: load reports (the agent's state snapshot as a `LoadReport`)
   taken every `report_interval_s` reach it `report_delay_s` later, KV events reach the prefix index
-  `kv_event_delay_s` after the step that emitted them, and between reports the router charges its
+  `kv_event_delay_s` after the step that emitted them (applied lazily, in due order, before the
+  next read: a routing decision or a migration plan), and between reports the router charges its
   own dispatches.
 - Migrations (`migration_policy` other than `none`): `scheduler.migration_loop.MigrationLoop` asks
   the migration policy every `migration_interval_s`; each accepted order runs Llumnix's multi-stage
@@ -21,8 +22,8 @@ Contract:
 - Decode fast-forward (`fast_forward`, on by default): while no migration is in flight, an
   instance whose next steps are guaranteed pure decode applies all of those that end before the
   next barrier event (arrival, admission, migration tick; a load report too under a migration
-  policy, which reads running requests) at once; its step ends, KV-event deliveries, samples
-  and other load reports are quiet events (they touch or read nothing a run changes, or replay
+  policy, which reads running requests) at once; its step ends, samples and other
+  load reports are quiet events (they touch or read nothing a run changes, or replay
   it: `SimInstance.pool_at`). Without a migration policy a run also takes the step in flight
   at the barrier (an admission only queues work for the next `schedule`), and when it ends with
   no admission to its instance, the rest of the guaranteed run goes on without a new check: an
@@ -36,6 +37,7 @@ Contract:
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -181,6 +183,8 @@ class SimCluster:
         self._migrations_of: dict[str, int] = {}
         self._migrating: dict[str, _Migration] = {}  # by request id
         self._between_steps: dict[str, list[Callable[[], None]]] = {}
+        # KV events on their way to the prefix index: (due, loop order, instance, events).
+        self._pending_events: list[tuple[float, int, str, list[KVEvent]]] = []
         self.migration_stats = MigrationStats()
         self._remaining = 0
         self._periodic: list[_Periodic] = []
@@ -212,6 +216,7 @@ class SimCluster:
                 _Periodic(loop, self.config.migration_interval_s, self._migration_tick)
             )
         loop.run()
+        self._deliver_events(before=(math.inf, 0))  # the run is over: every delivery is due
         return self.metrics
 
     def _done_one(self) -> None:
@@ -230,6 +235,7 @@ class SimCluster:
         self.metrics.on_arrival(rid, now, tr.input_length)
         for periodic in self._periodic:
             periodic.wake()
+        self._deliver_events()
         routed = self.router.route(
             rid,
             now=now,
@@ -288,9 +294,11 @@ class SimCluster:
         loop = self.loop
         delay = self.config.kv_event_delay_s
         iid = instance.instance_id
+        pending = self._pending_events
+        key_at = loop.key_at
         for step_end, events in zip(run.step_ends, run.events, strict=True):
             if events:
-                loop.call_at_quiet(step_end + delay, self._deliver_events, iid, events)
+                heapq.heappush(pending, (*key_at(step_end + delay), iid, events))
         loop.call_at_quiet(run.step_ends[-1], self._decode_run_end, instance)
 
     def _decode_run_end(self, instance: SimInstance) -> None:
@@ -308,12 +316,8 @@ class SimCluster:
         instance.finish_step(self.loop.now)
         events = instance.take_events()
         if events:
-            self.loop.call_at_quiet(
-                self.loop.now + self.config.kv_event_delay_s,
-                self._deliver_events,
-                instance.instance_id,
-                events,
-            )
+            due = self.loop.key_at(self.loop.now + self.config.kv_event_delay_s)
+            heapq.heappush(self._pending_events, (*due, instance.instance_id, events))
         self._after_step(instance)
 
     def _after_step(self, instance: SimInstance) -> None:
@@ -323,7 +327,23 @@ class SimCluster:
                 action()
         self._start_step(instance)
 
-    def _deliver_events(self, instance_id: str, events: list[KVEvent]) -> None:
+    def _deliver_events(self, before: tuple[float, int] | None = None) -> None:
+        """Apply the KV events due before the running event (or the loop key `before`), in the
+        order their deliveries would have run as events of their own.
+
+        Only routing and migration planning read the prefix index, so deliveries wait in
+        `_pending_events` (keyed like loop events) until one of those runs: the same state
+        at every read, without a loop event per engine step.
+        """
+        pending = self._pending_events
+        current = self.loop.current if before is None else before
+        apply = self._apply_events
+        while pending and pending[0][:2] < current:
+            due, _, instance_id, events = heapq.heappop(pending)
+            apply(due, instance_id, events)
+
+    def _apply_events(self, due: float, instance_id: str, events: list[KVEvent]) -> None:
+        """One delivery, due at virtual time `due`."""
         self.state.apply_kv_events(instance_id, events)
 
     def _run_between_steps(self, instance: SimInstance, action: Callable[[], None]) -> None:
@@ -393,6 +413,7 @@ class SimCluster:
     def _migration_tick(self) -> bool:
         assert self.migration_loop is not None
         now = self.loop.now
+        self._deliver_events()
         self.migration_loop.tick(self.state.view(now), now)
         return self._fleet_busy() or bool(self._migrating)
 

@@ -53,14 +53,22 @@ class TokenSink(Protocol):
 
 def sampled_token(request: Request) -> int:
     """The synthetic token a request samples next."""
-    return _TOKEN_LOW + ((request.sampling_seed * 40503 + request.num_output_tokens) % _TOKEN_RANGE)
+    return _TOKEN_LOW + (
+        (request.sampling_seed * 40503 + len(request.output_token_ids)) % _TOKEN_RANGE
+    )
+
+
+# The alphabet repeated: `sampled_tokens` is one slice of it (consecutive tokens wrap around),
+# for runs of up to 4,096 tokens.
+_TOKEN_CYCLE = list(range(_TOKEN_LOW, _TOKEN_LOW + _TOKEN_RANGE)) * (2 + 4096 // _TOKEN_RANGE)
 
 
 def sampled_tokens(request: Request, count: int) -> list[int]:
     """The next `count` tokens `sampled_token` gives, one step after another."""
-    base = request.sampling_seed * 40503
-    first = request.num_output_tokens
-    return [_TOKEN_LOW + ((base + i) % _TOKEN_RANGE) for i in range(first, first + count)]
+    start = (request.sampling_seed * 40503 + len(request.output_token_ids)) % _TOKEN_RANGE
+    if start + count <= len(_TOKEN_CYCLE):
+        return _TOKEN_CYCLE[start : start + count]
+    return [_TOKEN_CYCLE[(start + i) % _TOKEN_RANGE] for i in range(count)]
 
 
 @dataclass(slots=True)
@@ -230,7 +238,7 @@ class SimInstance:
             return None
         # A decode's context: its computed tokens + 1.
         self._step_times = self.latency.decode_step_times(
-            [r.num_tokens for r in running], max_steps
+            [len(r.token_ids) for r in running], max_steps
         )
         self._drawn = None
         starts: list[float] = []

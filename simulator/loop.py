@@ -1,9 +1,11 @@
 """Virtual-clock discrete-event loop.
 
 Contract: events are callbacks scheduled at a virtual time; `run()` pops them in (time, insertion
-order) order, setting `now` before each call, so equal-time events run in the order they were
-scheduled and a run is deterministic. Scheduling into the past is an error. Nothing here sleeps or reads
-a real clock.
+order) order, setting `now` (and `current`, the running event's (time, order) key) before each
+call, so equal-time events run in the order they were scheduled and a run is deterministic.
+Scheduling into the past is an error. `key_at(when)` hands out the key an event scheduled now at
+`when` would get, for work a caller keeps outside the queue and applies lazily, in the same order,
+before the first event that reads it (`current` > key). Nothing here sleeps or reads a real clock.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class EventLoop:
         self._queue: list[tuple[float, int, bool, Callable[..., None], tuple[Any, ...]]] = []
         self._barriers: list[float] = []  # times of the queued barrier events (a heap)
         self._seq = itertools.count()
+        self.current: tuple[float, int] = (0.0, -1)
         self.num_events = 0
 
     def call_at(self, when: float, callback: Callable[..., None], *args: Any) -> None:
@@ -34,6 +37,12 @@ class EventLoop:
         if when < self.now:
             raise ValueError(f"cannot schedule at {when} before now ({self.now})")
         heapq.heappush(self._queue, (when, next(self._seq), False, callback, args))
+
+    def key_at(self, when: float) -> tuple[float, int]:
+        """The (time, order) key of an event scheduled now at `when`, without queueing one."""
+        if when < self.now:
+            raise ValueError(f"cannot schedule at {when} before now ({self.now})")
+        return (when, next(self._seq))
 
     def next_barrier(self) -> float:
         return self._barriers[0] if self._barriers else math.inf
@@ -51,10 +60,11 @@ class EventLoop:
             if until is not None and queue[0][0] > until:
                 self.now = until
                 return
-            when, _, barrier, callback, args = heapq.heappop(queue)
+            when, seq, barrier, callback, args = heapq.heappop(queue)
             if barrier:
                 # Events leave in time order, so this barrier is the earliest one.
                 heapq.heappop(self._barriers)
             self.now = when
+            self.current = (when, seq)
             self.num_events += 1
             callback(*args)

@@ -78,13 +78,13 @@ def _run(
         fast_forward=fast_forward,
     )
     delivered: list[tuple[float, str, list[KVEvent]]] = []
-    deliver = cluster._deliver_events
+    deliver = cluster._apply_events
 
-    def recording(instance_id: str, events: list[KVEvent]) -> None:
-        delivered.append((cluster.loop.now, instance_id, events))
-        deliver(instance_id, events)
+    def recording(due: float, instance_id: str, events: list[KVEvent]) -> None:
+        delivered.append((due, instance_id, events))
+        deliver(due, instance_id, events)
 
-    cluster._deliver_events = recording  # type: ignore[method-assign]
+    cluster._apply_events = recording  # type: ignore[method-assign]
     reports: list[object] = []
     deliver_report = cluster._deliver_report
 
