@@ -112,6 +112,15 @@ def block_hash_chain(
     return hashes
 
 
+def next_block_hash(
+    parent_hash: BlockHash, block_token_ids: array[int], algo: HashAlgo = "xxh3_64"
+) -> BlockHash:
+    """Hash of one full block after the first (no salt enters), its token ids given as a
+    uint32 array: what `block_hash_chain` gives for that block, at a fraction of its fixed cost
+    (a request growing by one block per decode step hashes this way)."""
+    return _DIGESTS[algo](_U64.pack(parent_hash) + block_token_ids.tobytes())
+
+
 @cache
 def _block_bytes(stride: int) -> struct.Struct:
     return struct.Struct(f"{stride}s")

@@ -22,7 +22,6 @@ Contract:
 
 from __future__ import annotations
 
-from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from functools import partial
@@ -36,12 +35,6 @@ from instance_agent.engine.kv_events import AllBlocksCleared, BlockRemoved, Bloc
 from instance_agent.engine.request import Request
 
 _is_hit = partial(is_not, None)  # `takewhile` predicate over `dict.get` results: the key is there
-
-
-def _pack(token_ids: list[int]) -> bytes:
-    """Token ids as uint32 bytes: equal lists give equal bytes (every cached block was hashed,
-    so its ids already passed this conversion)."""
-    return array("I", token_ids).tobytes()
 
 
 def _leading_hits(cached: dict[BlockHash, int], block_hashes: Iterable[BlockHash]) -> list[int]:
@@ -130,7 +123,7 @@ class BlockManager:
         hits = _leading_hits(self._cached, islice(request.block_hashes, max_blocks))
         if hits:
             stored = self._block_tokens
-            wanted = _pack(tokens[: len(hits) * bs])
+            wanted = tokens[: len(hits) * bs].tobytes()
             # One comparison for the whole run; only a hash collision needs the per-block walk.
             if b"".join(map(stored.__getitem__, hits)) != wanted:
                 stride = 4 * bs
@@ -209,12 +202,13 @@ class BlockManager:
         bs = self.block_size
         begin = index * bs
         tokens = request.token_ids
-        self._block_tokens[block_id] = _pack(tokens[begin : begin + bs])
+        block_tokens = tokens[begin : begin + bs]
+        self._block_tokens[block_id] = block_tokens.tobytes()
         self._events.append(
             BlockStored(
                 block_hashes=[block_hash],
                 parent_block_hash=request.block_hashes[index - 1] if index > 0 else None,
-                token_ids=tokens[begin : begin + bs],
+                token_ids=block_tokens.tolist(),
                 block_size=bs,
             )
         )
@@ -244,7 +238,7 @@ class BlockManager:
         bs = self.block_size
         tokens = request.token_ids
         begin = start * bs
-        packed = _pack(tokens[begin : begin + count * bs])
+        packed = tokens[begin : begin + count * bs].tobytes()
         stride = 4 * bs
         self._block_tokens.update(
             zip(ids, [packed[i : i + stride] for i in range(0, len(packed), stride)], strict=True)
@@ -269,7 +263,7 @@ class BlockManager:
                 continue
             cached[h] = block_id
             block_hash[block_id] = h
-            self._block_tokens[block_id] = _pack(tokens[index * bs : (index + 1) * bs])
+            self._block_tokens[block_id] = tokens[index * bs : (index + 1) * bs].tobytes()
             if not run_hashes:
                 run_start = index
             run_hashes.append(h)
@@ -284,7 +278,7 @@ class BlockManager:
             BlockStored(
                 block_hashes=hashes,
                 parent_block_hash=request.block_hashes[start - 1] if start > 0 else None,
-                token_ids=request.token_ids[start * bs : (start + len(hashes)) * bs],
+                token_ids=request.token_ids[start * bs : (start + len(hashes)) * bs].tolist(),
                 block_size=bs,
             )
         )

@@ -3,7 +3,8 @@
 Contract:
 - `SamplingParams.validate()` rejects every invalid value with `InvalidRequestError` naming the parameter,
   before a request reaches the block manager, so bad input never holds a block.
-- A `Request` owns its token ids (prompt then output), how many of them have KV computed
+- A `Request` owns its token ids (prompt then output, a uint32 `array`: 4 bytes a token, the
+  form the block hash and the prefix cache's verification read), how many of them have KV computed
   (`num_computed_tokens`), its status, and the hashes of its full blocks, extended incrementally as it
   grows (`update_block_hashes`). Block ids live in the block manager, keyed by request id.
 - Sampling randomness is counter-based: the draw for output token i depends only on (`sampling_seed`, i),
@@ -15,10 +16,16 @@ from __future__ import annotations
 
 import enum
 import random
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from instance_agent.engine.block_hash import BlockHash, HashAlgo, block_hash_chain
+from instance_agent.engine.block_hash import (
+    BlockHash,
+    HashAlgo,
+    block_hash_chain,
+    next_block_hash,
+)
 
 
 class InvalidRequestError(ValueError):
@@ -147,9 +154,14 @@ class Request:
     ) -> None:
         self.request_id = request_id
         # Prompt then output: the sequence whose KV the engine computes. The prompt is its
-        # leading `num_prompt_tokens` (not a second list: a simulated fleet holds millions of
-        # prompt tokens at once).
-        self.token_ids = list(prompt_token_ids)
+        # leading `num_prompt_tokens` (not a second copy), and the ids are uint32, not a list of
+        # pointers: a simulated fleet holds millions of prompt tokens at once.
+        try:
+            self.token_ids = array("I", prompt_token_ids)
+        except (OverflowError, TypeError) as exc:
+            raise InvalidRequestError(
+                "prompt token ids must be integers in [0, 2**32)", "prompt"
+            ) from exc
         self.num_prompt_tokens = len(self.token_ids)
         self.output_token_ids: list[int] = []
         self.sampling_params = sampling_params
@@ -181,7 +193,7 @@ class Request:
     @property
     def prompt_token_ids(self) -> list[int]:
         """A copy of the prompt's token ids."""
-        return self.token_ids[: self.num_prompt_tokens]
+        return self.token_ids[: self.num_prompt_tokens].tolist()
 
     @property
     def num_output_tokens(self) -> int:
@@ -199,14 +211,22 @@ class Request:
     # -- growth ------------------------------------------------------------------------------
     def update_block_hashes(self) -> None:
         """Extend `block_hashes` to cover every full block of `token_ids`."""
-        have = len(self.block_hashes)
-        if (have + 1) * self.block_size > len(self.token_ids):
+        hashes = self.block_hashes
+        have = len(hashes)
+        bs = self.block_size
+        tokens = self.token_ids
+        if (have + 1) * bs > len(tokens):
             return
-        parent = self.block_hashes[-1] if have else None
-        self.block_hashes.extend(
+        if have and (have + 2) * bs > len(tokens):  # one more block (a decode step filled it)
+            hashes.append(
+                next_block_hash(hashes[-1], tokens[have * bs : (have + 1) * bs], self._hash_algo)
+            )
+            return
+        parent = hashes[-1] if have else None
+        hashes.extend(
             block_hash_chain(
-                self.token_ids,
-                self.block_size,
+                tokens,
+                bs,
                 self.cache_salt,
                 self._hash_algo,
                 start=have,
@@ -215,9 +235,14 @@ class Request:
         )
 
     def append_output_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
         tokens = self.token_ids
-        tokens.append(token_id)
+        try:  # first: an id outside uint32 is refused before anything changed
+            tokens.append(token_id)
+        except (OverflowError, TypeError) as exc:
+            raise InvalidRequestError(
+                f"token id {token_id!r} is not an integer in [0, 2**32)", "output_token_ids"
+            ) from exc
+        self.output_token_ids.append(token_id)
         if (len(self.block_hashes) + 1) * self.block_size <= len(tokens):  # a block filled up
             self.update_block_hashes()
 
