@@ -67,11 +67,12 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark_blocks = int(watermark * num_blocks)
         self._ref: list[int] = [0] * num_blocks  # owners holding each block
-        # Cached blocks only: block id -> its chained hash, and -> its token ids (verifying hits)
+        # Cached blocks only: block id -> its chained hash, and (indexed by block id, None when
+        # uncached: a slot costs a pointer, not a map entry) its token ids for verifying hits,
         # packed as uint32 bytes, as the block hash reads them: one flat object per block, cheap
         # to create, compare and drop, holding no references to thousands of ints.
         self._block_hash: dict[int, BlockHash] = {}
-        self._block_tokens: dict[int, bytes] = {}
+        self._block_tokens: list[bytes | None] = [None] * num_blocks
         self._free_uncached: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU order, oldest first
         self._cached: dict[BlockHash, int] = {}  # block hash -> block id
@@ -125,7 +126,7 @@ class BlockManager:
             stored = self._block_tokens
             wanted = tokens[: len(hits) * bs].tobytes()
             # One comparison for the whole run; only a hash collision needs the per-block walk.
-            if b"".join(map(stored.__getitem__, hits)) != wanted:
+            if b"".join(map(stored.__getitem__, hits)) != wanted:  # type: ignore[arg-type]
                 stride = 4 * bs
                 for index, block_id in enumerate(hits):
                     if stored[block_id] != wanted[index * stride : (index + 1) * stride]:
@@ -240,9 +241,9 @@ class BlockManager:
         begin = start * bs
         packed = tokens[begin : begin + count * bs].tobytes()
         stride = 4 * bs
-        self._block_tokens.update(
-            zip(ids, [packed[i : i + stride] for i in range(0, len(packed), stride)], strict=True)
-        )
+        stored = self._block_tokens
+        for block_id, offset in zip(ids, range(0, len(packed), stride), strict=True):
+            stored[block_id] = packed[offset : offset + stride]
         self._emit_stored(request, start, hashes)
         return True
 
@@ -288,7 +289,7 @@ class BlockManager:
         if self._owner_blocks:
             return False
         self._block_hash.clear()
-        self._block_tokens.clear()
+        self._block_tokens = [None] * self.num_blocks
         self._cached.clear()
         self._evictable.clear()
         self._free_uncached = deque(range(self.num_blocks))
@@ -462,11 +463,13 @@ class BlockManager:
         if count == 1:
             victims = [evictable.popitem(last=False)[0]]
             hashes = [self._block_hash.pop(victims[0])]
-            del cached[hashes[0]], block_tokens[victims[0]]
+            del cached[hashes[0]]
+            block_tokens[victims[0]] = None
         else:
             victims = list(islice(evictable, count))
             for block_id in victims:
-                del evictable[block_id], block_tokens[block_id]
+                del evictable[block_id]
+                block_tokens[block_id] = None
             hashes = list(map(self._block_hash.pop, victims))
             for h in hashes:
                 del cached[h]
@@ -522,7 +525,10 @@ class BlockManager:
         free_uncached = set(self._free_uncached)
         assert len(free_uncached) == len(self._free_uncached), "duplicate block in free list"
         assert not free_uncached & self._evictable.keys(), "block both free and evictable"
-        assert self._block_tokens.keys() == self._block_hash.keys(), "hash and token maps differ"
+        assert len(self._block_tokens) == self.num_blocks, "token map lost its slots"
+        assert {b for b, t in enumerate(self._block_tokens) if t is not None} == (
+            self._block_hash.keys()
+        ), "hash and token maps differ"
         for bid in range(self.num_blocks):
             assert self._ref[bid] == refs[bid], (
                 f"block {bid}: ref_count {self._ref[bid]} but {refs[bid]} owners hold it"
@@ -536,7 +542,7 @@ class BlockManager:
                 assert block_hash is not None, f"evictable block {bid} has no hash"
             if block_hash is not None:
                 assert self._cached.get(block_hash) == bid, f"block {bid} not in hash map"
-                assert len(self._block_tokens[bid]) == 4 * self.block_size
+                assert len(self._block_tokens[bid] or b"") == 4 * self.block_size
         assert len(self._cached) == len(self._block_hash), (
             "hash map has entries for blocks that do not carry that hash"
         )
