@@ -313,6 +313,9 @@ class SimCluster:
         self._after_step(instance)
 
     def _step_end(self, instance: SimInstance) -> None:
+        # Deliveries due by now are applied here too: a prefill's events carry its token ids,
+        # which should not wait for the next read (hours of virtual time on a sparse trace).
+        self._deliver_events()
         instance.finish_step(self.loop.now)
         events = instance.take_events()
         if events:

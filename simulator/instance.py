@@ -22,6 +22,7 @@ Contract:
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -292,13 +293,15 @@ class SimInstance:
         planned is kept for the next part of the run."""
         overhead = self.config.step_overhead_s
         t = ends[-1] if ends else now
-        while len(ends) < count:
-            if t >= horizon:  # a barrier at a step start comes first (it was queued first)
-                return
-            step_time = self._drawn if self._drawn is not None else next(self._step_times, None)
+        need = count - len(ends)
+        # A barrier at a step start comes first (it was queued first).
+        if need <= 0 or t >= horizon:
+            return
+        times: Iterator[float] = self._step_times
+        if self._drawn is not None:
+            times = itertools.chain((self._drawn,), times)
             self._drawn = None
-            if step_time is None:
-                return
+        for step_time in times:
             duration = step_time + overhead
             end = t + duration
             if end >= horizon and not straddle:
@@ -308,6 +311,9 @@ class SimInstance:
             ends.append(end)
             durations.append(duration)
             t = end
+            need -= 1
+            if not need or t >= horizon:
+                return
 
     def _apply_run(
         self, starts: list[float], ends: list[float], durations: list[float]
