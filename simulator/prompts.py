@@ -14,6 +14,7 @@ Contract:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cache
 
 import numpy as np
 
@@ -28,6 +29,19 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
     x = (x ^ (x >> np.uint64(30))) * _M1
     x = (x ^ (x >> np.uint64(27))) * _M2
     return x ^ (x >> np.uint64(31))
+
+
+@cache
+def _seed_key(seed: int) -> np.uint64:
+    return np.uint64(_splitmix64(np.asarray([seed], dtype=np.uint64))[0])
+
+
+@cache
+def _positions(id_block_size: int) -> np.ndarray:
+    """Per-position offsets inside an id block (read-only: shared by every call)."""
+    positions = np.arange(id_block_size, dtype=np.uint64) * _GOLDEN
+    positions.setflags(write=False)
+    return positions
 
 
 DEFAULT_VOCAB_SIZE = 256
@@ -53,8 +67,8 @@ def synthesize_prompt(
         )
     num_blocks = -(-input_length // id_block_size)  # later ids fall past the cut
     ids = np.asarray(hash_ids[:num_blocks], dtype=np.uint64)
-    block_key = _splitmix64(ids ^ _splitmix64(np.asarray([seed], dtype=np.uint64)))
-    positions = np.arange(id_block_size, dtype=np.uint64) * _GOLDEN
+    block_key = _splitmix64(ids ^ _seed_key(seed))
+    positions = _positions(id_block_size)
     words = _splitmix64((block_key[:, None] + positions[None, :]).reshape(-1)[:input_length])
     tokens = np.uint64(lo) + words % np.uint64(vocab_size - lo)
     if vocab_size <= 256:  # bytes -> list is a C loop, several times faster than tolist()
