@@ -38,6 +38,7 @@ Contract:
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -183,6 +184,8 @@ class SimCluster:
         self._migrations_of: dict[str, int] = {}
         self._migrating: dict[str, _Migration] = {}  # by request id
         self._between_steps: dict[str, list[Callable[[], None]]] = {}
+        # The trace being fed: its requests, their arrival order, its id block size.
+        self._arrivals: tuple[list[TraceRequest], list[int], int] = ([], [], 0)
         # KV events on their way to the prefix index: (due, loop order, instance, events).
         self._pending_events: list[tuple[float, int, str, list[KVEvent]]] = []
         self.migration_stats = MigrationStats()
@@ -195,9 +198,17 @@ class SimCluster:
     # -- run -------------------------------------------------------------------------------------
     def run(self, trace: Trace) -> MetricsCollector:
         loop = self.loop
-        self._remaining = len(trace.requests)
-        for tr in trace.requests:
-            loop.call_at(tr.arrival_s, self._arrive, tr, trace.block_size)
+        requests = trace.requests
+        self._remaining = len(requests)
+        # Arrivals are fed one at a time (the next is queued when one arrives), with the order
+        # keys queueing them all first would have given: -n .. -1, before any other event at
+        # the same time. The queue stays small however long the trace.
+        order = list(range(len(requests)))
+        if any(b.arrival_s < a.arrival_s for a, b in itertools.pairwise(requests)):
+            order.sort(key=lambda i: requests[i].arrival_s)
+        self._arrivals = (requests, order, trace.block_size)
+        if order:
+            self._queue_arrival(0)
         sample_interval = self.config.sample_interval_s or max(trace.duration_s / 400.0, 0.05)
         # Reports read running views (which a decode run moves) only for migration policies;
         # otherwise what they read is replayed from the run (`SimInstance.pool_at`). Samples read
@@ -225,6 +236,17 @@ class SimCluster:
             self._on_progress(1)
 
     # -- arrivals and dispatch -------------------------------------------------------------------
+    def _queue_arrival(self, position: int) -> None:
+        requests, order, _ = self._arrivals
+        tr = requests[order[position]]
+        self.loop.call_at_order(tr.arrival_s, position - len(order), self._next_arrival, position)
+
+    def _next_arrival(self, position: int) -> None:
+        requests, order, id_block_size = self._arrivals
+        if position + 1 < len(order):
+            self._queue_arrival(position + 1)
+        self._arrive(requests[order[position]], id_block_size)
+
     def _arrive(self, tr: TraceRequest, id_block_size: int) -> None:
         now = self.loop.now
         request = make_request(

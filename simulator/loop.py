@@ -32,6 +32,18 @@ class EventLoop:
         heapq.heappush(self._queue, (when, next(self._seq), True, callback, args))
         heapq.heappush(self._barriers, when)
 
+    def call_at_order(
+        self, when: float, order: int, callback: Callable[..., None], *args: Any
+    ) -> None:
+        """`call_at` with an explicit tie-break `order` in place of the insertion order: a
+        negative one runs before every event `call_at` queues for the same time (a feed that
+        queues its next item only when the last one runs keeps the order queueing them all up
+        front would have given)."""
+        if when < self.now:
+            raise ValueError(f"cannot schedule at {when} before now ({self.now})")
+        heapq.heappush(self._queue, (when, order, True, callback, args))
+        heapq.heappush(self._barriers, when)
+
     def call_at_quiet(self, when: float, callback: Callable[..., None], *args: Any) -> None:
         """Schedule an event that is no barrier (see the module contract)."""
         if when < self.now:
