@@ -107,7 +107,10 @@ class _Periodic:
         self._armed = True
         now = self._loop.now
         phase = math.ceil(now / self.interval - 1e-9) * self.interval
-        when = max(phase, now)
+        self._arm(max(phase, now))
+
+    def _arm(self, when: float) -> None:
+        self._armed = True
         if self.quiet:
             self._loop.call_at_quiet(when, self._tick)
         else:
@@ -116,12 +119,7 @@ class _Periodic:
     def _tick(self) -> None:
         self._armed = False
         if self._callback():
-            self._armed = True
-            when = self._loop.now + self.interval
-            if self.quiet:
-                self._loop.call_at_quiet(when, self._tick)
-            else:
-                self._loop.call_at(when, self._tick)
+            self._arm(self._loop.now + self.interval)
 
 
 @dataclass(slots=True)
