@@ -104,7 +104,6 @@ class _Periodic:
     def wake(self) -> None:
         if self._armed:
             return
-        self._armed = True
         now = self._loop.now
         phase = math.ceil(now / self.interval - 1e-9) * self.interval
         self._arm(max(phase, now))
