@@ -7,12 +7,14 @@ cache, preemption and KV events under test are the real ones.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 
 import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from instance_agent.engine.batch_scheduler import BatchScheduler, SchedulerConfig, SchedulerOutput
+from instance_agent.engine.block_hash import block_hash_chain, next_block_hash
 from instance_agent.engine.block_manager import BlockManager
 from instance_agent.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from instance_agent.engine.request import InvalidRequestError, Request, SamplingParams
@@ -20,7 +22,7 @@ from instance_agent.engine.request import InvalidRequestError, Request, Sampling
 BLOCK = 4
 
 
-def next_token(tokens: list[int]) -> int:
+def next_token(tokens: Sequence[int]) -> int:
     """A pure function of the whole sequence, like greedy decoding of a fixed model."""
     return xxhash.xxh32_intdigest(bytes(t % 256 for t in tokens[-8:])) % 200 + 1
 
@@ -222,6 +224,11 @@ def test_random_operations_keep_integrity_and_events_replay(
         bm.check_integrity()
         replayed = replay_cached(bm.take_events(), replayed)
         assert replayed == cached_hashes(bm)
+        # Every full computed block was offered to the cache when its step ended (steps that
+        # fill no block skip the call): caching again now finds nothing new.
+        for request in sched.running:
+            bm.cache_full_blocks(request)
+        assert bm.take_events() == []
     for rid in list(sched.requests):
         sched.abort_request(rid)
     bm.check_integrity()
@@ -493,3 +500,64 @@ def test_caching_a_run_that_repeats_a_hash_keeps_the_first_copy() -> None:
     bm.free_owner("r")
     bm.check_integrity()
     assert bm.num_free_blocks == 16
+
+
+def test_token_ids_are_uint32_and_bad_ids_are_refused_without_change() -> None:
+    req = make_request("a", [1, 2, 3, 4, 5], 4)
+    assert req.token_ids.itemsize == 4 and req.token_ids.tolist() == [1, 2, 3, 4, 5]
+    prompt = req.prompt_token_ids
+    assert type(prompt) is list and prompt == [1, 2, 3, 4, 5]
+    prompt.append(9)  # a copy: the request is unchanged
+    assert req.num_tokens == 5
+    for bad in ([1, -1], [2**32], [1, "x"]):
+        try:
+            make_request("b", bad, 4)  # type: ignore[arg-type]
+        except InvalidRequestError as exc:
+            assert exc.param == "prompt"
+        else:
+            raise AssertionError(f"prompt {bad!r} was accepted")
+    for bad_token in (-3, 2**32):
+        try:
+            req.append_output_token(bad_token)
+        except InvalidRequestError as exc:
+            assert exc.param == "output_token_ids"
+        else:
+            raise AssertionError(f"token {bad_token} was accepted")
+    assert req.num_tokens == 5 and req.output_token_ids == []
+    req.append_output_token(7)
+    assert req.token_ids.tolist() == [1, 2, 3, 4, 5, 7] and req.output_token_ids == [7]
+
+
+def test_block_hashes_grown_one_block_at_a_time_equal_the_chain() -> None:
+    for salt in (None, "tenant"):
+        params = SamplingParams(max_tokens=64, ignore_eos=True)
+        req = Request("a", [5, 6, 7], params, block_size=BLOCK, cache_salt=salt)
+        for token in range(40):
+            req.append_output_token(token % 7 + 1)
+        assert req.block_hashes == block_hash_chain(req.token_ids, BLOCK, salt)
+        assert next_block_hash(req.block_hashes[2], req.token_ids[12:16]) == req.block_hashes[3]
+    sha = Request("s", list(range(9)), SamplingParams(), BLOCK, hash_algo="sha256")
+    sha.append_output_token(3)
+    sha.append_output_token(4)
+    sha.append_output_token(5)
+    assert sha.block_hashes == block_hash_chain(sha.token_ids, BLOCK, None, "sha256")
+
+
+def test_prefix_hit_admission_caches_only_the_blocks_computed_after_it() -> None:
+    bm = BlockManager(32, BLOCK, watermark=0.0)
+    sched = BatchScheduler(SchedulerConfig(max_model_len=64), bm)
+    shared = list(range(1, 13))  # three full blocks
+    sched.add_request(make_request("a", [*shared, 50], 1))
+    run_to_completion(sched)
+    bm.take_events()
+    # Hits cover the three shared blocks; the first step computes one token and fills nothing.
+    b = make_request("b", [*shared, 60], 6)
+    sched.add_request(b)
+    out, _ = step(sched)
+    assert b.num_cached_tokens == 12 and out.scheduled[0].num_new_tokens == 1
+    assert bm.take_events() == []
+    run_to_completion(sched)
+    stored = [e for e in bm.take_events() if isinstance(e, BlockStored)]
+    assert [e.block_hashes for e in stored] == [[b.block_hashes[3]]]
+    assert stored[0].parent_block_hash == b.block_hashes[2]
+    assert stored[0].token_ids == b.token_ids[12:16].tolist()

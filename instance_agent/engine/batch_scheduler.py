@@ -285,6 +285,7 @@ class BatchScheduler:
     ) -> list[Request]:
         """Apply a step's results; returns the requests that finished in it."""
         finished: list[Request] = []
+        bs = self.block_manager.block_size
         cache_full_blocks = self.block_manager.cache_full_blocks
         max_model_len = self.config.max_model_len
         running_status = RequestStatus.RUNNING
@@ -292,19 +293,22 @@ class BatchScheduler:
             request = item.request
             if request.status is not running_status:
                 continue  # aborted, suspended or preempted after the step was planned
-            if request.num_computed_tokens != item.num_computed_before:
+            before = item.num_computed_before
+            if request.num_computed_tokens != before:
                 continue  # preempted and re-admitted since: this result is stale
-            request.num_computed_tokens += item.num_new_tokens
+            computed = request.num_computed_tokens = before + item.num_new_tokens
             if item.samples:
                 request.append_output_token(sampled[request.request_id])
+            # Only a step that fills a block can cache one: blocks full before it were handled
+            # by earlier steps or came as prefix hits (most decode steps fill none).
+            if computed // bs != before // bs:
                 cache_full_blocks(request)
+            if item.samples:
                 stop = request.check_stop(max_model_len)
                 if stop is not None:
                     done = self.finish_request(request.request_id, stop)
                     assert done is not None
                     finished.append(done)
-            else:
-                cache_full_blocks(request)
         return finished
 
     # -- decode fast-forward -----------------------------------------------------------------

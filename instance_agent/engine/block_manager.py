@@ -318,6 +318,8 @@ class BlockManager:
         if table is None:
             table = self._owner_blocks[request.request_id] = []
         if computed_blocks:
+            if not table:  # hits head the table: cached already, nothing for cache_full_blocks
+                self._owner_num_handled[request.request_id] = len(computed_blocks)
             self._acquire(computed_blocks, table)
         if num_new_blocks > 0:
             table += self._take_free_blocks(num_new_blocks)
