@@ -7,6 +7,8 @@ leaving shift the cycle but never make it skip a whole round.
 
 from __future__ import annotations
 
+from bisect import bisect_right
+
 from policies.base import candidates
 from policies.views import ClusterView, Decision, RequestView
 
@@ -18,8 +20,11 @@ class RoundRobin:
         self._last: str | None = None
 
     def choose(self, request: RequestView, cluster: ClusterView) -> Decision:
-        ids = sorted(inst.instance_id for inst in candidates(cluster))
+        ids = sorted([inst.instance_id for inst in candidates(cluster)])
         # Next id after the last one chosen (wrapping), robust to the last one having left.
-        chosen = next((i for i in ids if self._last is None or i > self._last), ids[0])
+        after = 0 if self._last is None else bisect_right(ids, self._last)
+        chosen = ids[after] if after < len(ids) else ids[0]
         self._last = chosen
-        return Decision(chosen, {i: float(i == chosen) for i in ids}, "next in rotation")
+        scores = dict.fromkeys(ids, 0.0)
+        scores[chosen] = 1.0
+        return Decision(chosen, scores, "next in rotation")

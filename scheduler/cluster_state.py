@@ -13,6 +13,9 @@ Contract:
   routing decisions; event-publishing instances also get a short-lived approximate entry for the
   uncached tail of each routed request until their events arrive. Both indexes share one slot
   map, and `match(chain, now)` walks them together: a block counts if either holds it.
+- `approx_shards` splits the approximate index's map (default 64) so that its growth never stalls
+  one decision for long; 1 keeps one dict, a quarter less work per block, for a caller that
+  counts total time rather than the slowest decision (the simulator). Answers are the same.
 - `view(now)` returns the `ClusterView` for one decision. Instance views and numpy columns are
   kept up to date incrementally (only instances that changed are re-rendered), so building a view
   of 1,024 instances costs microseconds.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
@@ -39,6 +43,9 @@ from scheduler.prefix_index import (
     match_chain,
     match_groups,
 )
+
+# An `InstanceView`'s figures in `COLUMNS` order.
+_COLUMN_FIELDS = attrgetter(*COLUMNS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +66,7 @@ class ClusterState:
         max_blocks_per_instance: int = 1 << 20,
         max_blocks_total: int = 1 << 24,
         approx_max_blocks_per_instance: int = 1 << 16,
+        approx_shards: int = 64,
     ) -> None:
         self.block_size = block_size
         self.hash_algo: HashAlgo = hash_algo
@@ -69,7 +77,7 @@ class ClusterState:
             block_size, hash_algo, max_blocks_per_instance, max_blocks_total, self.slots
         )
         self.approx_index = ApproxIndex(
-            approx_ttl_s, approx_max_blocks_per_instance, slots=self.slots
+            approx_ttl_s, approx_max_blocks_per_instance, slots=self.slots, num_shards=approx_shards
         )
         self.instances: dict[str, InstanceState] = {}
         self._replay: dict[str, int] = {}
@@ -77,7 +85,8 @@ class ClusterState:
         self._order: list[str] = []
         self._position: dict[str, int] = {}
         self._views: list[InstanceView] = []
-        self._columns: dict[str, np.ndarray] = {name: np.zeros(0) for name in COLUMNS}
+        # One row per `COLUMNS` name, one column per instance: a view copies it in one call.
+        self._table = np.zeros((len(COLUMNS), 0))
         self._dirty: set[str] = set()
         self._slot_pos: np.ndarray | None = None
 
@@ -106,8 +115,7 @@ class ClusterState:
             self._position[instance_id] = len(self._order)
             self._order.append(instance_id)
             self._views.append(state.view())
-            for name, col in self._columns.items():
-                self._columns[name] = np.append(col, 0.0)
+            self._table = np.append(self._table, np.zeros((len(COLUMNS), 1)), axis=1)
         self._dirty.add(instance_id)
         self._slot_pos = None
         self._replay.pop(instance_id, None)
@@ -131,8 +139,7 @@ class ClusterState:
         position = self._position.pop(instance_id)
         del self._order[position]
         del self._views[position]
-        for name, col in self._columns.items():
-            self._columns[name] = np.delete(col, position)
+        self._table = np.delete(self._table, position, axis=1)
         for later in self._order[position:]:
             self._position[later] -= 1
         return list(state.inflight)
@@ -222,15 +229,14 @@ class ClusterState:
             view = state.view()
             position = self._position[instance_id]
             self._views[position] = view
-            for name, col in self._columns.items():
-                col[position] = float(getattr(view, name))
+            self._table[:, position] = _COLUMN_FIELDS(view)
         self._dirty.clear()
 
     def view(self, now: float, exclude: Collection[str] = ()) -> ClusterView:
         """The `ClusterView` for one decision; `exclude`d instances are shown as not healthy."""
         self._refresh()
         views: Sequence[InstanceView] = self._views
-        columns = {name: col.copy() for name, col in self._columns.items()}
+        columns = dict(zip(COLUMNS, self._table.copy(), strict=True))
         if exclude:
             views = list(views)
             for instance_id in exclude:

@@ -21,9 +21,13 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from operator import attrgetter
 
 from policies.views import InstanceView
 from scheduler.load_report import LoadReport
+
+# Every `LoadReport` field, in declaration order (one C call reads them all).
+_REPORT_FIELDS = attrgetter(*LoadReport.__slots__)
 
 
 @dataclass(slots=True)
@@ -71,28 +75,42 @@ class InstanceState:
         self._delta_running = 0
         self._delta_blocks = 0
         self._delta_prefill_tokens = 0
+        self._log_overflowed = False  # the log dropped entries: recount the sums from it
 
     # -- reports -----------------------------------------------------------------------------
     def apply_report(self, report: LoadReport, now: float, taken_at: float | None = None) -> None:
-        previous = self.report
-        merged = {
-            name: getattr(report, name)
-            if getattr(report, name) is not None
-            else getattr(previous, name)
-            for name in LoadReport.__slots__
-        }
-        self.report = LoadReport(**merged)
+        fields = _REPORT_FIELDS(report)
+        if None in fields:  # keep what the previous report knew and this one leaves unknown
+            merged = [
+                old if new is None else new
+                for new, old in zip(fields, _REPORT_FIELDS(self.report), strict=True)
+            ]
+            if merged != list(fields):
+                report = LoadReport(*merged)
+        self.report = report
         self.report_time = now
         cutoff = now if taken_at is None else taken_at
         log = self._log
+        if self._log_overflowed:  # the deque dropped changes its running sums still hold
+            while log and log[0][0] <= cutoff:
+                log.popleft()
+            self._delta_waiting = sum(entry[1] for entry in log)
+            self._delta_running = sum(entry[2] for entry in log)
+            self._delta_blocks = sum(entry[3] for entry in log)
+            self._delta_prefill_tokens = sum(entry[4] for entry in log)
+            self._log_overflowed = False
+            return
+        # Changes the snapshot already counts leave the log and its running sums.
         while log and log[0][0] <= cutoff:
-            log.popleft()
-        self._delta_waiting = sum(entry[1] for entry in log)
-        self._delta_running = sum(entry[2] for entry in log)
-        self._delta_blocks = sum(entry[3] for entry in log)
-        self._delta_prefill_tokens = sum(entry[4] for entry in log)
+            _, waiting, running, blocks, tokens = log.popleft()
+            self._delta_waiting -= waiting
+            self._delta_running -= running
+            self._delta_blocks -= blocks
+            self._delta_prefill_tokens -= tokens
 
     def _change(self, now: float, waiting: int, running: int, blocks: int, tokens: int) -> None:
+        if len(self._log) == self._log.maxlen:
+            self._log_overflowed = True
         self._log.append((now, waiting, running, blocks, tokens))
         self._delta_waiting += waiting
         self._delta_running += running

@@ -154,6 +154,9 @@ class ShardedBlockOwners:
         """Clear `bit` for every block; blocks no instance holds any more are dropped."""
         shards = self._shards_of(block_hashes)
         masks = list(map(and_, map(dict.get, shards, block_hashes, repeat(0)), repeat(~bit)))
+        if not any(masks):  # the usual run: no other instance holds any of these blocks
+            deque(map(dict.pop, shards, block_hashes, repeat(None)), 0)
+            return
         kept = list(map(bool, masks))
         deque(
             map(dict.__setitem__, compress(shards, kept), compress(block_hashes, kept),
