@@ -215,7 +215,9 @@ class BatchScheduler:
         while index < len(running) and budget > 0:
             request = running[index]
             computed = request.num_computed_tokens
-            num_new = min(len(request.token_ids) - computed, budget)
+            num_new = len(request.token_ids) - computed
+            if num_new > budget:  # (not min(): this runs for every running request per step)
+                num_new = budget
             if num_new <= 0:  # nothing to compute (cannot happen for a healthy request)
                 index += 1
                 continue
@@ -356,20 +358,22 @@ class BatchScheduler:
         for request in running:
             params = request.sampling_params
             num_tokens = len(request.token_ids)
+            num_outputs = len(request.output_token_ids)
             if (
                 request.status is not running_status
                 or request.num_computed_tokens != num_tokens - 1
-                or not request.output_token_ids
+                or not num_outputs
                 or params.stop_token_ids
                 or (not params.ignore_eos and request.eos_token_id is not None)
             ):
                 return 0
             # Step j appends output token (outputs + j) and makes the sequence num_tokens + j long.
-            k = min(
-                k,
-                params.max_tokens - len(request.output_token_ids) - 1,
-                max_model_len - num_tokens - 1,
-            )
+            # (Comparisons, not min(): this loop runs over every running request per run.)
+            steps_left = params.max_tokens - num_outputs - 1
+            if steps_left < k:
+                k = steps_left
+            if max_model_len - num_tokens - 1 < k:
+                k = max_model_len - num_tokens - 1
             if k <= 0:
                 return 0
             capacity = len(tables.get(request.request_id, ())) * bs
@@ -423,8 +427,16 @@ class BatchScheduler:
         bm = self.block_manager
         bs = bm.block_size
         running = self.running
-        starts = [r.num_computed_tokens for r in running]  # = num_tokens - 1: pure decode
+        tables = bm.block_tables
+        starts: list[int] = []
+        # Per step, in running order: who crosses into a new block, whose block completes (for
+        # all `num_steps`; a run cut short below never reaches the later ones). One pass over
+        # the running requests: with short runs, per-request work is most of the cost.
+        allocs: dict[int, list[str]] = {}
+        completions: dict[int, list[tuple[Request, int]]] = {}
         for request in running:
+            start = request.num_computed_tokens  # = num_tokens - 1: pure decode
+            starts.append(start)
             tokens = next_tokens(request, num_steps)
             assert len(tokens) == num_steps, "next_tokens must give exactly the tokens asked for"
             request.output_token_ids.extend(tokens)
@@ -432,6 +444,15 @@ class BatchScheduler:
             sequence.extend(tokens)
             if (len(request.block_hashes) + 1) * bs <= len(sequence):  # a block filled up
                 request.update_block_hashes()
+            # Step j computes position start + j - 1, so it needs start + j slots.
+            first_alloc = len(tables[request.request_id]) * bs - start + 1
+            if first_alloc <= num_steps:
+                for j in range(first_alloc, num_steps + 1, bs):
+                    allocs.setdefault(j, []).append(request.request_id)
+            first_completion = bs - start % bs
+            if first_completion <= num_steps:
+                for j in range(first_completion, num_steps + 1, bs):
+                    completions.setdefault(j, []).append((request, start + j))
         steps = num_steps
         head = self._admission_probe()
         head_hashes = set(head.block_hashes) if head is not None else None
@@ -457,20 +478,6 @@ class BatchScheduler:
                     del request.output_token_ids[len(request.output_token_ids) - surplus :]
                     del request.token_ids[len(request.token_ids) - surplus :]
                     del request.block_hashes[len(request.token_ids) // bs :]
-        # Per step, in running order: who crosses into a new block, whose block completes.
-        allocs: dict[int, list[str]] = {}
-        completions: dict[int, list[tuple[Request, int]]] = {}
-        tables = bm.block_tables
-        for request, start in zip(running, starts, strict=True):
-            # Step j computes position start + j - 1, so it needs start + j slots.
-            first_alloc = len(tables[request.request_id]) * bs - start + 1
-            if first_alloc <= steps:
-                for j in range(first_alloc, steps + 1, bs):
-                    allocs.setdefault(j, []).append(request.request_id)
-            first_completion = bs - start % bs
-            if first_completion <= steps:
-                for j in range(first_completion, steps + 1, bs):
-                    completions.setdefault(j, []).append((request, start + j))
         step_ids = self._step_ids
         cache_full_blocks = bm.cache_full_blocks
         pool = (-1, -1)
