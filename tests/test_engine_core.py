@@ -229,6 +229,9 @@ def test_random_operations_keep_integrity_and_events_replay(
         for request in sched.running:
             bm.cache_full_blocks(request)
         assert bm.take_events() == []
+        assert sched.num_waiting_tokens == sum(
+            r.num_tokens - r.num_computed_tokens for r in sched.waiting
+        )
     for rid in list(sched.requests):
         sched.abort_request(rid)
     bm.check_integrity()

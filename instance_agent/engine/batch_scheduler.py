@@ -16,6 +16,8 @@ Contract (vLLM v1's unified token-budget design):
   pure decode of an unchanged running set, and `advance_decode(k, token_fn)` applies them at once,
   with exactly the block allocations, prefix caching, KV events and token appends that k calls of
   `schedule` + `update_from_output` would make (the simulator's way past uneventful steps).
+- `num_waiting_tokens` (the queued work a load report names) is kept as requests join and leave
+  the waiting queue, O(1) to read.
 - Migration support: a request can be suspended (kept with its blocks, not scheduled), resumed,
   released (it left for another instance), or adopted with blocks already filled.
 The scheduler is pure Python: the engine drives it with a model, the simulator with a latency model.
@@ -82,6 +84,9 @@ class BatchScheduler:
         self.block_manager = block_manager
         self.running: list[Request] = []
         self.waiting: SortedList = SortedList(key=self._queue_key)
+        # Tokens the waiting requests still have to compute, kept as they join and leave the
+        # queue (a load report reads it every interval; a queue can hold thousands).
+        self._waiting_tokens = 0
         self.suspended: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self._admission_seq: dict[str, int] = {}
@@ -103,6 +108,20 @@ class BatchScheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Tokens the waiting requests still have to compute: prompts, or a preempted request's
+        whole sequence (its recompute). A waiting request does not grow, so this is kept as
+        requests join and leave the queue, not summed on every read."""
+        return self._waiting_tokens
+
+    def _enqueue(self, request: Request) -> None:
+        self.waiting.add(request)
+        self._waiting_tokens += request.num_tokens - request.num_computed_tokens
+
+    def _dequeued(self, request: Request) -> None:
+        self._waiting_tokens -= request.num_tokens - request.num_computed_tokens
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -138,7 +157,7 @@ class BatchScheduler:
         self._admission_seq[request.request_id] = next(self._seq)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.waiting.add(request)
+        self._enqueue(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """End a request with `status` (abort, stop string, migrated away) and free its blocks."""
@@ -149,6 +168,7 @@ class BatchScheduler:
             self.running.remove(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
+            self._dequeued(request)
         self.suspended.pop(request_id, None)
         self._admission_seq.pop(request_id, None)
         request.status = status
@@ -198,7 +218,7 @@ class BatchScheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.add(request)
+        self._enqueue(request)
 
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
@@ -259,6 +279,7 @@ class BatchScheduler:
                 if not bm.allocate_slots(request, num_new, computed_blocks, respect_watermark=True):
                     break
                 self.waiting.pop(0)
+                self._dequeued(request)
                 request.num_computed_tokens = num_hit
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_hit
