@@ -512,6 +512,7 @@ def test_token_ids_are_uint32_and_bad_ids_are_refused_without_change() -> None:
     assert type(prompt) is list and prompt == [1, 2, 3, 4, 5]
     prompt.append(9)  # a copy: the request is unchanged
     assert req.num_tokens == 5
+    assert make_request("b", b"\x01\x02\x03", 4).token_ids.tolist() == [1, 2, 3]  # type: ignore[arg-type]
     for bad in ([1, -1], [2**32], [1, "x"]):
         try:
             make_request("b", bad, 4)  # type: ignore[arg-type]

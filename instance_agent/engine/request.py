@@ -156,6 +156,9 @@ class Request:
         # Prompt then output: the sequence whose KV the engine computes. The prompt is its
         # leading `num_prompt_tokens` (not a second copy), and the ids are uint32, not a list of
         # pointers: a simulated fleet holds millions of prompt tokens at once.
+        if isinstance(prompt_token_ids, bytes | bytearray | memoryview):
+            # array() would read raw bytes as uint32 words, not one id per byte.
+            prompt_token_ids = list(prompt_token_ids)
         try:
             self.token_ids = array("I", prompt_token_ids)
         except (OverflowError, TypeError) as exc:
