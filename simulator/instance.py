@@ -366,4 +366,4 @@ class SimInstance:
         return self.block_manager.blocks_needed(head.num_tokens)
 
     def waiting_prefill_tokens(self) -> int:
-        return sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting)
+        return self.scheduler.num_waiting_tokens
