@@ -168,8 +168,8 @@ class ClusterState:
         self, instance_id: str, report: LoadReport, now: float, taken_at: float | None = None
     ) -> None:
         """A load report received at `now`, snapshotted by the instance at `taken_at`."""
-        self.instances[instance_id].apply_report(report, now, taken_at)
-        self._dirty.add(instance_id)
+        if self.instances[instance_id].apply_report(report, now, taken_at):
+            self._dirty.add(instance_id)
 
     # -- KV events (the subscriber's sink protocol) ------------------------------------------
     def apply_kv_batch(self, instance_id: str, batch: KVEventBatch) -> None:
@@ -186,9 +186,9 @@ class ClusterState:
         return self.prefix_index.apply_batch(instance_id, batch)
 
     def apply_kv_events(self, instance_id: str, events: Sequence[KVEvent]) -> None:
-        """In-process delivery without sequence numbers (the simulator's engines): apply in order."""
-        if instance_id not in self.prefix_index:
-            raise KeyError(f"instance {instance_id!r} is not registered with KV events")
+        """In-process delivery without sequence numbers (the simulator's engines): apply in order.
+
+        KeyError if the instance is not registered with KV events."""
         self.prefix_index.apply_events(instance_id, events)
 
     def replay_needed(self, instance_id: str) -> int | None:

@@ -1,7 +1,8 @@
 """One instance's load as the scheduler knows it: last report + the router's optimistic accounting.
 
 Contract:
-- `apply_report(report, now, taken_at)` replaces the reported figures. Fields the report leaves
+- `apply_report(report, now, taken_at)` replaces the reported figures (and says whether the view
+  can have changed: a steady instance reports the same figures again and again). Fields the report leaves
   unknown (None) keep their previous value (a Prometheus scrape carries no request lists; an agent
   snapshot carries everything). `taken_at` is when the instance took the snapshot (default: `now`);
   reports travel, and whatever the router did after the snapshot is not in it.
@@ -78,19 +79,25 @@ class InstanceState:
         self._log_overflowed = False  # the log dropped entries: recount the sums from it
 
     # -- reports -----------------------------------------------------------------------------
-    def apply_report(self, report: LoadReport, now: float, taken_at: float | None = None) -> None:
+    def apply_report(self, report: LoadReport, now: float, taken_at: float | None = None) -> bool:
+        """Take a report; False when the instance's view cannot have changed (the same figures
+        as the previous report, and no logged change left the log)."""
         fields = _REPORT_FIELDS(report)
+        previous = _REPORT_FIELDS(self.report)
         if None in fields:  # keep what the previous report knew and this one leaves unknown
-            merged = [
-                old if new is None else new
-                for new, old in zip(fields, _REPORT_FIELDS(self.report), strict=True)
-            ]
-            if merged != list(fields):
+            merged = tuple(
+                [old if new is None else new for new, old in zip(fields, previous, strict=True)]
+            )
+            if merged != fields:
                 report = LoadReport(*merged)
+                fields = merged
+        changed = fields != previous
         self.report = report
         self.report_time = now
         cutoff = now if taken_at is None else taken_at
         log = self._log
+        if not log or log[0][0] > cutoff:
+            return changed
         if self._log_overflowed:  # the deque dropped changes its running sums still hold
             while log and log[0][0] <= cutoff:
                 log.popleft()
@@ -99,7 +106,7 @@ class InstanceState:
             self._delta_blocks = sum(entry[3] for entry in log)
             self._delta_prefill_tokens = sum(entry[4] for entry in log)
             self._log_overflowed = False
-            return
+            return True
         # Changes the snapshot already counts leave the log and its running sums.
         while log and log[0][0] <= cutoff:
             _, waiting, running, blocks, tokens = log.popleft()
@@ -107,6 +114,7 @@ class InstanceState:
             self._delta_running -= running
             self._delta_blocks -= blocks
             self._delta_prefill_tokens -= tokens
+        return True
 
     def _change(self, now: float, waiting: int, running: int, blocks: int, tokens: int) -> None:
         if len(self._log) == self._log.maxlen:

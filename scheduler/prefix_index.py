@@ -364,7 +364,9 @@ class PrefixIndex:
 
     def apply_events(self, instance_id: str, events: Iterable[KVEvent]) -> None:
         """Apply events in order, without sequence checks (in-process producers)."""
-        inst = self._instances[instance_id]
+        inst = self._instances.get(instance_id)
+        if inst is None:
+            raise KeyError(f"instance {instance_id!r} is not registered with KV events")
         for event in events:
             if isinstance(event, BlockStored):
                 self._stored(inst, event)
@@ -385,23 +387,23 @@ class PrefixIndex:
             return
         engine_hashes = event.block_hashes
         if inst.trust_engine_hashes:
-            kv_hashes: Sequence[int] = engine_hashes
-        else:
-            parent: int | None = None
-            if event.parent_block_hash is not None:
-                parent = inst.entries.get(event.parent_block_hash)
-                if parent is None:  # the parent was evicted or never seen: cannot chain
-                    self.stats.unknown_parent += 1
-                    return
-            usable = len(event.token_ids) // self.block_size
-            if usable < len(engine_hashes):
-                engine_hashes = engine_hashes[:usable]
-            kv_hashes = block_hash_chain(
-                event.token_ids[: len(engine_hashes) * self.block_size],
-                self.block_size,
-                algo=self.hash_algo,
-                parent_hash=parent,
-            )
+            self._store_trusted(inst, engine_hashes)
+            return
+        parent: int | None = None
+        if event.parent_block_hash is not None:
+            parent = inst.entries.get(event.parent_block_hash)
+            if parent is None:  # the parent was evicted or never seen: cannot chain
+                self.stats.unknown_parent += 1
+                return
+        usable = len(event.token_ids) // self.block_size
+        if usable < len(engine_hashes):
+            engine_hashes = engine_hashes[:usable]
+        kv_hashes = block_hash_chain(
+            event.token_ids[: len(engine_hashes) * self.block_size],
+            self.block_size,
+            algo=self.hash_algo,
+            parent_hash=parent,
+        )
         # A plain loop: each block costs four dict operations, memory-bound on a large index;
         # C-iterator passes over the run (measured on the simulator's event stream) only add
         # passes over the same dicts.
@@ -419,9 +421,27 @@ class PrefixIndex:
                 dups[kv_hash] = dups.get(kv_hash, 0) + 1
             else:
                 owners[kv_hash] = mask | bit
-        self._total += size - before
-        self.stats.stored += size - before
-        if size > self.max_blocks_per_instance or self._total > self.max_blocks_total:
+        self._grew(inst, size - before)
+
+    def _store_trusted(self, inst: _InstanceBlocks, block_hashes: Sequence[int]) -> None:
+        """`_stored` for engine hashes that are kvherd's own: an entry names itself and the
+        instance's bit is set exactly for its entries (never a dup), so a block costs three dict
+        operations and no mask test (the simulator's whole event stream comes this way)."""
+        entries, owners, bit = inst.entries, self.owners.owners, inst.bit
+        before = len(entries)
+        for block_hash in block_hashes:
+            if block_hash in entries:  # re-stored: refresh its LRU position
+                del entries[block_hash]
+                entries[block_hash] = block_hash
+            else:
+                entries[block_hash] = block_hash
+                owners[block_hash] = owners.get(block_hash, 0) | bit
+        self._grew(inst, len(entries) - before)
+
+    def _grew(self, inst: _InstanceBlocks, added: int) -> None:
+        self._total += added
+        self.stats.stored += added
+        if len(inst.entries) > self.max_blocks_per_instance or self._total > self.max_blocks_total:
             self._enforce_bounds(inst)
 
     def _removed(self, inst: _InstanceBlocks, event: BlockRemoved) -> None:
@@ -429,13 +449,26 @@ class PrefixIndex:
             self.stats.other_medium += 1
             return
         entries, dups, owners, keep = inst.entries, inst.dups, self.owners.owners, ~inst.bit
+        if not dups:  # the usual case (always with trusted hashes): one engine hash per block
+            before = len(entries)
+            for engine_hash in event.block_hashes:
+                kv_hash = entries.pop(engine_hash, None)
+                if kv_hash is not None:
+                    mask = owners.get(kv_hash, 0) & keep
+                    if mask:
+                        owners[kv_hash] = mask
+                    else:
+                        owners.pop(kv_hash, None)
+            self._total -= before - len(entries)
+            self.stats.removed += before - len(entries)
+            return
         removed = 0
         for engine_hash in event.block_hashes:
             kv_hash = entries.pop(engine_hash, None)
             if kv_hash is None:
                 continue
             removed += 1
-            extra = dups.get(kv_hash) if dups else None
+            extra = dups.get(kv_hash)
             if extra:  # another engine hash still names these tokens
                 if extra == 1:
                     del dups[kv_hash]
