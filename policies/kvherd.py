@@ -44,6 +44,9 @@ import numpy as np
 from policies.views import ClusterView, Decision, InstanceView, NoInstanceError, RequestView
 
 SMALL_FLEET = 16
+# Up to this many instances, `_cheapest` sorts every cost (measured: one argsort of 256 costs
+# beats partition-then-sort; at 1,024 the partition wins).
+_SORT_WHOLE_FLEET = 512
 
 
 class KvherdDispatch:
@@ -100,12 +103,13 @@ class KvherdDispatch:
         cost += self.decode_token_cost * column("num_running")
         # Memory: uncached blocks beyond the free ones the head-of-line waiting request leaves.
         shortfall = column("head_waiting_blocks") - column("free_blocks")
-        shortfall -= matched
-        shortfall += request.num_blocks
-        np.maximum(shortfall, 0.0, out=shortfall)
-        shortfall *= self.memory_penalty * bs
-        shortfall *= column("capacity") > 0  # only where capacity is known
-        cost += shortfall
+        if shortfall.max() + request.num_blocks > 0:  # else no instance is short, cached or not
+            shortfall -= matched
+            shortfall += request.num_blocks
+            np.maximum(shortfall, 0.0, out=shortfall)
+            shortfall *= self.memory_penalty * bs
+            shortfall *= column("capacity") > 0  # only where capacity is known
+            cost += shortfall
         dispatchable = column("dispatchable")
         inflight = column("inflight")
         if dispatchable.all():  # the usual case: only the hot-spot guard can exclude
@@ -170,7 +174,7 @@ class KvherdDispatch:
     def choose_vectorised(self, request: RequestView, cluster: ClusterView) -> Decision:
         cost, matched = self.costs(request, cluster)
         lowest = cost.min()
-        tied = np.flatnonzero(cost == lowest)
+        tied = (cost == lowest).nonzero()[0]
         if len(tied) > 1:  # prefer the longer cached prefix, then a seeded coin
             tied = tied[matched[tied] == matched[tied].max()]
         pick = int(tied[0]) if len(tied) == 1 else int(self._rng.choice(tied.tolist()))
@@ -193,6 +197,9 @@ class KvherdDispatch:
         top = self.explain_top
         if top <= 0:
             return np.zeros(0, dtype=np.intp)
+        if len(cost) <= _SORT_WHOLE_FLEET:  # one stable sort costs less than the calls it saves
+            ranked = np.argsort(cost, kind="stable")[:top]
+            return ranked[np.isfinite(cost[ranked])]
         if top < len(cost):
             # Only costs up to the top-th smallest can be among the top: sort those, not the fleet.
             bound = np.partition(cost, top - 1)[top - 1]
