@@ -96,8 +96,6 @@ class InstanceState:
         self.report_time = now
         cutoff = now if taken_at is None else taken_at
         log = self._log
-        if not log or log[0][0] > cutoff:
-            return changed
         if self._log_overflowed:  # the deque dropped changes its running sums still hold
             while log and log[0][0] <= cutoff:
                 log.popleft()
@@ -107,6 +105,8 @@ class InstanceState:
             self._delta_prefill_tokens = sum(entry[4] for entry in log)
             self._log_overflowed = False
             return True
+        if not log or log[0][0] > cutoff:
+            return changed
         # Changes the snapshot already counts leave the log and its running sums.
         while log and log[0][0] <= cutoff:
             _, waiting, running, blocks, tokens = log.popleft()

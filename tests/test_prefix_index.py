@@ -248,6 +248,54 @@ def test_index_equals_brute_force_model(ops: list[tuple[str, str, int, int]]) ->
         assert index.match(chain) == expected
 
 
+trusted_op = st.tuples(
+    st.sampled_from(["store", "store", "remove", "clear"]),
+    st.sampled_from(INSTANCES),
+    st.lists(st.integers(0, 30), max_size=8),  # block hashes (repeats within a run allowed)
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(trusted_op, max_size=50))
+def test_trusted_hashes_equal_an_lru_model(ops: list[tuple[str, str, list[int]]]) -> None:
+    """Trusted engine hashes (the bulk path): re-stores refresh the LRU order, the per-instance
+    bound evicts the least recently stored first, and every mask matches the model."""
+    index = PrefixIndex(BS, max_blocks_per_instance=5)
+    model: dict[str, dict[int, None]] = {name: {} for name in INSTANCES}
+    for name in INSTANCES:
+        index.add_instance(name, trust_engine_hashes=True)
+    for kind, name, hashes in ops:
+        held = model[name]
+        if kind == "store":
+            event: KVEvent = BlockStored(hashes, None, [0] * (BS * len(hashes)), BS)
+            for block in hashes:
+                held.pop(block, None)
+                held[block] = None
+            while len(held) > 5:
+                del held[next(iter(held))]
+        elif kind == "remove":
+            event = BlockRemoved(hashes)
+            for block in hashes:
+                held.pop(block, None)
+        else:
+            event = AllBlocksCleared()
+            held.clear()
+        index.apply_events(name, [event])
+        # Sets, but under the bound of 5 they differ as soon as an eviction takes the wrong block.
+        assert index.blocks(name) == set(held)
+        assert index.num_blocks() == sum(map(len, model.values()))
+        for block in range(31):
+            owners = {n for n in INSTANCES if block in model[n]}
+            expected = sum(index.slots.bit(n) for n in owners)
+            assert index.owners.owners.get(block, 0) == expected
+
+
+def test_events_for_an_unregistered_instance_name_it() -> None:
+    index = PrefixIndex(BS)
+    with pytest.raises(KeyError, match="'ghost' is not registered with KV events"):
+        index.apply_events("ghost", [BlockRemoved([1])])
+
+
 # -- approximate index ------------------------------------------------------------------------
 
 
@@ -327,12 +375,16 @@ approx_op = st.one_of(
 )
 
 
+@pytest.mark.parametrize("num_shards", [1, 64])
 @settings(max_examples=150, deadline=None)
 @given(st.lists(approx_op, max_size=40))
-def test_approx_index_equals_brute_force_model(ops: list[tuple[str, str, int, int, float]]) -> None:
-    """TTL, refresh on re-insert and the LRU bound, against a model that stores deadlines."""
+def test_approx_index_equals_brute_force_model(
+    num_shards: int, ops: list[tuple[str, str, int, int, float]]
+) -> None:
+    """TTL, refresh on re-insert and the LRU bound, against a model that stores deadlines; one
+    dict or sharded, the answers are the same."""
     ttl = {"i0": 2.0, "i1": 5.0, "i2": 1.0}
-    index = ApproxIndex(ttl_s=3.0, max_blocks_per_instance=6)
+    index = ApproxIndex(ttl_s=3.0, max_blocks_per_instance=6, num_shards=num_shards)
     model: dict[str, dict[int, float]] = {}
     for name in INSTANCES:
         index.add_instance(name, ttl_s=ttl[name])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -11,6 +12,7 @@ from instance_agent.engine.block_hash import block_hash_chain
 from instance_agent.engine.kv_events import BlockStored, KVEventBatch
 from policies import MigrationOrder, NoInstanceError, load_dispatch_policy, load_migration_policy
 from scheduler.cluster_state import ClusterState, ResyncRequest
+from scheduler.instance_state import InstanceState
 from scheduler.load_report import LoadReport, LoadReportError, parse_agent_state, parse_prometheus
 from scheduler.migration_loop import MigrationLoop
 from scheduler.router import Router
@@ -192,6 +194,34 @@ def test_charges_move_at_first_token_and_finish_and_reports_absorb_them() -> Non
     assert (v.num_running, v.free_blocks) == (1, 90)
     router.on_finish("r", now=3.0)  # a second finish is ignored
     assert cluster.view(3.0)["i0"].num_running == 1
+
+
+def test_a_report_says_whether_the_view_can_have_changed() -> None:
+    state = InstanceState("i0", block_size=16)
+    steady = LoadReport(num_running=2, num_waiting=0, num_total_blocks=100, num_free_blocks=60)
+    assert state.apply_report(steady, now=0.0)
+    assert not state.apply_report(dataclasses.replace(steady), now=0.5)  # same figures
+    # A field the new report leaves unknown keeps its value: still the same view.
+    assert not state.apply_report(LoadReport(num_running=2, num_waiting=0), now=0.6)
+    assert state.report.num_free_blocks == 60
+    state.dispatch("r", prompt_tokens=32, uncached_tokens=32, now=1.0)
+    # Same figures, but the snapshot (taken after the dispatch) now counts it: the log changes.
+    assert state.apply_report(steady, now=1.5, taken_at=1.2)
+    assert state.view().num_waiting == 0
+    assert state.apply_report(LoadReport(num_running=2, num_waiting=1), now=2.0)
+    assert state.view().num_waiting == 1
+
+
+def test_an_overflowing_change_log_is_recounted_at_the_next_report() -> None:
+    state = InstanceState("i0", block_size=16, max_log=2)
+    state.apply_report(LoadReport(num_running=0, num_waiting=0, num_free_blocks=50), now=0.0)
+    for k in range(3):  # the first change falls out of the log
+        state.dispatch(f"r{k}", prompt_tokens=16, uncached_tokens=16, now=1.0 + k)
+    assert state.view().num_waiting == 3  # running sums still hold all three
+    state.apply_report(LoadReport(num_running=0, num_waiting=0, num_free_blocks=50), now=1.5)
+    assert state.view().num_waiting == 2  # recounted from the log: what it still holds
+    state.apply_report(LoadReport(num_running=0, num_waiting=1, num_free_blocks=49), now=2.5)
+    assert (state.view().num_waiting, state.view().free_blocks) == (2, 48)
 
 
 def test_unhealthy_and_excluded_instances_are_never_least_loaded() -> None:
