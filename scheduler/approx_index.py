@@ -98,16 +98,18 @@ class ApproxIndex:
     def insert(self, instance_id: str, chain: Sequence[int], now: float) -> None:
         entries = self._instances[instance_id]
         expiry, deadline = entries.expiry, now + entries.ttl_s
-        held = len(expiry)
+        before = len(expiry)
         expiry.update(zip(chain, repeat(deadline)))
-        if len(expiry) - held < len(chain):
-            # Some were already held (or the chain repeats a block): a re-insert refreshes a
-            # block's place in expiry order, so the chain's blocks move to the end, in order.
+        grew = len(expiry) - before
+        if grew == len(chain):  # the usual tail: every block is new here
+            self.owners.add_many(chain, entries.bit)
+        else:
+            # New blocks were appended last; the held ones (or a block the chain repeats) keep
+            # their place, but a re-insert refreshes it: the chain moves to the end, in order.
+            self.owners.add_many(list(islice(reversed(expiry.keys()), grew)), entries.bit)
             ordered = dict.fromkeys(chain)
             deque(map(expiry.pop, ordered), maxlen=0)
             expiry.update(zip(ordered, repeat(deadline)))
-        # Setting the bit again on a held block changes nothing, so the whole chain goes in.
-        self.owners.add_many(chain, entries.bit)
         excess = len(expiry) - self.max_blocks_per_instance
         if excess > 0:
             self._drop_oldest(entries, list(islice(expiry, excess)))
