@@ -18,7 +18,9 @@ Contract:
   decoding during live stages and is suspended only for the stop-and-copy stage (between engine steps,
   never mid-step), then adopted by the destination with its exact state.
 - `request_overhead_s` delays each request between the router's decision and the engine (the HTTP
-  path of a real fleet); `InstanceConfig.step_overhead_s` adds the serving loop's per-step cost.
+  path of a real fleet), plus `request_overhead_per_busy_s` for each other instance busy at its
+  arrival (instances sharing a host's cores with the proxy and the client slow that path down);
+  `InstanceConfig.step_overhead_s` adds the serving loop's per-step cost.
 - Decode fast-forward (`fast_forward`, on by default): while no migration is in flight, an
   instance whose next steps are guaranteed pure decode applies all of those that end before the
   next barrier event (arrival, admission, migration tick; a load report too under a migration
@@ -72,6 +74,8 @@ class ClusterConfig:
     report_delay_s: float = 0.002
     # Client -> proxy -> agent until the engine holds the request (HTTP, tokenizing, routing).
     request_overhead_s: float = 0.0
+    # Extra request-path time per other busy instance (co-located instances; 0 on separate hosts).
+    request_overhead_per_busy_s: float = 0.0
     kv_event_delay_s: float = 0.005
     migration_interval_s: float = 0.5
     max_migrations_in_flight: int = 16
@@ -263,8 +267,13 @@ class SimCluster:
             max_tokens=tr.output_length,
         )
         instance = self.instances[routed.instance_id]
-        if self.config.request_overhead_s > 0:
-            self.loop.call_later(self.config.request_overhead_s, self._admit, instance, request)
+        overhead = self.config.request_overhead_s
+        if self.config.request_overhead_per_busy_s > 0:
+            busy = sum(1 for other in self.instances.values() if not other.idle)
+            busy -= 0 if instance.idle else 1
+            overhead += self.config.request_overhead_per_busy_s * busy
+        if overhead > 0:
+            self.loop.call_later(overhead, self._admit, instance, request)
         else:
             self._admit(instance, request)
 

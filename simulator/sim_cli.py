@@ -81,6 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="client -> proxy -> engine latency of every request (default 0)",
     )
     fleet.add_argument(
+        "--request-overhead-per-busy-ms",
+        type=float,
+        default=0.0,
+        help="extra request latency per other busy instance, for instances sharing a host's "
+        "cores with the proxy and the client (default 0)",
+    )
+    fleet.add_argument(
         "--migration-interval-ms", type=float, default=500.0, help="migration loop period"
     )
     fleet.add_argument(
@@ -124,6 +131,9 @@ def run(args: argparse.Namespace) -> int:
         return _fail("--policy lists a policy twice")
     if args.instances < 1:
         return _fail("--instances must be at least 1")
+    for flag in ("request_overhead_ms", "request_overhead_per_busy_ms", "step_overhead_ms"):
+        if not getattr(args, flag) >= 0:  # NaN fails too
+            return _fail(f"--{flag.replace('_', '-')} must be a non-negative number")
     try:
         latency = load_latency_model(args.latency_model)
         for name in policies:  # fail before a long run, not after the first policy
@@ -169,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
         migration_interval_s=args.migration_interval_ms / 1000.0,
         migration_bandwidth=args.migration_bandwidth_gbps * 1e9 / 8,
         request_overhead_s=args.request_overhead_ms / 1000.0,
+        request_overhead_per_busy_s=args.request_overhead_per_busy_ms / 1000.0,
     )
     meta = {
         "trace": str(args.trace),
@@ -187,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
             "step_overhead_ms": args.step_overhead_ms,
         },
         "request_overhead_ms": args.request_overhead_ms,
+        "request_overhead_per_busy_ms": args.request_overhead_per_busy_ms,
         "migration_policy": args.migration_policy,
         "seed": args.seed,
         "slo_ttft_ms": args.slo_ttft,

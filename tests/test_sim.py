@@ -219,12 +219,47 @@ def test_cli_bad_inputs_exit_2_with_one_line(
         ([str(bad), "--policy", "no_such_policy"], "unknown dispatch policy"),
         ([str(good), "--max-requests", "0"], "no requests left"),
         ([str(good), "--instances", "0"], "--instances must be at least 1"),
+        ([str(good), "--request-overhead-ms", "-1"], "--request-overhead-ms must be a non-neg"),
+        ([str(good), "--request-overhead-per-busy-ms", "nan"], "must be a non-negative number"),
     ]
     for extra, needle in cases:
         assert main(["sim", *extra, "--out", str(tmp_path / "o"), "--quiet"]) == 2
         err = capsys.readouterr().err
         assert needle in err and "Traceback" not in err
         assert err.startswith("kvherd sim: error: ")
+
+
+def test_request_overhead_grows_with_the_other_busy_instances() -> None:
+    """Co-located instances: a request pays `request_overhead_per_busy_s` for each other instance
+    busy when it arrives, and nothing more."""
+    from simulator.traces import TraceRequest
+
+    # A long prompt keeps inst-0 busy; round robin sends the next one to inst-1 while it is, and
+    # the third one to inst-0 after everything went quiet.
+    requests = [
+        TraceRequest(0, 0.0, 4000, 4, tuple(range(100, 108))),
+        TraceRequest(1, 0.01, 64, 4, (200,)),
+        TraceRequest(2, 30.0, 64, 4, (300,)),
+    ]
+    trace = Trace("busy", requests, block_size=512)
+
+    def ttft(per_busy: float) -> list[float]:
+        config = ClusterConfig(
+            num_instances=2,
+            instance=InstanceConfig(num_blocks=4096, max_num_batched_tokens=512),
+            request_overhead_s=0.002,
+            request_overhead_per_busy_s=per_busy,
+        )
+        cluster = SimCluster(
+            config, load_latency_model(LATENCY), load_dispatch_policy("round_robin")
+        )
+        cols = cluster.run(trace).columns()
+        return (cols["first_token"] - cols["arrival"]).tolist()
+
+    plain, loaded = ttft(0.0), ttft(0.005)
+    assert loaded[0] == pytest.approx(plain[0])  # nothing else busy at its arrival
+    assert loaded[1] == pytest.approx(plain[1] + 0.005)  # inst-0 busy with the long prefill
+    assert loaded[2] == pytest.approx(plain[2])
 
 
 def test_latency_models_are_sane() -> None:
