@@ -19,7 +19,13 @@ Steps, all on this machine:
      against the profile's engine through /kvherd/v1/state), each replaying the trace with
      `kvherd replay` after a short warm-up.
   4. One `kvherd sim` of the same trace: that profile, N instances, the same engine limits, the
-     probed request path, the proxy's load-report period.
+     probed request path (and its co-location term, below), the proxy's load-report period.
+  5. Co-location (probed in step 2): the agents, proxy and client share this machine's cores,
+     so a request is slower while another agent computes. Each probe round also times
+     few-token requests sent straight to one agent with the others idle and with them decoding
+     bursts; the median difference goes to the simulator as `--request-overhead-per-busy-ms`
+     (the request path grows per other busy instance at arrival). Engine steps slowing each
+     other down are not modelled.
 The trace is the Mooncake trace scaled down to fit the model's context: the first `--requests`
 requests that fit, every length divided by `--shrink` and the hash-id block shrunk alike
 (512/shrink tokens), so the prefix-sharing structure is kept; outputs are capped at `--max-output`.
@@ -29,9 +35,6 @@ the simulated value and its error against the real median (target: within 10%). 
 the real spread is indistinguishable from the fleet's own run-to-run noise. Then, per policy, the
 median over requests of sim TTFT / real TTFT (paired per request) and how often the simulated
 router chose the instance the real one did.
-Not modelled: the agents, proxy and client share this machine's cores, so a request is slower
-while another agent computes (measured: TTFT of few-token prompts 16-17 ms with the other agent
-busy, 9-11 ms with it idle); the simulator's instances never slow each other down.
 
     python bench/sim_fidelity.py [--policies round_robin,kvherd] [--instances 2] [--requests 60]
         [--model tiny] [--shrink 16] [--repeats 3]
@@ -275,6 +278,52 @@ def _probe(
     rounds.append(observations)
 
 
+def _interference(
+    agents: list[str], args: argparse.Namespace, model: Any, first_index: int
+) -> tuple[float, float]:
+    """Median TTFT (s) of isolated few-token requests sent straight to one agent, with the
+    other agents idle and with them decoding bursts: (idle, busy).
+
+    Their difference is what a busy co-located agent adds to a request's path on this machine
+    (`--request-overhead-per-busy-ms`). Both sides skip the proxy, so the engine and the client
+    see the same work either way and only the other agents' load differs.
+    """
+    import threading
+
+    import numpy as np
+
+    quiet, others = agents[0], agents[1:]
+    gap = 0.05 + 3 * model.engine_step_time([(PROBE_PROMPT, 0)], [])
+    count = 8
+    isolated = [(gap * i, 1, PROBE_PROMPT, 1) for i in range(count)]
+    idle = _replay_rows(quiet, _probe_trace(isolated, first_index))
+    # Bursts long enough to cover every probe: max_num_seqs / 2 streams per other agent.
+    streams = max(1, args.max_num_seqs // 2)
+    decode = int(gap * count / max(model.engine_step_time([], [PROBE_PROMPT] * streams), 1e-4))
+    decode = min(decode * 2, CONTEXT.get(args.model, 2048) - 2 * PROBE_PROMPT)
+    bursts = [
+        threading.Thread(
+            target=_replay_rows,
+            args=(
+                agent,
+                _probe_trace([(0.0, streams, PROBE_PROMPT, decode)], first_index + 100 * (i + 1)),
+            ),
+        )
+        for i, agent in enumerate(others)
+    ]
+    for burst in bursts:
+        burst.start()
+    time.sleep(4 * gap)  # the bursts are decoding (their prefills are done)
+    busy = _replay_rows(quiet, _probe_trace(isolated, first_index + 50))
+    for burst in bursts:
+        burst.join()
+
+    def ttft(cols: Any) -> float:
+        return float(np.median(cols["first_token"] - cols["arrival"]))
+
+    return ttft(idle), ttft(busy)
+
+
 def _probe_batches(args: argparse.Namespace) -> list[int]:
     return sorted({1, max(1, args.max_num_seqs // 4), max(1, args.max_num_seqs // 2)})
 
@@ -427,15 +476,32 @@ def main() -> int:
     model = CalibratedModel(profile, str(engine_profile))
 
     rounds: list[list[Observation]] = []
+    interference: list[tuple[float, float]] = []
     with _fleet("round_robin", args, profile, out / "up_probe.log") as (url, agents):
         for r in range(args.probe_rounds):
             _probe(url, agents[r % len(agents)], args, model, rounds)
+            if len(agents) > 1:
+                interference.append(
+                    _interference(
+                        agents[r % len(agents) :] + agents[: r % len(agents)],
+                        args,
+                        model,
+                        5_000_000 + 1000 * r,
+                    )
+                )
     fleet = _fleet_fit([o for observations in rounds for o in observations])
     per_round = [_fleet_fit(observations) for observations in rounds]
     profile["serving"] = {key: fleet[key] for key in FLEET_TERMS[1:]}
     fleet_profile = out / "profile_fleet.json"
     fleet_profile.write_text(json.dumps(profile, indent=1) + "\n")
     request_ms = fleet["request_s"] * 1000.0
+    # What one busy co-located agent adds to a request (none measured below 0).
+    per_busy_ms = max(
+        0.0,
+        1000.0 * statistics.median(busy - idle for idle, busy in interference)
+        if interference
+        else 0.0,
+    )
 
     policies = args.policies.split(",")
     reals: dict[str, list[dict[str, Any]]] = {policy: [] for policy in policies}
@@ -502,6 +568,8 @@ def main() -> int:
             str(profile["engine"]["max_model_len"]),
             "--request-overhead-ms",
             f"{request_ms:.3f}",
+            "--request-overhead-per-busy-ms",
+            f"{per_busy_ms:.3f}",
             "--report-interval-ms",
             str(LOAD_INTERVAL_MS),
             "--out",
@@ -533,6 +601,15 @@ def main() -> int:
         print(
             f"probed fleet: {key} {fleet[key] * scale:.3f}{unit} (rounds alone: "
             + " / ".join(f"{r[key] * scale:.3f}" for r in per_round)
+            + ")"
+        )
+    if interference:
+        idle_ms = 1000 * statistics.median(i for i, _ in interference)
+        busy_ms = 1000 * statistics.median(b for _, b in interference)
+        print(
+            f"probed co-location: few-token TTFT {idle_ms:.2f} ms with the other agents idle, "
+            f"{busy_ms:.2f} ms with them decoding: +{per_busy_ms:.3f} ms per busy agent (rounds: "
+            + " / ".join(f"{1000 * (b - i):+.2f}" for i, b in interference)
             + ")"
         )
     print("| policy | metric | real median | real spread | sim | sim error |")
