@@ -17,7 +17,7 @@ Contract:
   landing in one routing decision, and an entry may outlive its TTL until the backlog is worked off.
   Its block -> instances map is sharded (`ShardedBlockOwners`): it grows inside routing
   decisions, and one big dict would stall a decision for milliseconds each time it grows.
-  `num_shards=1` keeps one plain dict instead: the same answers for about a quarter less work per
+  `num_shards=1` keeps one plain dict instead: the same answers for 20-30% less work per
   block, for a caller that counts total time rather than the worst decision (the simulator).
   Pure: the caller supplies `now`.
 """

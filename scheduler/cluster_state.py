@@ -14,7 +14,7 @@ Contract:
   uncached tail of each routed request until their events arrive. Both indexes share one slot
   map, and `match(chain, now)` walks them together: a block counts if either holds it.
 - `approx_shards` splits the approximate index's map (default 64) so that its growth never stalls
-  one decision for long; 1 keeps one dict, a quarter less work per block, for a caller that
+  one decision for long; 1 keeps one dict, 20-30% less work per block, for a caller that
   counts total time rather than the slowest decision (the simulator). Answers are the same.
 - `view(now)` returns the `ClusterView` for one decision. Instance views and numpy columns are
   kept up to date incrementally (only instances that changed are re-rendered), so building a view
