@@ -84,14 +84,14 @@ class InstanceState:
         as the previous report, and no logged change left the log)."""
         fields = _REPORT_FIELDS(report)
         previous = _REPORT_FIELDS(self.report)
-        if None in fields:  # keep what the previous report knew and this one leaves unknown
+        changed = fields != previous  # the usual steady report: equal, Nones included
+        if changed and None in fields:  # keep what the previous report knew, this one does not
             merged = tuple(
                 [old if new is None else new for new, old in zip(fields, previous, strict=True)]
             )
             if merged != fields:
                 report = LoadReport(*merged)
-                fields = merged
-        changed = fields != previous
+                changed = merged != previous
         self.report = report
         self.report_time = now
         cutoff = now if taken_at is None else taken_at
