@@ -163,7 +163,9 @@ class SimCluster:
         self.fast_forward = fast_forward
         self.loop = EventLoop()
         self.metrics = MetricsCollector()
-        self.state = ClusterState(block_size=config.instance.block_size)
+        # One approximate-index shard: shards keep the proxy's single decisions from stalling
+        # while the index grows; a simulation only pays their overhead (same decisions).
+        self.state = ClusterState(block_size=config.instance.block_size, approx_shards=1)
         self.router = Router(self.state, dispatch)
         self.migration_loop = (
             None
