@@ -3,7 +3,9 @@
 Contract (`create_app(agent)` returns the FastAPI app):
 - ``POST /v1/completions`` (prompt as text or token ids), ``POST /v1/chat/completions``,
   ``GET /v1/models``: OpenAI/vLLM JSON and SSE (``data: {json}\\n\\n`` frames ending with
-  ``data: [DONE]\\n\\n``; ``stream_options.include_usage`` adds a final usage chunk).
+  ``data: [DONE]\\n\\n``; ``stream_options.include_usage`` adds a final usage chunk). As in
+  vLLM, a streamed output that carries tokens is a chunk even while its text is empty (tokens that
+  do not complete a character yet), so clients time the first token, not the first character.
 - ``X-Request-Id`` is the engine request id when given (else a fresh one) and is echoed on every
   response. A client that disconnects, streamed or not, aborts its request, freeing its blocks.
 - Every error is the OpenAI error object: 400 for any invalid body (FastAPI's 422 is replaced, in
@@ -527,7 +529,9 @@ async def _sse(
                 new_ids = list(output.new_token_ids)
                 finish = output.finish_reason if output.finished else None
                 text = output.text_delta
-                if text or finish is not None or (want_ids and new_ids):
+                # Like vLLM: a chunk per output that carries tokens, even when they do not
+                # complete a character yet (empty text), so a client times the first token.
+                if text or finish is not None or new_ids:
                     ids = new_ids if want_ids else None
                     if meta.chat:
                         delta = {"content": text} if text else {}

@@ -158,6 +158,27 @@ def test_stop_string_cuts_the_text(agent: AgentProcess, engine: LLMEngine) -> No
     assert streamed == full[:pos]
 
 
+def test_stream_has_a_chunk_per_token_even_before_a_character_completes(
+    agent: AgentProcess,
+) -> None:
+    """As vLLM: every sampled token reaches the client at once (its chunk's text may be empty),
+    so a client times the first token, not the first whole character."""
+    body = {
+        "prompt": "abc",
+        "max_tokens": 24,
+        "temperature": 1.0,
+        "seed": 3,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{agent.url}/v1/completions", json=body, timeout=30) as response:
+        events = [e for e in _sse_events(response.iter_lines()) if isinstance(e, dict)]
+    texts = [e["choices"][0]["text"] for e in events]
+    assert len(texts) == 24
+    # The tiny model samples raw bytes: some complete no character yet (the case under test).
+    assert "" in texts
+
+
 def test_sse_wire_format_and_request_id(agent: AgentProcess) -> None:
     body = {
         "prompt": "abc",
