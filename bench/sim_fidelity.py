@@ -6,8 +6,9 @@ Steps, all on this machine:
      whole engine steps in the stepping thread's CPU time (robust to other load on the machine).
   2. Serving probes on a probe fleet (`kvherd up`, round_robin) with the replay client, never the
      trace: isolated one-token requests through the proxy (prompts of 16 tokens, one and two
-     token budgets) and bursts of k streaming requests sent to one agent itself (the others
-     idle). Their TTFTs and TPOTs fit, by least squares in relative error, the fleet model
+     token budgets) and bursts of k streaming requests through the proxy of a second, one-agent
+     fleet (the path every streamed token takes, no other agent competing for the cores). Their
+     TTFTs and TPOTs fit, by least squares in relative error, the fleet model
        step = compute_scale * (profiled engine step) + step_s + per_sequence_s * sequences,
        TTFT = request_s + the steps of the prefill:
      the request path (client -> proxy -> agent and the first token back), how much slower the
@@ -117,16 +118,21 @@ def _shrunk_trace(out: Path, args: argparse.Namespace) -> Path:
 
 @contextmanager
 def _fleet(
-    policy: str, args: argparse.Namespace, profile: dict[str, Any], log: Path
+    policy: str,
+    args: argparse.Namespace,
+    profile: dict[str, Any],
+    log: Path,
+    instances: int | None = None,
 ) -> Iterator[tuple[str, list[str]]]:
-    """A running `kvherd up` fleet whose agents run the profile's engine; yields the proxy URL
-    and the agents' URLs."""
+    """A running `kvherd up` fleet of `instances` (default `--instances`) agents running the
+    profile's engine; yields the proxy URL and the agents' URLs."""
+    count = args.instances if instances is None else instances
     port, admin = _free_port(), _free_port()
     engine = profile["engine"]
     cmd = _kvherd(
         "up",
         "-n",
-        str(args.instances),
+        str(count),
         "--model",
         args.model,
         "--policy",
@@ -155,7 +161,7 @@ def _fleet(
         )
         url = f"http://127.0.0.1:{port}"
         try:
-            agents = _wait_ready(proc, url, admin, args.instances, log)
+            agents = _wait_ready(proc, url, admin, count, log)
             _check_engine(agents, engine)
             yield url, agents
         finally:
@@ -241,14 +247,15 @@ Observation = tuple[float, float, float, float, float]
 
 
 def _probe(
-    url: str, agent: str, args: argparse.Namespace, model: Any, rounds: list[list[Observation]]
+    url: str, single: str, args: argparse.Namespace, model: Any, rounds: list[list[Observation]]
 ) -> None:
     """One round of serving probes, appended to `rounds` as observations.
 
     Isolated one-token requests through the proxy (16 tokens, one and two token budgets long)
     give TTFTs: the request path, the engine's compute on this machine now, and per-step costs.
-    Bursts of k streaming requests sent to one agent itself, the other agents idle, give TPOTs:
-    one instance's own serving loop (the simulator's unit), not agents competing for the cores.
+    Bursts of k streaming requests through `single`, the proxy of a one-agent fleet, give TPOTs:
+    one instance's own serving loop (the simulator's unit) plus the path every streamed token
+    takes (agent, proxy, client), without other agents competing for the cores.
     """
     import numpy as np
 
@@ -268,7 +275,7 @@ def _probe(
         observations.append((value, 1.0, engine, len(chunks), len(chunks)))
     for j, k in enumerate(_probe_batches(args)):
         burst = _probe_trace([(0.0, k, PROBE_PROMPT, PROBE_DECODE + 1)], base + 1000 * (j + 1))
-        cols = _replay_rows(agent, burst)
+        cols = _replay_rows(single, burst)
         tpot = float(np.median((cols["last_token"] - cols["first_token"]) / PROBE_DECODE))
         # Contexts run from PROBE_PROMPT + 1 to PROBE_PROMPT + PROBE_DECODE: the model is linear
         # in their sum, so the mean context prices every step of the probe on average.
@@ -477,9 +484,12 @@ def main() -> int:
 
     rounds: list[list[Observation]] = []
     interference: list[tuple[float, float]] = []
-    with _fleet("round_robin", args, profile, out / "up_probe.log") as (url, agents):
+    with (
+        _fleet("round_robin", args, profile, out / "up_probe.log") as (url, agents),
+        _fleet("round_robin", args, profile, out / "up_probe_one.log", instances=1) as (one, _),
+    ):
         for r in range(args.probe_rounds):
-            _probe(url, agents[r % len(agents)], args, model, rounds)
+            _probe(url, one, args, model, rounds)
             if len(agents) > 1:
                 interference.append(
                     _interference(
