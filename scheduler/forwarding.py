@@ -55,6 +55,15 @@ _MAX_HEAD_BYTES = 64 * 1024
 _NO_BODY_STATUS = frozenset({204, 304})
 
 
+def _line_end(buffer: bytearray, terminator: bytes, what: str) -> int:
+    """Where `terminator` starts in `buffer`, or -1 while it may still arrive; a `what` longer
+    than `_MAX_HEAD_BYTES` is refused (an upstream cannot make the proxy buffer without bound)."""
+    end = buffer.find(terminator)
+    if end < 0 and len(buffer) > _MAX_HEAD_BYTES:
+        raise ValueError(f"{what} too long")
+    return end
+
+
 class UpstreamError(Exception):
     """The instance could not be reached or did not answer in time."""
 
@@ -150,10 +159,8 @@ class _Connection(asyncio.Protocol):
         while True:
             state = self._state
             if state == _HEAD:
-                end = buffer.find(b"\r\n\r\n")
+                end = _line_end(buffer, b"\r\n\r\n", "response head")
                 if end < 0:
-                    if len(buffer) > _MAX_HEAD_BYTES:
-                        raise ValueError("response head too large")
                     return
                 head = bytes(buffer[: end + 4])
                 del buffer[: end + 4]
@@ -176,10 +183,8 @@ class _Connection(asyncio.Protocol):
                 self._state = _DONE
                 self._resolve_head()
             elif state == _CHUNK_SIZE:
-                end = buffer.find(b"\r\n")
+                end = _line_end(buffer, b"\r\n", "chunk size line")
                 if end < 0:
-                    if len(buffer) > _MAX_HEAD_BYTES:
-                        raise ValueError("chunk size line too long")
                     return
                 size = int(bytes(buffer[:end]).split(b";", 1)[0], 16)
                 del buffer[: end + 2]
@@ -195,7 +200,7 @@ class _Connection(asyncio.Protocol):
                 del buffer[: self._length + 2]
                 self._state = _CHUNK_SIZE
             elif state == _TRAILERS:
-                end = buffer.find(b"\r\n")
+                end = _line_end(buffer, b"\r\n", "trailer line")
                 if end < 0:
                     return
                 del buffer[: end + 2]
