@@ -365,8 +365,9 @@ class SimCluster:
         order their deliveries would have run as events of their own.
 
         Only routing and migration planning read the prefix index, so deliveries wait in
-        `_pending_events` (keyed like loop events) until one of those runs: the same state
-        at every read, without a loop event per engine step.
+        `_pending_events` (keyed like loop events) until one of those runs, or a step ends
+        (which bounds how long events hold their token ids): the same state at every read,
+        without a loop event per engine step.
         """
         pending = self._pending_events
         current = self.loop.current if before is None else before
