@@ -22,11 +22,13 @@ Steps, all on this machine:
   4. One `kvherd sim` of the same trace: that profile, N instances, the same engine limits, the
      probed request path (and its co-location term, below), the proxy's load-report period.
   5. Co-location (probed in step 2): the agents, proxy and client share this machine's cores,
-     so a request is slower while another agent computes. Each probe round also times
-     few-token requests sent straight to one agent with the others idle and with them decoding
-     bursts; the median difference goes to the simulator as `--request-overhead-per-busy-ms`
-     (the request path grows per other busy instance at arrival). Engine steps slowing each
-     other down are not modelled.
+     so requests and engine steps are slower while another agent computes. Each probe round
+     sends few-token requests and a burst of streams straight to one agent of the probe fleet,
+     first with the one-agent fleet idle, then with it decoding streams through its proxy (as
+     a real fleet's other agent does; polled until its prefills are done). The median TTFT
+     difference goes to the simulator as `--request-overhead-per-busy-ms` (the request path
+     grows per other busy instance at arrival), the median TPOT stretch as
+     `--step-slowdown-per-busy` (every step grows per other busy instance at its start).
 The trace is the Mooncake trace scaled down to fit the model's context: the first `--requests`
 requests that fit, every length divided by `--shrink` and the hash-id block shrunk alike
 (512/shrink tokens), so the prefix-sharing structure is kept; outputs are capped at `--max-output`.
@@ -57,7 +59,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 
@@ -285,50 +287,82 @@ def _probe(
     rounds.append(observations)
 
 
-def _interference(
-    agents: list[str], args: argparse.Namespace, model: Any, first_index: int
-) -> tuple[float, float]:
-    """Median TTFT (s) of isolated few-token requests sent straight to one agent, with the
-    other agents idle and with them decoding bursts: (idle, busy).
+class Colocation(NamedTuple):
+    """Probe medians (s) on one agent with a co-located agent idle and with it decoding."""
 
-    Their difference is what a busy co-located agent adds to a request's path on this machine
-    (`--request-overhead-per-busy-ms`). Both sides skip the proxy, so the engine and the client
-    see the same work either way and only the other agents' load differs.
+    idle_ttft: float
+    busy_ttft: float
+    idle_tpot: float
+    busy_tpot: float
+
+
+_IDLE = Colocation(0.0, 0.0, 1.0, 1.0)  # one instance: no neighbour, no co-location cost
+
+
+def _decoding(agent: str, streams: int) -> bool:
+    """Whether `agent` runs `streams` requests, every prefill done (it is decoding them)."""
+    state = httpx.get(f"{agent}/kvherd/v1/state", timeout=10).json()
+    running = state["running"]
+    return len(running) == streams and all(r["num_output_tokens"] > 0 for r in running)
+
+
+def _colocation(
+    quiet: str,
+    busy: tuple[str, str],
+    args: argparse.Namespace,
+    model: Any,
+    first_index: int,
+) -> Colocation:
+    """Few-token requests (TTFT) and a burst of streams (TPOT) sent straight to the agent
+    `quiet`, first with the co-located agent of `busy` (its proxy, its agent) idle, then with it
+    decoding streams through its proxy, as a real fleet's other agent does.
+
+    What the busy neighbour adds to the TTFT is the request path's co-location cost
+    (`--request-overhead-per-busy-ms`); how much it stretches the TPOT is the engine steps'
+    (`--step-slowdown-per-busy`). Both sides skip the quiet agent's proxy, so only the
+    neighbour's load differs between them.
     """
     import threading
 
     import numpy as np
 
-    quiet, others = agents[0], agents[1:]
+    proxy, neighbour = busy
     gap = 0.05 + 3 * model.engine_step_time([(PROBE_PROMPT, 0)], [])
     count = 8
     isolated = [(gap * i, 1, PROBE_PROMPT, 1) for i in range(count)]
-    idle = _replay_rows(quiet, _probe_trace(isolated, first_index))
-    # Bursts long enough to cover every probe: max_num_seqs / 2 streams per other agent.
-    streams = max(1, args.max_num_seqs // 2)
-    decode = int(gap * count / max(model.engine_step_time([], [PROBE_PROMPT] * streams), 1e-4))
-    decode = min(decode * 2, CONTEXT.get(args.model, 2048) - 2 * PROBE_PROMPT)
-    bursts = [
-        threading.Thread(
-            target=_replay_rows,
-            args=(
-                agent,
-                _probe_trace([(0.0, streams, PROBE_PROMPT, decode)], first_index + 100 * (i + 1)),
-            ),
-        )
-        for i, agent in enumerate(others)
-    ]
-    for burst in bursts:
-        burst.start()
-    time.sleep(4 * gap)  # the bursts are decoding (their prefills are done)
-    busy = _replay_rows(quiet, _probe_trace(isolated, first_index + 50))
-    for burst in bursts:
-        burst.join()
+    burst = max(1, args.max_num_seqs // 4)
+    burst_tokens = PROBE_DECODE + 1
+    stretched = 3 * burst_tokens * model.engine_step_time([], [PROBE_PROMPT] * burst)
 
-    def ttft(cols: Any) -> float:
-        return float(np.median(cols["first_token"] - cols["arrival"]))
+    def measure(index: int) -> tuple[float, float]:
+        cols = _replay_rows(quiet, _probe_trace(isolated, index))
+        ttft = float(np.median(cols["first_token"] - cols["arrival"]))
+        burst_trace = _probe_trace([(0.0, burst, PROBE_PROMPT, burst_tokens)], index + 50)
+        cols = _replay_rows(quiet, burst_trace)
+        tpot = float(np.median((cols["last_token"] - cols["first_token"]) / PROBE_DECODE))
+        return ttft, tpot
 
-    return ttft(idle), ttft(busy)
+    idle_ttft, idle_tpot = measure(first_index)
+    # The neighbour runs as many streams as the burst (a moderately loaded instance), decoding
+    # twice as long as the probes take at three times their modelled time.
+    streams = burst
+    step = max(model.engine_step_time([], [PROBE_PROMPT] * streams), 1e-4)
+    decode = int(2 * (gap * count + stretched) / step)
+    decode = min(decode, CONTEXT.get(args.model, 2048) - 2 * PROBE_PROMPT)
+    neighbour_trace = _probe_trace([(0.0, streams, PROBE_PROMPT, decode)], first_index + 100)
+    load = threading.Thread(target=_replay_rows, args=(proxy, neighbour_trace))
+    load.start()
+    deadline = time.monotonic() + 30
+    while not _decoding(neighbour, streams):
+        if not load.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the co-located agent never decoded the probe's streams")
+        time.sleep(0.005)  # polls the agent's own state; nothing to await
+    busy_ttft, busy_tpot = measure(first_index + 200)
+    still_decoding = _decoding(neighbour, streams)
+    load.join()
+    if not still_decoding:
+        raise RuntimeError("the co-located agent's streams ended before the probes did")
+    return Colocation(idle_ttft, busy_ttft, idle_tpot, busy_tpot)
 
 
 def _probe_batches(args: argparse.Namespace) -> list[int]:
@@ -483,21 +517,20 @@ def main() -> int:
     model = CalibratedModel(profile, str(engine_profile))
 
     rounds: list[list[Observation]] = []
-    interference: list[tuple[float, float]] = []
+    colocation: list[Colocation] = []
     with (
         _fleet("round_robin", args, profile, out / "up_probe.log") as (url, agents),
-        _fleet("round_robin", args, profile, out / "up_probe_one.log", instances=1) as (one, _),
+        _fleet("round_robin", args, profile, out / "up_probe_one.log", instances=1) as (
+            one,
+            one_agents,
+        ),
     ):
         for r in range(args.probe_rounds):
             _probe(url, one, args, model, rounds)
-            if len(agents) > 1:
-                interference.append(
-                    _interference(
-                        agents[r % len(agents) :] + agents[: r % len(agents)],
-                        args,
-                        model,
-                        5_000_000 + 1000 * r,
-                    )
+            if args.instances > 1:  # the one-agent fleet is the quiet agent's busy neighbour
+                quiet = agents[r % len(agents)]
+                colocation.append(
+                    _colocation(quiet, (one, one_agents[0]), args, model, 5_000_000 + 1000 * r)
                 )
     fleet = _fleet_fit([o for observations in rounds for o in observations])
     per_round = [_fleet_fit(observations) for observations in rounds]
@@ -505,12 +538,13 @@ def main() -> int:
     fleet_profile = out / "profile_fleet.json"
     fleet_profile.write_text(json.dumps(profile, indent=1) + "\n")
     request_ms = fleet["request_s"] * 1000.0
-    # What one busy co-located agent adds to a request (none measured below 0).
+    # What one busy co-located agent adds to a request, and how much it stretches the steps
+    # (none measured below 0).
     per_busy_ms = max(
-        0.0,
-        1000.0 * statistics.median(busy - idle for idle, busy in interference)
-        if interference
-        else 0.0,
+        0.0, 1000.0 * statistics.median(c.busy_ttft - c.idle_ttft for c in colocation or [_IDLE])
+    )
+    slowdown = max(
+        0.0, statistics.median(c.busy_tpot / c.idle_tpot - 1 for c in colocation or [_IDLE])
     )
 
     policies = args.policies.split(",")
@@ -580,6 +614,8 @@ def main() -> int:
             f"{request_ms:.3f}",
             "--request-overhead-per-busy-ms",
             f"{per_busy_ms:.3f}",
+            "--step-slowdown-per-busy",
+            f"{slowdown:.4f}",
             "--report-interval-ms",
             str(LOAD_INTERVAL_MS),
             "--out",
@@ -613,13 +649,21 @@ def main() -> int:
             + " / ".join(f"{r[key] * scale:.3f}" for r in per_round)
             + ")"
         )
-    if interference:
-        idle_ms = 1000 * statistics.median(i for i, _ in interference)
-        busy_ms = 1000 * statistics.median(b for _, b in interference)
+    if colocation:
+
+        def ms(values: Iterator[float]) -> float:
+            return 1000 * statistics.median(values)
+
         print(
-            f"probed co-location: few-token TTFT {idle_ms:.2f} ms with the other agents idle, "
-            f"{busy_ms:.2f} ms with them decoding: +{per_busy_ms:.3f} ms per busy agent (rounds: "
-            + " / ".join(f"{1000 * (b - i):+.2f}" for i, b in interference)
+            "probed co-location: few-token TTFT "
+            f"{ms(c.idle_ttft for c in colocation):.2f} ms with the neighbour idle, "
+            f"{ms(c.busy_ttft for c in colocation):.2f} ms with it decoding: +{per_busy_ms:.3f} "
+            "ms per busy agent (rounds: "
+            + " / ".join(f"{1000 * (c.busy_ttft - c.idle_ttft):+.2f}" for c in colocation)
+            + f"); TPOT {ms(c.idle_tpot for c in colocation):.3f} -> "
+            f"{ms(c.busy_tpot for c in colocation):.3f} ms: steps {slowdown:+.1%} per busy "
+            "agent (rounds: "
+            + " / ".join(f"{c.busy_tpot / c.idle_tpot - 1:+.1%}" for c in colocation)
             + ")"
         )
     print("| policy | metric | real median | real spread | sim | sim error |")

@@ -21,6 +21,10 @@ Contract:
   path of a real fleet), plus `request_overhead_per_busy_s` for each other instance busy at its
   arrival (instances sharing a host's cores with the proxy and the client slow that path down);
   `InstanceConfig.step_overhead_s` adds the serving loop's per-step cost.
+- `step_slowdown_per_busy` stretches each engine step by that fraction per other instance busy at
+  its start (co-located instances contending for the host's cores or memory bandwidth; 0, the
+  default, for instances on hosts of their own). Nonzero, it turns decode fast-forward off: every
+  step is timed against the fleet as it is when the step starts.
 - Decode fast-forward (`fast_forward`, on by default): while no migration is in flight, an
   instance whose next steps are guaranteed pure decode applies all of those that end before the
   next barrier event (arrival, admission, migration tick; a load report too under a migration
@@ -76,6 +80,8 @@ class ClusterConfig:
     request_overhead_s: float = 0.0
     # Extra request-path time per other busy instance (co-located instances; 0 on separate hosts).
     request_overhead_per_busy_s: float = 0.0
+    # Step-time stretch per other busy instance (co-located instances; 0 on separate hosts).
+    step_slowdown_per_busy: float = 0.0
     kv_event_delay_s: float = 0.005
     migration_interval_s: float = 0.5
     max_migrations_in_flight: int = 16
@@ -160,7 +166,8 @@ class SimCluster:
         self.dispatch_policy = dispatch
         self.migration_policy = migration
         self.vocab_size = vocab_size
-        self.fast_forward = fast_forward
+        # A step's time depends on the other instances at its start: no step is planned ahead.
+        self.fast_forward = fast_forward and not config.step_slowdown_per_busy
         self.loop = EventLoop()
         self.metrics = MetricsCollector()
         # One approximate-index shard: shards keep the proxy's single decisions from stalling
@@ -271,9 +278,7 @@ class SimCluster:
         instance = self.instances[routed.instance_id]
         overhead = self.config.request_overhead_s
         if self.config.request_overhead_per_busy_s > 0:
-            busy = sum(1 for other in self.instances.values() if not other.idle)
-            busy -= 0 if instance.idle else 1
-            overhead += self.config.request_overhead_per_busy_s * busy
+            overhead += self.config.request_overhead_per_busy_s * self._busy_others(instance)
         if overhead > 0:
             self.loop.call_later(overhead, self._admit, instance, request)
         else:
@@ -316,9 +321,16 @@ class SimCluster:
             if run is not None:
                 self._schedule_run(instance, run)
                 return
-        end = instance.start_step(loop.now)
+        slowdown = self.config.step_slowdown_per_busy
+        stretch = 1.0 + slowdown * self._busy_others(instance) if slowdown else 1.0
+        end = instance.start_step(loop.now, stretch)
         if end is not None:
             loop.call_at_quiet(end, self._step_end, instance)
+
+    def _busy_others(self, instance: SimInstance) -> int:
+        """How many instances other than `instance` are running a step now."""
+        busy = sum(1 for other in self.instances.values() if not other.idle)
+        return busy - (0 if instance.idle else 1)
 
     def _schedule_run(self, instance: SimInstance, run: DecodeRun) -> None:
         loop = self.loop

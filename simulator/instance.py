@@ -173,8 +173,9 @@ class SimInstance:
         # The next `schedule` may admit it: the guaranteed decode run ends with the current one.
         self._steps_left = 0
 
-    def start_step(self, now: float) -> float | None:
-        """Plan the next step at `now`; returns its end time, or None when there is nothing to run."""
+    def start_step(self, now: float, stretch: float = 1.0) -> float | None:
+        """Plan the next step at `now`, its time multiplied by `stretch` (contention from
+        co-located instances); returns its end time, or None when there is nothing to run."""
         output = self.scheduler.schedule()
         while output.is_empty and output.preempted:
             # The plan only preempted (the last running request gave up its own blocks): the
@@ -185,7 +186,7 @@ class SimInstance:
             self.step_end = None
             return None
         prefill, decode = step_shape(output)
-        duration = self.latency.step_time(prefill, decode) + self.config.step_overhead_s
+        duration = (self.latency.step_time(prefill, decode) + self.config.step_overhead_s) * stretch
         for item in output.scheduled:
             rid = item.request.request_id
             if rid not in self._scheduled_once:

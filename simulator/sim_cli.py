@@ -88,6 +88,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "cores with the proxy and the client (default 0)",
     )
     fleet.add_argument(
+        "--step-slowdown-per-busy",
+        type=float,
+        default=0.0,
+        metavar="FRACTION",
+        help="stretch every engine step by this fraction per other busy instance, for "
+        "instances sharing a host's cores (default 0; nonzero turns decode fast-forward off)",
+    )
+    fleet.add_argument(
         "--migration-interval-ms", type=float, default=500.0, help="migration loop period"
     )
     fleet.add_argument(
@@ -131,7 +139,12 @@ def run(args: argparse.Namespace) -> int:
         return _fail("--policy lists a policy twice")
     if args.instances < 1:
         return _fail("--instances must be at least 1")
-    for flag in ("request_overhead_ms", "request_overhead_per_busy_ms", "step_overhead_ms"):
+    for flag in (
+        "request_overhead_ms",
+        "request_overhead_per_busy_ms",
+        "step_overhead_ms",
+        "step_slowdown_per_busy",
+    ):
         if not getattr(args, flag) >= 0:  # NaN fails too
             return _fail(f"--{flag.replace('_', '-')} must be a non-negative number")
     try:
@@ -180,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
         migration_bandwidth=args.migration_bandwidth_gbps * 1e9 / 8,
         request_overhead_s=args.request_overhead_ms / 1000.0,
         request_overhead_per_busy_s=args.request_overhead_per_busy_ms / 1000.0,
+        step_slowdown_per_busy=args.step_slowdown_per_busy,
     )
     meta = {
         "trace": str(args.trace),
@@ -199,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
         },
         "request_overhead_ms": args.request_overhead_ms,
         "request_overhead_per_busy_ms": args.request_overhead_per_busy_ms,
+        "step_slowdown_per_busy": args.step_slowdown_per_busy,
         "migration_policy": args.migration_policy,
         "seed": args.seed,
         "slo_ttft_ms": args.slo_ttft,

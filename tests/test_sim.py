@@ -221,6 +221,7 @@ def test_cli_bad_inputs_exit_2_with_one_line(
         ([str(good), "--instances", "0"], "--instances must be at least 1"),
         ([str(good), "--request-overhead-ms", "-1"], "--request-overhead-ms must be a non-neg"),
         ([str(good), "--request-overhead-per-busy-ms", "nan"], "must be a non-negative number"),
+        ([str(good), "--step-slowdown-per-busy", "-0.5"], "--step-slowdown-per-busy must be"),
     ]
     for extra, needle in cases:
         assert main(["sim", *extra, "--out", str(tmp_path / "o"), "--quiet"]) == 2
@@ -260,6 +261,44 @@ def test_request_overhead_grows_with_the_other_busy_instances() -> None:
     assert loaded[0] == pytest.approx(plain[0])  # nothing else busy at its arrival
     assert loaded[1] == pytest.approx(plain[1] + 0.005)  # inst-0 busy with the long prefill
     assert loaded[2] == pytest.approx(plain[2])
+
+
+def test_steps_stretch_with_the_other_busy_instances() -> None:
+    """Co-located instances: every step takes (1 + `step_slowdown_per_busy` x other busy
+    instances at its start) times as long; alone, an instance runs at the model's speed."""
+    from simulator.traces import TraceRequest
+
+    # inst-0 prefills a long prompt in 8 chunks; the short request on inst-1 lives entirely
+    # inside that prefill, and the last one runs after everything went quiet.
+    requests = [
+        TraceRequest(0, 0.0, 4000, 4, tuple(range(100, 108))),
+        TraceRequest(1, 0.01, 64, 4, (200,)),
+        TraceRequest(2, 30.0, 64, 4, (300,)),
+    ]
+    trace = Trace("busy", requests, block_size=512)
+
+    def run(slowdown: float) -> tuple[dict[str, list[float]], int]:
+        config = ClusterConfig(
+            num_instances=2,
+            instance=InstanceConfig(num_blocks=4096, max_num_batched_tokens=512),
+            step_slowdown_per_busy=slowdown,
+        )
+        cluster = SimCluster(
+            config, load_latency_model(LATENCY), load_dispatch_policy("round_robin")
+        )
+        cols = cluster.run(trace).columns()
+        steps = sum(i.num_steps for i in cluster.instances.values())
+        return {
+            k: (cols[k] - cols["arrival"]).tolist() for k in ("first_token", "last_token")
+        }, steps
+
+    (plain, plain_steps), (loaded, loaded_steps) = run(0.0), run(0.5)
+    assert loaded_steps == plain_steps
+    for key in ("first_token", "last_token"):
+        assert loaded[key][1] == pytest.approx(1.5 * plain[key][1])  # all inside inst-0's work
+        assert loaded[key][2] == pytest.approx(plain[key][2])  # alone
+    # inst-0's first chunk starts alone, some of the next ones while inst-1 works.
+    assert plain["first_token"][0] < loaded["first_token"][0] < 1.5 * plain["first_token"][0]
 
 
 def test_latency_models_are_sane() -> None:
