@@ -12,6 +12,8 @@ Contract:
   engine must compute at least one position to sample from).
 - Eviction is lazy: freed cached blocks stay reusable until a fresh block is needed, then the least
   recently used one is evicted. Blocks are freed tail-first so a prefix's tail is evicted before its head.
+  (The LRU list is itself lazily pruned: a block revived by a prefix hit leaves a stale entry behind,
+  skipped when it reaches the head; the order of the live entries is exactly the LRU order.)
 - Every change to the set of cached blocks is reported as a KV event (`BlockStored`, `BlockRemoved`,
   `AllBlocksCleared`), collected until `take_events()`; replaying the events yields exactly the
   cached-block set.
@@ -22,8 +24,8 @@ Contract:
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections import Counter, deque
+from collections.abc import Iterable, Iterator, Sequence
 from functools import partial
 from itertools import islice, takewhile
 from operator import indexOf, is_not, or_
@@ -45,10 +47,12 @@ def _leading_hits(cached: dict[BlockHash, int], block_hashes: Iterable[BlockHash
 class BlockManager:
     """The pool, the prefix cache and the block tables.
 
-    Per-block state lives in flat structures (a ref-count list, hash and token maps keyed by block
-    id) rather than one object per block: a long prompt allocates, caches, evicts and frees hundreds
-    of blocks at once, and these structures let each of those be a handful of C-level bulk
-    operations (`dict.update(zip(...))`, slices, `map`) instead of a Python loop body per block.
+    Per-block state lives in columns indexed by block id (ref count, hash, token ids, stale LRU
+    entries) rather than one object per block or maps keyed by block id: a simulated fleet moves
+    millions of blocks through allocate, cache, evict and free, and at that scale the cost of a
+    block is mostly the memory it touches. A list slot is one pointer in a dense array; a dict
+    entry or an OrderedDict node is a scattered allocation (a cache miss each). Only the prefix
+    cache (hash -> block) is a map, since it is looked up by hash.
     """
 
     def __init__(
@@ -67,14 +71,22 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark_blocks = int(watermark * num_blocks)
         self._ref: list[int] = [0] * num_blocks  # owners holding each block
-        # Cached blocks only: block id -> its chained hash, and (indexed by block id, None when
-        # uncached: a slot costs a pointer, not a map entry) its token ids for verifying hits,
-        # packed as uint32 bytes, as the block hash reads them: one flat object per block, cheap
-        # to create, compare and drop, holding no references to thousands of ints.
-        self._block_hash: dict[int, BlockHash] = {}
+        # Indexed by block id, None when the block is not cached: its chained hash, and its token
+        # ids for verifying hits, packed as uint32 bytes, as the block hash reads them: one flat
+        # object per block, cheap to create, compare and drop, holding no references to
+        # thousands of ints.
+        self._block_hash: list[BlockHash | None] = [None] * num_blocks
         self._block_tokens: list[bytes | None] = [None] * num_blocks
         self._free_uncached: deque[int] = deque(range(num_blocks))
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU order, oldest first
+        # Evictable (free, cached) blocks in LRU order, oldest first, pruned lazily: a revived
+        # block's entry stays, counted in `_lru_stale` (stale entries of a block are its oldest
+        # ones), and is dropped when it reaches the head or the list is compacted. A deque
+        # append/popleft writes one pointer into a dense array; an OrderedDict entry is a dict
+        # entry plus a linked node per block.
+        self._lru: deque[int] = deque()
+        self._lru_stale: list[int] = [0] * num_blocks
+        self._num_stale = 0
+        self._num_evictable = 0
         self._cached: dict[BlockHash, int] = {}  # block hash -> block id
         self._owner_blocks: dict[str, list[int]] = {}
         # Owner -> block table, read-only and live: the batch scheduler reads table lengths on its
@@ -89,7 +101,7 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now (uncached free plus evictable cached)."""
-        return len(self._free_uncached) + len(self._evictable)
+        return len(self._free_uncached) + self._num_evictable
 
     @property
     def num_cached_blocks(self) -> int:
@@ -159,8 +171,9 @@ class BlockManager:
             return  # a decode step completed one block
         ids = table[first:num_full]
         run_hashes = hashes[first:num_full]
+        block_hash = self._block_hash
         if (
-            self._block_hash.keys().isdisjoint(ids)
+            list(map(block_hash.__getitem__, ids)).count(None) == len(ids)
             and self._cached.keys().isdisjoint(run_hashes)
             and self._store_run(request, first, ids, run_hashes)
         ):
@@ -176,7 +189,7 @@ class BlockManager:
         skip = list(
             map(
                 or_,
-                map(self._block_hash.__contains__, ids),
+                map(_is_hit, map(block_hash.__getitem__, ids)),
                 map(self._cached.__contains__, run_hashes),
             )
         )
@@ -196,7 +209,7 @@ class BlockManager:
     def _store_block(self, request: Request, index: int, block_id: int) -> bool:
         """Cache one block at table position `index` if new (`_store_run` of one, cheaper)."""
         block_hash = request.block_hashes[index]
-        if block_id in self._block_hash or block_hash in self._cached:
+        if self._block_hash[block_id] is not None or block_hash in self._cached:
             return False
         self._cached[block_hash] = block_id
         self._block_hash[block_id] = block_hash
@@ -224,17 +237,12 @@ class BlockManager:
         block-by-block path then decides which copy stays cached).
         """
         cached = self._cached
-        block_hash = self._block_hash
         num_cached = len(cached)
-        num_hashed = len(block_hash)
         cached.update(zip(hashes, ids, strict=True))
-        block_hash.update(zip(ids, hashes, strict=True))
         count = len(ids)
-        if len(cached) != num_cached + count or len(block_hash) != num_hashed + count:
+        if len(cached) != num_cached + count or len(set(ids)) != count:
             for h in hashes:
                 cached.pop(h, None)
-            for block_id in ids:
-                block_hash.pop(block_id, None)
             return False
         bs = self.block_size
         tokens = request.token_ids
@@ -242,7 +250,9 @@ class BlockManager:
         packed = tokens[begin : begin + count * bs].tobytes()
         stride = 4 * bs
         stored = self._block_tokens
-        for block_id, offset in zip(ids, range(0, len(packed), stride), strict=True):
+        block_hash = self._block_hash
+        for block_id, h, offset in zip(ids, hashes, range(0, len(packed), stride), strict=True):
+            block_hash[block_id] = h
             stored[block_id] = packed[offset : offset + stride]
         self._emit_stored(request, start, hashes)
         return True
@@ -258,7 +268,7 @@ class BlockManager:
         run_start = -1
         run_hashes: list[BlockHash] = []
         for index, (block_id, h) in enumerate(zip(ids, hashes, strict=True), first):
-            if block_id in block_hash or h in cached:
+            if block_hash[block_id] is not None or h in cached:
                 self._emit_stored(request, run_start, run_hashes)
                 run_hashes = []
                 continue
@@ -288,10 +298,13 @@ class BlockManager:
         """Drop every cached block; only possible while no block is owned (vLLM's rule)."""
         if self._owner_blocks:
             return False
-        self._block_hash.clear()
+        self._block_hash = [None] * self.num_blocks
         self._block_tokens = [None] * self.num_blocks
         self._cached.clear()
-        self._evictable.clear()
+        self._lru.clear()
+        self._lru_stale = [0] * self.num_blocks
+        self._num_stale = 0
+        self._num_evictable = 0
         self._free_uncached = deque(range(self.num_blocks))
         self._events.append(AllBlocksCleared())
         return True
@@ -345,7 +358,7 @@ class BlockManager:
 
         Returns False, changing nothing, if the pool has fewer free blocks than owners.
         """
-        if len(owner_ids) > len(self._free_uncached) + len(self._evictable):
+        if len(owner_ids) > len(self._free_uncached) + self._num_evictable:
             return False
         tables = self._owner_blocks
         for owner_id, block_id in zip(
@@ -372,7 +385,7 @@ class BlockManager:
         # A hit on an evictable block takes it off the free list too.
         ref = self._ref
         num_revived = [ref[b] for b in computed_blocks].count(0) if computed_blocks else 0
-        free = len(self._free_uncached) + len(self._evictable)
+        free = len(self._free_uncached) + self._num_evictable
         if respect_watermark:
             free -= self.watermark_blocks
         return max(num_new_blocks, 0) + num_revived <= free
@@ -383,16 +396,35 @@ class BlockManager:
         count = len(self._free_uncached)
         if count >= limit:
             return count
-        evictable = self._evictable
-        # Blocks under those hashes that sit in the LRU list; the first of them bounds the count.
-        targets = set(filter(evictable.__contains__, map(self._cached.get, block_hashes)))
+        num_evictable = self._num_evictable
+        # Blocks under those hashes that sit in the LRU list (cached, no owner); the first of
+        # them bounds the count.
+        ref = self._ref
+        targets = {
+            block_id
+            for block_id in map(self._cached.get, block_hashes)
+            if block_id is not None and not ref[block_id]
+        }
         if not targets:
-            return min(count + len(evictable), limit)
+            return min(count + num_evictable, limit)
+        order = self._lru_order() if self._num_stale else iter(self._lru)
         try:
-            position = indexOf(map(targets.__contains__, islice(evictable, limit - count)), True)
+            position = indexOf(map(targets.__contains__, islice(order, limit - count)), True)
         except ValueError:
-            return min(count + len(evictable), limit)
+            return min(count + num_evictable, limit)
         return count + position
+
+    def _lru_order(self) -> Iterator[int]:
+        """The evictable blocks, least recently used first (the LRU list without stale entries)."""
+        stale = self._lru_stale
+        skipped: dict[int, int] = {}
+        for block_id in self._lru:
+            if stale[block_id]:
+                seen = skipped.get(block_id, 0)
+                if seen < stale[block_id]:
+                    skipped[block_id] = seen + 1
+                    continue
+            yield block_id
 
     def reserve_blocks(
         self, owner_id: str, num_blocks: int, respect_watermark: bool = True
@@ -415,7 +447,7 @@ class BlockManager:
         """Append already-cached blocks to `owner_id`'s table, taking a reference on each."""
         ids = list(block_ids)
         for block_id in ids:
-            if block_id not in self._block_hash:
+            if not 0 <= block_id < self.num_blocks or self._block_hash[block_id] is None:
                 raise ValueError(f"block {block_id} is not a cached block")
         self._acquire(ids, self._owner_blocks.setdefault(owner_id, []))
 
@@ -430,12 +462,28 @@ class BlockManager:
 
     def _acquire(self, block_ids: Sequence[int], table: list[int]) -> None:
         ref = self._ref
-        evictable = self._evictable
+        stale = self._lru_stale
+        revived = 0
         for block_id in block_ids:
-            if not ref[block_id]:
-                del evictable[block_id]
+            if not ref[block_id]:  # evictable: its LRU entry goes stale
+                stale[block_id] += 1
+                revived += 1
             ref[block_id] += 1
         table.extend(block_ids)
+        if revived:
+            self._num_evictable -= revived
+            self._num_stale += revived
+            if self._num_stale > 64 and 2 * self._num_stale > len(self._lru):
+                self._compact_lru()
+
+    def _compact_lru(self) -> None:
+        """Drop the stale LRU entries (once they are most of the list: amortised O(1) each)."""
+        live = deque(self._lru_order())
+        stale = self._lru_stale
+        for block_id in self._lru:
+            stale[block_id] = 0
+        self._lru = live
+        self._num_stale = 0
 
     def _take_free_blocks(self, count: int) -> list[int]:
         """`count` blocks off the free lists (the caller checked there are enough), ref count 1:
@@ -459,22 +507,34 @@ class BlockManager:
         return block_ids
 
     def _evict(self, count: int) -> list[int]:
-        evictable = self._evictable
-        cached = self._cached
-        block_tokens = self._block_tokens
-        if count == 1:
-            victims = [evictable.popitem(last=False)[0]]
-            hashes = [self._block_hash.pop(victims[0])]
-            del cached[hashes[0]]
-            block_tokens[victims[0]] = None
+        pop = self._lru.popleft
+        victims: list[int]
+        if self._num_stale:
+            victims = []
+            stale = self._lru_stale
+            while len(victims) < count:
+                block_id = pop()
+                if stale[block_id]:  # its oldest entries are the stale ones
+                    stale[block_id] -= 1
+                    self._num_stale -= 1
+                else:
+                    victims.append(block_id)
+        elif count == 1:
+            victims = [pop()]
         else:
-            victims = list(islice(evictable, count))
-            for block_id in victims:
-                del evictable[block_id]
-                block_tokens[block_id] = None
-            hashes = list(map(self._block_hash.pop, victims))
-            for h in hashes:
-                del cached[h]
+            victims = [pop() for _ in range(count)]
+        self._num_evictable -= count
+        cached = self._cached
+        block_hash = self._block_hash
+        block_tokens = self._block_tokens
+        hashes: list[BlockHash] = []
+        for block_id in victims:
+            h = block_hash[block_id]
+            assert h is not None, "an evictable block is cached"
+            hashes.append(h)
+            del cached[h]
+            block_hash[block_id] = None
+            block_tokens[block_id] = None
         events = self._events
         if events and isinstance(events[-1], BlockRemoved):
             # Evictions in a row become one event: fewer events to publish and index. The
@@ -494,19 +554,21 @@ class BlockManager:
         if not table:
             return
         ref = self._ref
-        cached = self._block_hash
-        evictable = self._evictable
+        block_hash = self._block_hash
+        lru = self._lru
+        num_lru = len(lru)
+        lru_append = lru.append
         free_append = self._free_uncached.append
-        # A plain loop: OrderedDict.update is slower than item assignment, and shared prefix
-        # blocks need the per-block count anyway.
+        # A plain loop: shared prefix blocks need the per-block count anyway.
         for block_id in reversed(table):
             count = ref[block_id] - 1
             ref[block_id] = count
             if not count:
-                if block_id in cached:
-                    evictable[block_id] = None
+                if block_hash[block_id] is not None:
+                    lru_append(block_id)
                 else:
                     free_append(block_id)
+        self._num_evictable += len(lru) - num_lru
 
     # -- events and checks -------------------------------------------------------------------
     def take_events(self) -> list[KVEvent]:
@@ -526,25 +588,35 @@ class BlockManager:
             )
         free_uncached = set(self._free_uncached)
         assert len(free_uncached) == len(self._free_uncached), "duplicate block in free list"
-        assert not free_uncached & self._evictable.keys(), "block both free and evictable"
-        assert len(self._block_tokens) == self.num_blocks, "token map lost its slots"
-        assert {b for b, t in enumerate(self._block_tokens) if t is not None} == (
-            self._block_hash.keys()
-        ), "hash and token maps differ"
+        entries = Counter(self._lru)
+        stale = self._lru_stale
+        assert sum(stale) == self._num_stale, "stale LRU entries miscounted"
+        for bid, num in enumerate(stale):
+            assert num <= entries[bid], f"block {bid}: {num} stale LRU entries of {entries[bid]}"
+        evictable = list(self._lru_order())
+        assert len(set(evictable)) == len(evictable), "block twice in the LRU order"
+        evictable_set = set(evictable)
+        assert len(evictable) == self._num_evictable, "evictable blocks miscounted"
+        assert not free_uncached & evictable_set, "block both free and evictable"
+        assert len(self._block_tokens) == self.num_blocks, "token column lost its slots"
+        assert len(self._block_hash) == self.num_blocks, "hash column lost its slots"
         for bid in range(self.num_blocks):
             assert self._ref[bid] == refs[bid], (
                 f"block {bid}: ref_count {self._ref[bid]} but {refs[bid]} owners hold it"
             )
-            is_free = bid in free_uncached or bid in self._evictable
+            is_free = bid in free_uncached or bid in evictable_set
             assert is_free == (refs[bid] == 0), f"block {bid}: free state disagrees with refs"
-            block_hash = self._block_hash.get(bid)
+            block_hash = self._block_hash[bid]
+            assert (block_hash is None) == (self._block_tokens[bid] is None), (
+                f"block {bid}: hash and token columns differ"
+            )
             if bid in free_uncached:
                 assert block_hash is None, f"uncached free block {bid} has a hash"
-            if bid in self._evictable:
+            if bid in evictable_set:
                 assert block_hash is not None, f"evictable block {bid} has no hash"
             if block_hash is not None:
                 assert self._cached.get(block_hash) == bid, f"block {bid} not in hash map"
                 assert len(self._block_tokens[bid] or b"") == 4 * self.block_size
-        assert len(self._cached) == len(self._block_hash), (
+        assert len(self._cached) == self.num_blocks - self._block_hash.count(None), (
             "hash map has entries for blocks that do not carry that hash"
         )
