@@ -28,7 +28,7 @@ import heapq
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import compress, count, islice, repeat, takewhile
+from itertools import count, islice, repeat, takewhile
 from operator import truth
 
 from scheduler.prefix_index import (
@@ -123,7 +123,10 @@ class ApproxIndex:
 
     def _drop_oldest(self, entries: _Entries, oldest: list[int]) -> None:
         """Drop `oldest`, the leading run of the instance's entries."""
-        deque(map(entries.expiry.__delitem__, oldest), maxlen=0)
+        if len(oldest) == len(entries.expiry):
+            entries.expiry.clear()
+        else:
+            deque(map(entries.expiry.__delitem__, oldest), maxlen=0)
         self.owners.discard_many(oldest, entries.bit)
 
     def expire(self, now: float) -> None:
@@ -138,8 +141,8 @@ class ApproxIndex:
                 continue
             # Deadlines are in insertion order: the expired entries are a leading run.
             expiry = entries.expiry
-            passed = takewhile(truth, map(now.__ge__, expiry.values()))
-            oldest = list(islice(compress(expiry, passed), budget))
+            passed = sum(islice(takewhile(truth, map(now.__ge__, expiry.values())), budget))
+            oldest = list(islice(expiry, passed))
             self._drop_oldest(entries, oldest)
             budget -= len(oldest)
             if expiry:

@@ -114,6 +114,9 @@ class BlockOwners:
         owners = self.owners
         keep = ~bit
         masks = list(map(and_, map(owners.get, block_hashes, repeat(0)), repeat(keep)))
+        if not any(masks):  # the usual run: no other instance holds any of these blocks
+            deque(map(owners.pop, block_hashes, repeat(None)), 0)
+            return
         owners.update(compress(zip(block_hashes, masks, strict=True), masks))
         if not all(masks):
             deque(map(owners.pop, compress(block_hashes, map(not_, masks)), repeat(None)), 0)
