@@ -7,8 +7,11 @@ cache, preemption and KV events under test are the real ones.
 from __future__ import annotations
 
 import contextlib
+import random
+from collections import OrderedDict
 from collections.abc import Sequence
 
+import pytest
 import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -565,3 +568,63 @@ def test_prefix_hit_admission_caches_only_the_blocks_computed_after_it() -> None
     assert [e.block_hashes for e in stored] == [[b.block_hashes[3]]]
     assert stored[0].parent_block_hash == b.block_hashes[2]
     assert stored[0].token_ids == b.token_ids[12:16].tolist()
+
+
+# -- LRU order ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(4))
+def test_eviction_order_and_free_counts_follow_an_lru_model(seed: int) -> None:
+    """Prefix hits revive evictable blocks (their lazily pruned LRU entries go stale, many
+    enough to compact the list) and frees append tail-first: every eviction takes exactly the
+    block an OrderedDict LRU model names, and `num_free_before_evicting` counts as the model."""
+    rng = random.Random(seed)
+    bm = BlockManager(48, BLOCK, watermark=0.0)
+    # Prompts from a few families sharing prefixes, so hits revive blocks again and again.
+    prompts = [
+        [family + 1] * (BLOCK * rng.randint(0, 3)) + list(range(50, 50 + rng.randint(2, 18)))
+        for family in range(4)
+        for _ in range(6)
+    ]
+    refs: dict[int, int] = {}
+    cached: dict[int, int] = {}  # model: block hash -> block id
+    lru: OrderedDict[int, None] = OrderedDict()  # model: evictable block ids, oldest first
+    live: list[Request] = []
+    for op in range(600):
+        if live and (len(live) > 3 or rng.random() < 0.45):
+            request = live.pop(rng.randrange(len(live)))
+            table = bm.block_ids(request.request_id)
+            for block_id in reversed(table):
+                refs[block_id] -= 1
+                if not refs[block_id] and block_id in cached.values():
+                    lru[block_id] = None
+            bm.free(request)
+        else:
+            request = make_request(f"q{op}", rng.choice(prompts), 4)
+            hits, num_hit = bm.get_computed_blocks(request)
+            if not bm.allocate_slots(request, request.num_tokens - num_hit, hits):
+                continue
+            for block_id in hits:  # revived: out of the LRU list
+                lru.pop(block_id, None)
+                refs[block_id] = refs.get(block_id, 0) + 1
+            table = bm.block_ids(request.request_id)
+            for block_id in table[len(hits) :]:
+                refs[block_id] = 1
+            request.num_computed_tokens = request.num_tokens
+            bm.cache_full_blocks(request)
+            live.append(request)
+        for event in bm.take_events():
+            if isinstance(event, BlockRemoved):
+                for h in event.block_hashes:
+                    oldest, _ = lru.popitem(last=False)
+                    assert cached.pop(h) == oldest, "evicted a block the LRU model does not name"
+            elif isinstance(event, BlockStored):
+                first = request.block_hashes.index(event.block_hashes[0])
+                for index, h in enumerate(event.block_hashes, first):
+                    cached[h] = bm.block_ids(request.request_id)[index]
+        bm.check_integrity()
+        free_uncached = bm.num_free_blocks - len(lru)
+        hashes = rng.sample(list(cached), min(3, len(cached)))
+        targets = {cached[h] for h in hashes} & lru.keys()
+        order = list(lru)
+        expected = next((i for i, b in enumerate(order) if b in targets), len(order))
+        assert bm.num_free_before_evicting(hashes, 48) == free_uncached + expected
+    assert set(cached) == set(bm.cached_block_hashes())

@@ -521,7 +521,7 @@ class BatchScheduler:
                 allocated = bm.append_blocks(owners)
                 assert allocated, "advance_decode past decode_run_length"
             if pools is not None:
-                pool = (bm.num_free_blocks, bm.num_cached_blocks)
+                pool = bm.pool_counts()
                 pools.append(pool)
             completed = completions.get(j)
             if completed is not None:
@@ -529,7 +529,7 @@ class BatchScheduler:
                     request.num_computed_tokens = computed
                     cache_full_blocks(request)
                 if pools is not None:
-                    pool = (bm.num_free_blocks, bm.num_cached_blocks)
+                    pool = bm.pool_counts()
             if step_events is not None:
                 step_events.append(bm.take_events())
             done = j

@@ -71,12 +71,14 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark_blocks = int(watermark * num_blocks)
         self._ref: list[int] = [0] * num_blocks  # owners holding each block
-        # Indexed by block id, None when the block is not cached: its chained hash, and its token
-        # ids for verifying hits, packed as uint32 bytes, as the block hash reads them: one flat
-        # object per block, cheap to create, compare and drop, holding no references to
-        # thousands of ints.
+        # Indexed by block id, None when the block is not cached: its chained hash.
         self._block_hash: list[BlockHash | None] = [None] * num_blocks
-        self._block_tokens: list[bytes | None] = [None] * num_blocks
+        # A cached block's token ids, for verifying hits: packed as uint32, as the block hash
+        # reads them, in the block's own slice of one buffer (no object per block to create on
+        # caching or drop on eviction; a slice is meaningful only while the block is cached).
+        self._token_stride = 4 * block_size
+        self._block_tokens = bytearray(num_blocks * self._token_stride)
+        self._token_view = memoryview(self._block_tokens)
         self._free_uncached: deque[int] = deque(range(num_blocks))
         # Evictable (free, cached) blocks in LRU order, oldest first, pruned lazily: a revived
         # block's entry stays, counted in `_lru_stale` (stale entries of a block are its oldest
@@ -108,6 +110,10 @@ class BlockManager:
         """Blocks registered in the prefix cache, in use or evictable."""
         return len(self._cached)
 
+    def pool_counts(self) -> tuple[int, int]:
+        """(`num_free_blocks`, `num_cached_blocks`) in one call (read once per decode step)."""
+        return len(self._free_uncached) + self._num_evictable, len(self._cached)
+
     @property
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
@@ -135,13 +141,14 @@ class BlockManager:
         max_blocks = (len(tokens) - 1) // bs
         hits = _leading_hits(self._cached, islice(request.block_hashes, max_blocks))
         if hits:
-            stored = self._block_tokens
+            view = self._token_view
+            stride = self._token_stride
+            stored = [view[b * stride : (b + 1) * stride] for b in hits]
             wanted = tokens[: len(hits) * bs].tobytes()
             # One comparison for the whole run; only a hash collision needs the per-block walk.
-            if b"".join(map(stored.__getitem__, hits)) != wanted:  # type: ignore[arg-type]
-                stride = 4 * bs
-                for index, block_id in enumerate(hits):
-                    if stored[block_id] != wanted[index * stride : (index + 1) * stride]:
+            if b"".join(stored) != wanted:
+                for index, block in enumerate(stored):
+                    if block != wanted[index * stride : (index + 1) * stride]:
                         del hits[index:]  # a hash collision: never serve another prompt's KV
                         break
         return hits, len(hits) * bs
@@ -163,12 +170,15 @@ class BlockManager:
         if not table:
             return
         hashes = request.block_hashes
+        if num_full == first + 1 and num_full <= len(hashes) and num_full <= len(table):
+            # A decode step completed one block (if it is cached already, nothing to do).
+            self._owner_num_handled[rid] = num_full
+            self._store_block(request, first, table[first])
+            return
         num_full = min(num_full, len(hashes), len(table))
         if num_full <= first:
             return
         self._owner_num_handled[rid] = num_full
-        if num_full == first + 1 and self._store_block(request, first, table[first]):
-            return  # a decode step completed one block
         ids = table[first:num_full]
         run_hashes = hashes[first:num_full]
         block_hash = self._block_hash
@@ -217,7 +227,8 @@ class BlockManager:
         begin = index * bs
         tokens = request.token_ids
         block_tokens = tokens[begin : begin + bs]
-        self._block_tokens[block_id] = block_tokens.tobytes()
+        offset = block_id * self._token_stride
+        self._block_tokens[offset : offset + self._token_stride] = block_tokens
         self._events.append(
             BlockStored(
                 block_hashes=[block_hash],
@@ -247,13 +258,14 @@ class BlockManager:
         bs = self.block_size
         tokens = request.token_ids
         begin = start * bs
-        packed = tokens[begin : begin + count * bs].tobytes()
-        stride = 4 * bs
+        packed = memoryview(tokens[begin : begin + count * bs]).cast("B")
+        stride = self._token_stride
         stored = self._block_tokens
         block_hash = self._block_hash
         for block_id, h, offset in zip(ids, hashes, range(0, len(packed), stride), strict=True):
             block_hash[block_id] = h
-            stored[block_id] = packed[offset : offset + stride]
+            at = block_id * stride
+            stored[at : at + stride] = packed[offset : offset + stride]
         self._emit_stored(request, start, hashes)
         return True
 
@@ -274,7 +286,8 @@ class BlockManager:
                 continue
             cached[h] = block_id
             block_hash[block_id] = h
-            self._block_tokens[block_id] = tokens[index * bs : (index + 1) * bs].tobytes()
+            at = block_id * self._token_stride
+            self._block_tokens[at : at + self._token_stride] = tokens[index * bs : (index + 1) * bs]
             if not run_hashes:
                 run_start = index
             run_hashes.append(h)
@@ -299,7 +312,6 @@ class BlockManager:
         if self._owner_blocks:
             return False
         self._block_hash = [None] * self.num_blocks
-        self._block_tokens = [None] * self.num_blocks
         self._cached.clear()
         self._lru.clear()
         self._lru_stale = [0] * self.num_blocks
@@ -358,9 +370,15 @@ class BlockManager:
 
         Returns False, changing nothing, if the pool has fewer free blocks than owners.
         """
-        if len(owner_ids) > len(self._free_uncached) + self._num_evictable:
+        free = self._free_uncached
+        if len(owner_ids) > len(free) + self._num_evictable:
             return False
         tables = self._owner_blocks
+        if len(owner_ids) == 1:  # most steps of a decode run: one crossing
+            block_id = free.popleft() if free else self._evict(1)[0]
+            self._ref[block_id] = 1
+            tables.setdefault(owner_ids[0], []).append(block_id)
+            return True
         for owner_id, block_id in zip(
             owner_ids, self._take_free_blocks(len(owner_ids)), strict=True
         ):
@@ -526,7 +544,6 @@ class BlockManager:
         self._num_evictable -= count
         cached = self._cached
         block_hash = self._block_hash
-        block_tokens = self._block_tokens
         hashes: list[BlockHash] = []
         for block_id in victims:
             h = block_hash[block_id]
@@ -534,7 +551,6 @@ class BlockManager:
             hashes.append(h)
             del cached[h]
             block_hash[block_id] = None
-            block_tokens[block_id] = None
         events = self._events
         if events and isinstance(events[-1], BlockRemoved):
             # Evictions in a row become one event: fewer events to publish and index. The
@@ -598,7 +614,9 @@ class BlockManager:
         evictable_set = set(evictable)
         assert len(evictable) == self._num_evictable, "evictable blocks miscounted"
         assert not free_uncached & evictable_set, "block both free and evictable"
-        assert len(self._block_tokens) == self.num_blocks, "token column lost its slots"
+        assert len(self._block_tokens) == self.num_blocks * self._token_stride, (
+            "token buffer lost its slots"
+        )
         assert len(self._block_hash) == self.num_blocks, "hash column lost its slots"
         for bid in range(self.num_blocks):
             assert self._ref[bid] == refs[bid], (
@@ -607,16 +625,12 @@ class BlockManager:
             is_free = bid in free_uncached or bid in evictable_set
             assert is_free == (refs[bid] == 0), f"block {bid}: free state disagrees with refs"
             block_hash = self._block_hash[bid]
-            assert (block_hash is None) == (self._block_tokens[bid] is None), (
-                f"block {bid}: hash and token columns differ"
-            )
             if bid in free_uncached:
                 assert block_hash is None, f"uncached free block {bid} has a hash"
             if bid in evictable_set:
                 assert block_hash is not None, f"evictable block {bid} has no hash"
             if block_hash is not None:
                 assert self._cached.get(block_hash) == bid, f"block {bid} not in hash map"
-                assert len(self._block_tokens[bid] or b"") == 4 * self.block_size
         assert len(self._cached) == self.num_blocks - self._block_hash.count(None), (
             "hash map has entries for blocks that do not carry that hash"
         )
