@@ -85,8 +85,10 @@ class ClusterState:
         self._order: list[str] = []
         self._position: dict[str, int] = {}
         self._views: list[InstanceView] = []
-        # One row per `COLUMNS` name, one column per instance: a view copies it in one call.
+        # One row per `COLUMNS` name, one column per instance, and read-only views of its rows
+        # that every `ClusterView` shares (a view is valid for one decision, so it needs no copy).
         self._table = np.zeros((len(COLUMNS), 0))
+        self._columns = self._bind_columns()
         self._dirty: set[str] = set()
         self._slot_pos: np.ndarray | None = None
 
@@ -116,6 +118,7 @@ class ClusterState:
             self._order.append(instance_id)
             self._views.append(state.view())
             self._table = np.append(self._table, np.zeros((len(COLUMNS), 1)), axis=1)
+            self._columns = self._bind_columns()
         self._dirty.add(instance_id)
         self._slot_pos = None
         self._replay.pop(instance_id, None)
@@ -140,6 +143,7 @@ class ClusterState:
         del self._order[position]
         del self._views[position]
         self._table = np.delete(self._table, position, axis=1)
+        self._columns = self._bind_columns()
         for later in self._order[position:]:
             self._position[later] -= 1
         return list(state.inflight)
@@ -221,6 +225,12 @@ class ClusterState:
         if tail:
             self.approx_index.insert(instance_id, tail, now)
 
+    def _bind_columns(self) -> dict[str, np.ndarray]:
+        rows = list(self._table)
+        for row in rows:
+            row.flags.writeable = False  # a policy must not write into the core's table
+        return dict(zip(COLUMNS, rows, strict=True))
+
     def _refresh(self) -> None:
         for instance_id in self._dirty:
             state = self.instances.get(instance_id)
@@ -236,14 +246,16 @@ class ClusterState:
         """The `ClusterView` for one decision; `exclude`d instances are shown as not healthy."""
         self._refresh()
         views: Sequence[InstanceView] = self._views
-        columns = dict(zip(COLUMNS, self._table.copy(), strict=True))
+        columns = self._columns
         if exclude:
             views = list(views)
+            columns = dict(columns)
+            dispatchable = columns["dispatchable"] = columns["dispatchable"].copy()
             for instance_id in exclude:
                 position = self._position.get(instance_id)
                 if position is not None:
                     views[position] = self.instances[instance_id].view(healthy_override=False)
-                    columns["dispatchable"][position] = 0.0
+                    dispatchable[position] = 0.0
 
         def array_matcher(request: RequestView) -> np.ndarray:
             return self.match_array(request.block_hashes, now)

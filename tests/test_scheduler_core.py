@@ -428,3 +428,16 @@ def test_dispatchable_from_the_column_matches_each_instance() -> None:
     view = cluster.view(0.0, exclude={"i2"})
     assert [i.instance_id for i in view.dispatchable] == ["i0", "i3", "i5"]
     assert view.dispatchable == tuple(i for i in view.instances if i.dispatchable)
+
+
+def test_views_share_the_core_table_read_only_and_exclusion_does_not_leak() -> None:
+    cluster, router = make(3)
+    view = cluster.view(0.0, exclude={"i0"})
+    assert list(view.column("dispatchable")) == [0.0, 1.0, 1.0]
+    with pytest.raises(ValueError):
+        view.column("inflight")[0] = 5.0  # the core's own figures: a policy cannot change them
+    chosen = router.route("r", tokens(32), now=0.1).instance_id
+    view = cluster.view(0.2)
+    assert list(view.column("dispatchable")) == [1.0, 1.0, 1.0]  # the exclusion was this view's
+    inflight = view.column("inflight")
+    assert inflight[view.index_of(chosen)] == 1.0 and inflight.sum() == 1.0
