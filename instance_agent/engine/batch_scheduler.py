@@ -502,43 +502,26 @@ class BatchScheduler:
         if steps:  # the run's step ids, as `steps` calls of `schedule` would have drawn them
             self._step_ids = itertools.count(next(self._step_ids) + steps)
         cache_full_blocks = bm.cache_full_blocks
-        # Only steps that allocate or complete a block change the pool or emit events (and the
-        # first, which reads the pool and takes events pending before the run): the steps in
-        # between repeat the pool as the last of those left it and emit nothing.
         pool = (-1, -1)
-        done = 0  # steps recorded
-        for j in sorted({1, *allocs, *completions}):
-            if j > steps:
-                break
-            gap = j - done - 1
-            if gap:
-                if pools is not None:
-                    pools.extend(itertools.repeat(pool, gap))
-                if step_events is not None:
-                    step_events.extend([] for _ in range(gap))
+        changed = True  # the pool (and pending events) must be read at the first step
+        for j in range(1, steps + 1):
             owners = allocs.get(j)
             if owners is not None:
                 allocated = bm.append_blocks(owners)
                 assert allocated, "advance_decode past decode_run_length"
+                changed = True
             if pools is not None:
-                pool = bm.pool_counts()
+                if changed:  # only allocations and completions move the pool
+                    pool = bm.pool_counts()
                 pools.append(pool)
             completed = completions.get(j)
             if completed is not None:
                 for request, computed in completed:
                     request.num_computed_tokens = computed
                     cache_full_blocks(request)
-                if pools is not None:
-                    pool = bm.pool_counts()
             if step_events is not None:
-                step_events.append(bm.take_events())
-            done = j
-        gap = steps - done
-        if gap:
-            if pools is not None:
-                pools.extend(itertools.repeat(pool, gap))
-            if step_events is not None:
-                step_events.extend([] for _ in range(gap))
+                step_events.append(bm.take_events() if changed or completed else [])
+            changed = completed is not None
         for request, start in zip(running, starts, strict=True):
             request.num_computed_tokens = start + steps
         return steps
