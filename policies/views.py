@@ -197,7 +197,9 @@ class ClusterView:
         return self._dispatchable
 
     def column(self, name: str) -> np.ndarray:
-        """Field `name` (one of `COLUMNS`) of every instance, float64, in `instances` order."""
+        """Field `name` (one of `COLUMNS`) of every instance, float64, in `instances` order.
+
+        Read-only where the scheduler core built the view: it is a row of the core's own table."""
         found = self._columns.get(name)
         if found is None:
             if name not in COLUMNS:
