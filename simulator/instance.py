@@ -32,7 +32,7 @@ from instance_agent.engine.block_manager import BlockManager
 from instance_agent.engine.kv_events import KVEvent
 from instance_agent.engine.request import Request, SamplingParams
 from simulator.latency.base import LatencyModel
-from simulator.prompts import DEFAULT_LOW_TOKEN, DEFAULT_VOCAB_SIZE, synthesize_prompt
+from simulator.prompts import DEFAULT_LOW_TOKEN, DEFAULT_VOCAB_SIZE, synthesize_prompt_array
 from simulator.traces import TraceRequest
 
 # Synthetic sampled tokens: distinct per (request, position) so output blocks never alias across
@@ -112,7 +112,7 @@ def make_request(
     vocab_size: int = DEFAULT_VOCAB_SIZE,
 ) -> Request:
     """The engine request for a trace entry: synthesised prompt, ignore_eos, max_tokens = output."""
-    prompt = synthesize_prompt(
+    prompt = synthesize_prompt_array(
         trace_request.hash_ids, trace_request.input_length, id_block_size, vocab_size, _TOKEN_LOW
     )
     params = SamplingParams(
@@ -351,7 +351,7 @@ class SimInstance:
         run = self._run
         bm = self.block_manager
         if run is None:
-            return bm.num_free_blocks, bm.num_cached_blocks
+            return bm.pool_counts()
         index = max(bisect.bisect_left(run.step_starts, now) - 1, 0)
         return run.pool[index]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from instance_agent.engine.block_hash import block_hash_chain
-from simulator.prompts import synthesize_prompt
+from simulator.prompts import synthesize_prompt, synthesize_prompt_array
 from simulator.synthetic import SyntheticSpec, generate, parse_spec
 from simulator.traces import TraceError, head, load_trace, sample, scale_rate, time_window
 
@@ -196,6 +196,11 @@ def test_prompt_synthesis_shares_exact_prefixes() -> None:
     assert ha[:64] == hb[:64] and ha[64] != hb[64]
     with pytest.raises(ValueError):
         synthesize_prompt((1,), 513)
+    # The simulator's uint32 form holds the very same ids.
+    assert synthesize_prompt_array((11, 12, 13), 1400).tolist() == a
+    assert synthesize_prompt_array((11,), 512, vocab_size=32000, low=1000).tolist() == big
+    with pytest.raises(ValueError):
+        synthesize_prompt_array((1,), 513)
 
 
 def test_transforms() -> None:
