@@ -32,7 +32,9 @@ Steps, all on this machine:
 The trace is the Mooncake trace scaled down to fit the model's context: the first `--requests`
 requests that fit, every length divided by `--shrink` and the hash-id block shrunk alike
 (512/shrink tokens), so the prefix-sharing structure is kept; outputs are capped at `--max-output`.
-Printed per policy: TTFT p50/p90, TPOT p50, hit rate and engine steps (how the fleet batched the
+Printed first: the machine's loopback round trip after 0 and 0.5 s idle (how fast the host wakes
+idle processes, which the simulator does not model; a shared VM can take milliseconds). Printed
+per policy: TTFT p50/p90, TPOT p50, hit rate and engine steps (how the fleet batched the
 work), the real runs' median and their spread (min..max over the repeats, as +-% of the median),
 the simulated value and its error against the real median (target: within 10%). An error inside
 the real spread is indistinguishable from the fleet's own run-to-run noise. Then, per policy, the
@@ -440,6 +442,38 @@ def _paired_ttft_ratio(reals: list[Path], sim: Path) -> float:
     return statistics.median(ratios)
 
 
+def _wake_latency(gap_s: float, rounds: int = 20) -> float:
+    """Median loopback round trip (s) of one byte between two threads after `gap_s` idle.
+
+    Not part of the fit: it shows how this machine treats idle processes right now. On a
+    shared virtual machine a vCPU that idles loses its core, and waking the agents, proxy and
+    client again then costs milliseconds the simulator does not model (compare gap 0).
+    """
+    import threading
+
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def echo() -> None:
+        conn, _ = server.accept()
+        with conn:
+            while data := conn.recv(16):
+                conn.sendall(data)
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+    times = []
+    with socket.create_connection(server.getsockname()) as client:
+        for _ in range(rounds):
+            time.sleep(gap_s)  # the idle time is what is measured
+            start = time.perf_counter()
+            client.sendall(b"x")
+            client.recv(16)
+            times.append(time.perf_counter() - start)
+    thread.join(5)
+    server.close()
+    return statistics.median(times)
+
+
 def _spread(values: list[float]) -> str:
     median = statistics.median(values)
     if len(values) < 2 or not median:
@@ -635,6 +669,10 @@ def main() -> int:
     print(
         f"\n{len(trace.read_text().splitlines())} Mooncake requests shrunk {args.shrink}x, "
         f"{args.instances} x {args.model}, {args.repeats} real runs per policy; out {out}"
+    )
+    print(
+        "machine: loopback round trip "
+        + ", ".join(f"{_wake_latency(gap) * 1e6:.0f} us after {gap:g} s idle" for gap in (0, 0.5))
     )
     fit = profile["fit"]
     print(
