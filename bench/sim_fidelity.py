@@ -250,16 +250,45 @@ def _chunks(prompt: int, budget: int) -> list[tuple[int, int]]:
 Observation = tuple[float, float, float, float, float]
 
 
+WAKE_GAPS_S = (0.03, 0.3, 1.0)  # arrival gaps of the wake probes (the trace's are ~0.3 s)
+WakePoint = tuple[float, float]  # (idle s before a few-token request, its TTFT s)
+
+
+def _idle_ttft(cols: Any, length: int) -> WakePoint:
+    """Median (idle time before it, TTFT) of the `length`-token requests of a probe series,
+    idle time being from the previous request's last token to its arrival."""
+    import numpy as np
+
+    order = np.argsort(cols["arrival"])
+    arrival, last = cols["arrival"][order], cols["last_token"][order]
+    ttft = (cols["first_token"] - cols["arrival"])[order]
+    pick = (cols["prompt_tokens"][order] == length)[1:]
+    idle = (arrival[1:] - last[:-1])[pick]
+    return float(np.median(idle)), float(np.median(ttft[1:][pick]))
+
+
+def _wake_probe(url: str, first_index: int) -> list[WakePoint]:
+    """Few-token requests through the proxy at each of `WAKE_GAPS_S`: how the request path's
+    time grows with the idle time before it (the host waking parked processes)."""
+    points = []
+    for j, gap in enumerate(WAKE_GAPS_S):
+        series = [(gap * i, 1, PROBE_PROMPT, 1) for i in range(9)]
+        cols = _replay_rows(url, _probe_trace(series, first_index + 100 * j))
+        points.append(_idle_ttft(cols, PROBE_PROMPT))
+    return points
+
+
 def _probe(
     url: str, single: str, args: argparse.Namespace, model: Any, rounds: list[list[Observation]]
-) -> None:
+) -> WakePoint:
     """One round of serving probes, appended to `rounds` as observations.
 
     Isolated one-token requests through the proxy (16 tokens, one and two token budgets long)
     give TTFTs: the request path, the engine's compute on this machine now, and per-step costs.
     Bursts of k streaming requests through `single`, the proxy of a one-agent fleet, give TPOTs:
     one instance's own serving loop (the simulator's unit) plus the path every streamed token
-    takes (agent, proxy, client), without other agents competing for the cores.
+    takes (agent, proxy, client), without other agents competing for the cores. Returns the
+    few-token requests' median (idle time before them, TTFT): the request path's reference.
     """
     import numpy as np
 
@@ -270,6 +299,7 @@ def _probe(
     base = 1_000_000 * (len(rounds) + 1)
     isolated = [(gap * i, 1, lengths[i % 3], 1) for i in range(4 * len(lengths))]
     cols = _replay_rows(url, _probe_trace(isolated, base))
+    reference = _idle_ttft(cols, PROBE_PROMPT)
     ttft = cols["first_token"] - cols["arrival"]
     observations: list[Observation] = []
     for length in lengths:
@@ -287,6 +317,7 @@ def _probe(
         engine = model.engine_step_time([], [context] * k)
         observations.append((tpot, 0.0, engine, 1.0, float(k)))
     rounds.append(observations)
+    return reference
 
 
 class Colocation(NamedTuple):
@@ -552,6 +583,7 @@ def main() -> int:
 
     rounds: list[list[Observation]] = []
     colocation: list[Colocation] = []
+    wake: list[list[WakePoint]] = []  # per round: the reference, then one point per wake gap
     with (
         _fleet("round_robin", args, profile, out / "up_probe.log") as (url, agents),
         _fleet("round_robin", args, profile, out / "up_probe_one.log", instances=1) as (
@@ -560,7 +592,8 @@ def main() -> int:
         ),
     ):
         for r in range(args.probe_rounds):
-            _probe(url, one, args, model, rounds)
+            reference = _probe(url, one, args, model, rounds)
+            wake.append([reference, *_wake_probe(url, 6_000_000 + 1000 * r)])
             if args.instances > 1:  # the one-agent fleet is the quiet agent's busy neighbour
                 quiet = agents[r % len(agents)]
                 colocation.append(
@@ -579,6 +612,19 @@ def main() -> int:
     )
     slowdown = max(
         0.0, statistics.median(c.busy_tpot / c.idle_tpot - 1 for c in colocation or [_IDLE])
+    )
+
+    # The request path by idle time, relative to the isolated probes the fit used (0 there).
+    idle_points: list[tuple[float, float]] = []
+    for j in range(len(wake[0])):
+        idle = statistics.median(w[j][0] for w in wake)
+        extra_ms = 1000 * statistics.median(w[j][1] - w[0][1] for w in wake)
+        idle_points.append((idle, extra_ms))
+    idle_points.sort()
+    idle_table = ",".join(
+        f"{idle:.4f}:{extra:.3f}"
+        for i, (idle, extra) in enumerate(idle_points)
+        if i == 0 or idle > idle_points[i - 1][0]
     )
 
     policies = args.policies.split(",")
@@ -650,6 +696,7 @@ def main() -> int:
             f"{per_busy_ms:.3f}",
             "--step-slowdown-per-busy",
             f"{slowdown:.4f}",
+            f"--request-overhead-idle={idle_table}",
             "--report-interval-ms",
             str(LOAD_INTERVAL_MS),
             "--out",
@@ -687,6 +734,11 @@ def main() -> int:
             + " / ".join(f"{r[key] * scale:.3f}" for r in per_round)
             + ")"
         )
+    print(
+        "probed idle wake-up: few-token TTFT after idle "
+        + ", ".join(f"{idle * 1000:.0f} ms {extra:+.2f} ms" for idle, extra in idle_points)
+        + " (against the isolated probes)"
+    )
     if colocation:
 
         def ms(values: Iterator[float]) -> float:

@@ -19,7 +19,11 @@ Contract:
   never mid-step), then adopted by the destination with its exact state.
 - `request_overhead_s` delays each request between the router's decision and the engine (the HTTP
   path of a real fleet), plus `request_overhead_per_busy_s` for each other instance busy at its
-  arrival (instances sharing a host's cores with the proxy and the client slow that path down);
+  arrival (instances sharing a host's cores with the proxy and the client slow that path down),
+  plus `request_overhead_idle(fleet idle time)`: a piecewise-linear function given as (idle s,
+  extra s) points, flat past its ends, of how long the whole fleet has been idle at the arrival
+  (0 while any instance runs a step). Hosts that park idle CPUs (shared VMs, deep C-states) take
+  longer to wake an idle serving path;
   `InstanceConfig.step_overhead_s` adds the serving loop's per-step cost.
 - `step_slowdown_per_busy` stretches each engine step by that fraction per other instance busy at
   its start (co-located instances contending for the host's cores or memory bandwidth; 0, the
@@ -43,6 +47,7 @@ Contract:
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -80,6 +85,8 @@ class ClusterConfig:
     request_overhead_s: float = 0.0
     # Extra request-path time per other busy instance (co-located instances; 0 on separate hosts).
     request_overhead_per_busy_s: float = 0.0
+    # Extra request-path time by fleet idle time: (idle s, extra s) points, idle ascending.
+    request_overhead_idle: tuple[tuple[float, float], ...] = ()
     # Step-time stretch per other busy instance (co-located instances; 0 on separate hosts).
     step_slowdown_per_busy: float = 0.0
     kv_event_delay_s: float = 0.005
@@ -279,6 +286,8 @@ class SimCluster:
         overhead = self.config.request_overhead_s
         if self.config.request_overhead_per_busy_s > 0:
             overhead += self.config.request_overhead_per_busy_s * self._busy_others(instance)
+        if self.config.request_overhead_idle:
+            overhead = max(0.0, overhead + self._idle_overhead(now))
         if overhead > 0:
             self.loop.call_later(overhead, self._admit, instance, request)
         else:
@@ -326,6 +335,21 @@ class SimCluster:
         end = instance.start_step(loop.now, stretch)
         if end is not None:
             loop.call_at_quiet(end, self._step_end, instance)
+
+    def _idle_overhead(self, now: float) -> float:
+        """`request_overhead_idle` at the fleet's idle time now (linear between its points)."""
+        instances = self.instances.values()
+        idle = (
+            0.0 if any(not i.idle for i in instances) else now - max(i.last_busy for i in instances)
+        )
+        points = self.config.request_overhead_idle
+        at = bisect.bisect_right(points, (idle, math.inf))
+        if at == 0:
+            return points[0][1]
+        if at == len(points):
+            return points[-1][1]
+        (x0, y0), (x1, y1) = points[at - 1], points[at]
+        return y0 + (y1 - y0) * (idle - x0) / (x1 - x0)
 
     def _busy_others(self, instance: SimInstance) -> int:
         """How many instances other than `instance` are running a step now."""

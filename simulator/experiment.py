@@ -38,6 +38,7 @@ class SimSettings:
     migration_bandwidth: float = 25e9
     request_overhead_s: float = 0.0
     request_overhead_per_busy_s: float = 0.0
+    request_overhead_idle: tuple[tuple[float, float], ...] = ()
     step_slowdown_per_busy: float = 0.0
     # Decode fast-forward (same results, fewer Python steps); off only to check that claim.
     fast_forward: bool = True
@@ -53,6 +54,7 @@ class SimSettings:
             migration_bandwidth=self.migration_bandwidth,
             request_overhead_s=self.request_overhead_s,
             request_overhead_per_busy_s=self.request_overhead_per_busy_s,
+            request_overhead_idle=self.request_overhead_idle,
             step_slowdown_per_busy=self.step_slowdown_per_busy,
             **self.cluster_extra,
         )

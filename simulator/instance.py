@@ -161,6 +161,7 @@ class SimInstance:
         self._run_request_ids: list[str] = []
         self._scheduled_once: set[str] = set()
         self.step_end: float | None = None  # virtual time the running step ends; None when idle
+        self.last_busy = 0.0  # virtual time the last step ended
         self.num_steps = 0
         self.busy_time = 0.0
 
@@ -204,6 +205,7 @@ class SimInstance:
         assert output is not None, "finish_step without a running step"
         self._output = None
         self.step_end = None
+        self.last_busy = now
         sampled: dict[str, int] = {}
         sampling = [item for item in output.scheduled if item.samples]
         for item in sampling:
@@ -337,9 +339,10 @@ class SimInstance:
         return self._run
 
     def finish_decode_run(self) -> None:
-        assert self._run is not None, "no decode run in flight"
+        assert self._run is not None and self.step_end is not None, "no decode run in flight"
         self._run = None
         self._steps_left = 0
+        self.last_busy = self.step_end
         self.step_end = None
 
     def pool_at(self, now: float) -> tuple[int, int]:

@@ -10,6 +10,7 @@ one clear line on stderr (no traceback). Deterministic for a seed: run times go 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "cores with the proxy and the client (default 0)",
     )
     fleet.add_argument(
+        "--request-overhead-idle",
+        default="",
+        metavar="IDLE_S:MS,...",
+        help="extra request latency by how long the whole fleet has been idle at the arrival: "
+        "points of a piecewise-linear function, flat past its ends, e.g. 0.03:-2,0.5:10 (hosts "
+        "slow to wake idle processes; default none)",
+    )
+    fleet.add_argument(
         "--step-slowdown-per-busy",
         type=float,
         default=0.0,
@@ -115,6 +124,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _fail(message: str) -> int:
     print(f"kvherd sim: error: {message}", file=sys.stderr)
     return 2
+
+
+def _idle_points(text: str) -> tuple[tuple[float, float], ...]:
+    """`--request-overhead-idle` -> (idle s, extra s) points, idle strictly ascending."""
+    points: list[tuple[float, float]] = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        idle, sep, extra = item.partition(":")
+        try:
+            point = (float(idle), float(extra) / 1000.0)
+        except ValueError:
+            point = (math.nan, math.nan)
+        if not sep or not all(map(math.isfinite, point)) or point[0] < 0:
+            raise ValueError(f"--request-overhead-idle: {item!r} is not IDLE_S:MS (IDLE_S >= 0)")
+        if points and point[0] <= points[-1][0]:
+            raise ValueError("--request-overhead-idle: idle times must be strictly ascending")
+        points.append(point)
+    return tuple(points)
 
 
 def _window(text: str) -> tuple[float, float | None]:
@@ -147,6 +173,10 @@ def run(args: argparse.Namespace) -> int:
     ):
         if not getattr(args, flag) >= 0:  # NaN fails too
             return _fail(f"--{flag.replace('_', '-')} must be a non-negative number")
+    try:
+        idle_points = _idle_points(args.request_overhead_idle)
+    except ValueError as exc:
+        return _fail(str(exc))
     try:
         latency = load_latency_model(args.latency_model)
         for name in policies:  # fail before a long run, not after the first policy
@@ -193,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
         migration_bandwidth=args.migration_bandwidth_gbps * 1e9 / 8,
         request_overhead_s=args.request_overhead_ms / 1000.0,
         request_overhead_per_busy_s=args.request_overhead_per_busy_ms / 1000.0,
+        request_overhead_idle=idle_points,
         step_slowdown_per_busy=args.step_slowdown_per_busy,
     )
     meta = {
@@ -213,6 +244,7 @@ def run(args: argparse.Namespace) -> int:
         },
         "request_overhead_ms": args.request_overhead_ms,
         "request_overhead_per_busy_ms": args.request_overhead_per_busy_ms,
+        "request_overhead_idle": [[idle, extra * 1000.0] for idle, extra in idle_points],
         "step_slowdown_per_busy": args.step_slowdown_per_busy,
         "migration_policy": args.migration_policy,
         "seed": args.seed,

@@ -222,6 +222,9 @@ def test_cli_bad_inputs_exit_2_with_one_line(
         ([str(good), "--request-overhead-ms", "-1"], "--request-overhead-ms must be a non-neg"),
         ([str(good), "--request-overhead-per-busy-ms", "nan"], "must be a non-negative number"),
         ([str(good), "--step-slowdown-per-busy", "-0.5"], "--step-slowdown-per-busy must be"),
+        ([str(good), "--request-overhead-idle", "0.5:1,0.1:2"], "strictly ascending"),
+        ([str(good), "--request-overhead-idle", "0.5"], "'0.5' is not IDLE_S:MS"),
+        ([str(good), "--request-overhead-idle=-1:3"], "'-1:3' is not IDLE_S:MS"),
     ]
     for extra, needle in cases:
         assert main(["sim", *extra, "--out", str(tmp_path / "o"), "--quiet"]) == 2
@@ -261,6 +264,46 @@ def test_request_overhead_grows_with_the_other_busy_instances() -> None:
     assert loaded[0] == pytest.approx(plain[0])  # nothing else busy at its arrival
     assert loaded[1] == pytest.approx(plain[1] + 0.005)  # inst-0 busy with the long prefill
     assert loaded[2] == pytest.approx(plain[2])
+
+
+def test_request_overhead_follows_the_fleet_idle_time() -> None:
+    """A host slow to wake idle processes: a request pays `request_overhead_idle` at the time
+    the whole fleet has been idle when it arrives (none while an instance computes)."""
+    from simulator.traces import TraceRequest
+
+    requests = [
+        TraceRequest(0, 0.0, 4000, 4, tuple(range(100, 108))),
+        TraceRequest(1, 0.01, 64, 4, (200,)),  # inst-0 is still prefilling: idle 0
+        TraceRequest(2, 30.0, 64, 4, (300,)),  # the fleet idled since the first two finished
+    ]
+    trace = Trace("idle", requests, block_size=512)
+
+    def run(points: tuple[tuple[float, float], ...]) -> dict[str, list[float]]:
+        config = ClusterConfig(
+            num_instances=2,
+            instance=InstanceConfig(num_blocks=4096, max_num_batched_tokens=512),
+            request_overhead_s=0.002,
+            request_overhead_idle=points,
+        )
+        cluster = SimCluster(
+            config, load_latency_model(LATENCY), load_dispatch_policy("round_robin")
+        )
+        cols = cluster.run(trace).columns()
+        return {k: cols[k].tolist() for k in ("arrival", "first_token", "last_token")}
+
+    plain = run(())
+    loaded = run(((0.0, 0.001), (100.0, 0.101)))  # 1 ms + 1 ms per idle second
+    ttft = [f - a for f, a in zip(plain["first_token"], plain["arrival"], strict=True)]
+    got = [f - a for f, a in zip(loaded["first_token"], loaded["arrival"], strict=True)]
+    assert got[0] == pytest.approx(ttft[0] + 0.001)  # nothing ran before: idle 0
+    assert got[1] == pytest.approx(ttft[1] + 0.001)
+    idle = 30.0 - max(loaded["last_token"][:2])
+    assert got[2] == pytest.approx(ttft[2] + 0.001 + idle * 0.001)
+    # Past the last point the function is flat, and the path never goes below zero.
+    flat = run(((0.0, -0.005), (1.0, 0.004)))
+    got = [f - a for f, a in zip(flat["first_token"], flat["arrival"], strict=True)]
+    assert got[0] == pytest.approx(ttft[0] - 0.002)  # 2 ms - 5 ms: clamped at no delay
+    assert got[2] == pytest.approx(ttft[2] + 0.004)
 
 
 def test_steps_stretch_with_the_other_busy_instances() -> None:
