@@ -250,7 +250,9 @@ def _chunks(prompt: int, budget: int) -> list[tuple[int, int]]:
 Observation = tuple[float, float, float, float, float]
 
 
-WAKE_GAPS_S = (0.03, 0.3, 1.0)  # arrival gaps of the wake probes (the trace's are ~0.3 s)
+# Arrival gaps of the wake probes (the trace's are ~0.3 s apart, the isolated probes ~0.15 s).
+WAKE_GAPS_S = (0.03, 0.15, 0.3, 1.0)
+WAKE_REQUESTS = 17  # per gap; the first finds the fleet after the previous gap's, not counted
 WakePoint = tuple[float, float]  # (idle s before a few-token request, its TTFT s)
 
 
@@ -272,7 +274,7 @@ def _wake_probe(url: str, first_index: int) -> list[WakePoint]:
     time grows with the idle time before it (the host waking parked processes)."""
     points = []
     for j, gap in enumerate(WAKE_GAPS_S):
-        series = [(gap * i, 1, PROBE_PROMPT, 1) for i in range(9)]
+        series = [(gap * i, 1, PROBE_PROMPT, 1) for i in range(WAKE_REQUESTS)]
         cols = _replay_rows(url, _probe_trace(series, first_index + 100 * j))
         points.append(_idle_ttft(cols, PROBE_PROMPT))
     return points
@@ -614,13 +616,18 @@ def main() -> int:
         0.0, statistics.median(c.busy_tpot / c.idle_tpot - 1 for c in colocation or [_IDLE])
     )
 
-    # The request path by idle time, relative to the isolated probes the fit used (0 there).
-    idle_points: list[tuple[float, float]] = []
-    for j in range(len(wake[0])):
-        idle = statistics.median(w[j][0] for w in wake)
-        extra_ms = 1000 * statistics.median(w[j][1] - w[0][1] for w in wake)
-        idle_points.append((idle, extra_ms))
-    idle_points.sort()
+    # The request path by idle time, relative to what it is after the isolated probes' idle
+    # time (the fit's request_s holds that much): the wake series' medians, interpolated there.
+    import numpy as np
+
+    curve = sorted(
+        (statistics.median(w[j][0] for w in wake), statistics.median(w[j][1] for w in wake))
+        for j in range(1, len(wake[0]))
+    )
+    idles = np.array([idle for idle, _ in curve])
+    ttfts = np.array([ttft for _, ttft in curve])
+    baseline = float(np.interp(statistics.median(w[0][0] for w in wake), idles, ttfts))
+    idle_points = [(idle, 1000.0 * (ttft - baseline)) for idle, ttft in curve]
     idle_table = ",".join(
         f"{idle:.4f}:{extra:.3f}"
         for i, (idle, extra) in enumerate(idle_points)
@@ -737,7 +744,8 @@ def main() -> int:
     print(
         "probed idle wake-up: few-token TTFT after idle "
         + ", ".join(f"{idle * 1000:.0f} ms {extra:+.2f} ms" for idle, extra in idle_points)
-        + " (against the isolated probes)"
+        + f" (against the isolated probes' {1000 * statistics.median(w[0][0] for w in wake):.0f}"
+        " ms)"
     )
     if colocation:
 
