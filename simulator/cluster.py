@@ -47,12 +47,13 @@ Contract:
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from instance_agent.engine.kv_events import KVEvent
 from instance_agent.engine.request import InvalidRequestError, Request, RequestStatus
@@ -175,6 +176,11 @@ class SimCluster:
         self.vocab_size = vocab_size
         # A step's time depends on the other instances at its start: no step is planned ahead.
         self.fast_forward = fast_forward and not config.step_slowdown_per_busy
+        # `request_overhead_idle` as (idle times, extras), for np.interp at each arrival.
+        self._idle_curve = (
+            [idle for idle, _ in config.request_overhead_idle],
+            [extra for _, extra in config.request_overhead_idle],
+        )
         self.loop = EventLoop()
         self.metrics = MetricsCollector()
         # One approximate-index shard: shards keep the proxy's single decisions from stalling
@@ -342,14 +348,8 @@ class SimCluster:
         idle = (
             0.0 if any(not i.idle for i in instances) else now - max(i.last_busy for i in instances)
         )
-        points = self.config.request_overhead_idle
-        at = bisect.bisect_right(points, (idle, math.inf))
-        if at == 0:
-            return points[0][1]
-        if at == len(points):
-            return points[-1][1]
-        (x0, y0), (x1, y1) = points[at - 1], points[at]
-        return y0 + (y1 - y0) * (idle - x0) / (x1 - x0)
+        idles, extras = self._idle_curve
+        return float(np.interp(idle, idles, extras))  # flat past the ends, as documented
 
     def _busy_others(self, instance: SimInstance) -> int:
         """How many instances other than `instance` are running a step now."""
