@@ -233,34 +233,40 @@ def test_cli_bad_inputs_exit_2_with_one_line(
         assert err.startswith("kvherd sim: error: ")
 
 
-def test_request_overhead_grows_with_the_other_busy_instances() -> None:
-    """Co-located instances: a request pays `request_overhead_per_busy_s` for each other instance
-    busy when it arrives, and nothing more."""
+def _co_located(**config: object) -> tuple[dict[str, list[float]], int]:
+    """Two round-robin instances: a long prompt keeps inst-0 prefilling in 8 chunks, a short
+    request on inst-1 arrives and finishes inside that prefill, and a third one comes after
+    everything went quiet. Returns its time columns (seconds after arrival, and arrival) and
+    the engine steps taken."""
     from simulator.traces import TraceRequest
 
-    # A long prompt keeps inst-0 busy; round robin sends the next one to inst-1 while it is, and
-    # the third one to inst-0 after everything went quiet.
     requests = [
         TraceRequest(0, 0.0, 4000, 4, tuple(range(100, 108))),
         TraceRequest(1, 0.01, 64, 4, (200,)),
         TraceRequest(2, 30.0, 64, 4, (300,)),
     ]
-    trace = Trace("busy", requests, block_size=512)
-
-    def ttft(per_busy: float) -> list[float]:
-        config = ClusterConfig(
+    cluster = SimCluster(
+        ClusterConfig(
             num_instances=2,
             instance=InstanceConfig(num_blocks=4096, max_num_batched_tokens=512),
-            request_overhead_s=0.002,
-            request_overhead_per_busy_s=per_busy,
-        )
-        cluster = SimCluster(
-            config, load_latency_model(LATENCY), load_dispatch_policy("round_robin")
-        )
-        cols = cluster.run(trace).columns()
-        return (cols["first_token"] - cols["arrival"]).tolist()
+            **config,  # type: ignore[arg-type]
+        ),
+        load_latency_model(LATENCY),
+        load_dispatch_policy("round_robin"),
+    )
+    cols = cluster.run(Trace("co-located", requests, block_size=512)).columns()
+    times = {k: (cols[k] - cols["arrival"]).tolist() for k in ("first_token", "last_token")}
+    times["arrival"] = cols["arrival"].tolist()
+    return times, sum(i.num_steps for i in cluster.instances.values())
 
-    plain, loaded = ttft(0.0), ttft(0.005)
+
+def test_request_overhead_grows_with_the_other_busy_instances() -> None:
+    """Co-located instances: a request pays `request_overhead_per_busy_s` for each other instance
+    busy when it arrives, and nothing more."""
+    plain = _co_located(request_overhead_s=0.002)[0]["first_token"]
+    loaded = _co_located(request_overhead_s=0.002, request_overhead_per_busy_s=0.005)[0][
+        "first_token"
+    ]
     assert loaded[0] == pytest.approx(plain[0])  # nothing else busy at its arrival
     assert loaded[1] == pytest.approx(plain[1] + 0.005)  # inst-0 busy with the long prefill
     assert loaded[2] == pytest.approx(plain[2])
@@ -269,39 +275,21 @@ def test_request_overhead_grows_with_the_other_busy_instances() -> None:
 def test_request_overhead_follows_the_fleet_idle_time() -> None:
     """A host slow to wake idle processes: a request pays `request_overhead_idle` at the time
     the whole fleet has been idle when it arrives (none while an instance computes)."""
-    from simulator.traces import TraceRequest
-
-    requests = [
-        TraceRequest(0, 0.0, 4000, 4, tuple(range(100, 108))),
-        TraceRequest(1, 0.01, 64, 4, (200,)),  # inst-0 is still prefilling: idle 0
-        TraceRequest(2, 30.0, 64, 4, (300,)),  # the fleet idled since the first two finished
-    ]
-    trace = Trace("idle", requests, block_size=512)
 
     def run(points: tuple[tuple[float, float], ...]) -> dict[str, list[float]]:
-        config = ClusterConfig(
-            num_instances=2,
-            instance=InstanceConfig(num_blocks=4096, max_num_batched_tokens=512),
-            request_overhead_s=0.002,
-            request_overhead_idle=points,
-        )
-        cluster = SimCluster(
-            config, load_latency_model(LATENCY), load_dispatch_policy("round_robin")
-        )
-        cols = cluster.run(trace).columns()
-        return {k: cols[k].tolist() for k in ("arrival", "first_token", "last_token")}
+        return _co_located(request_overhead_s=0.002, request_overhead_idle=points)[0]
 
-    plain = run(())
+    ttft = run(())["first_token"]
     loaded = run(((0.0, 0.001), (100.0, 0.101)))  # 1 ms + 1 ms per idle second
-    ttft = [f - a for f, a in zip(plain["first_token"], plain["arrival"], strict=True)]
-    got = [f - a for f, a in zip(loaded["first_token"], loaded["arrival"], strict=True)]
+    got = loaded["first_token"]
     assert got[0] == pytest.approx(ttft[0] + 0.001)  # nothing ran before: idle 0
-    assert got[1] == pytest.approx(ttft[1] + 0.001)
-    idle = 30.0 - max(loaded["last_token"][:2])
+    assert got[1] == pytest.approx(ttft[1] + 0.001)  # inst-0 is still prefilling: idle 0
+    # The fleet idled since the first two finished.
+    arrivals, lasts = loaded["arrival"][:2], loaded["last_token"][:2]
+    idle = 30.0 - max(a + t for a, t in zip(arrivals, lasts, strict=True))
     assert got[2] == pytest.approx(ttft[2] + 0.001 + idle * 0.001)
     # Past the last point the function is flat, and the path never goes below zero.
-    flat = run(((0.0, -0.005), (1.0, 0.004)))
-    got = [f - a for f, a in zip(flat["first_token"], flat["arrival"], strict=True)]
+    got = run(((0.0, -0.005), (1.0, 0.004)))["first_token"]
     assert got[0] == pytest.approx(ttft[0] - 0.002)  # 2 ms - 5 ms: clamped at no delay
     assert got[2] == pytest.approx(ttft[2] + 0.004)
 
@@ -309,33 +297,10 @@ def test_request_overhead_follows_the_fleet_idle_time() -> None:
 def test_steps_stretch_with_the_other_busy_instances() -> None:
     """Co-located instances: every step takes (1 + `step_slowdown_per_busy` x other busy
     instances at its start) times as long; alone, an instance runs at the model's speed."""
-    from simulator.traces import TraceRequest
-
-    # inst-0 prefills a long prompt in 8 chunks; the short request on inst-1 lives entirely
-    # inside that prefill, and the last one runs after everything went quiet.
-    requests = [
-        TraceRequest(0, 0.0, 4000, 4, tuple(range(100, 108))),
-        TraceRequest(1, 0.01, 64, 4, (200,)),
-        TraceRequest(2, 30.0, 64, 4, (300,)),
-    ]
-    trace = Trace("busy", requests, block_size=512)
-
-    def run(slowdown: float) -> tuple[dict[str, list[float]], int]:
-        config = ClusterConfig(
-            num_instances=2,
-            instance=InstanceConfig(num_blocks=4096, max_num_batched_tokens=512),
-            step_slowdown_per_busy=slowdown,
-        )
-        cluster = SimCluster(
-            config, load_latency_model(LATENCY), load_dispatch_policy("round_robin")
-        )
-        cols = cluster.run(trace).columns()
-        steps = sum(i.num_steps for i in cluster.instances.values())
-        return {
-            k: (cols[k] - cols["arrival"]).tolist() for k in ("first_token", "last_token")
-        }, steps
-
-    (plain, plain_steps), (loaded, loaded_steps) = run(0.0), run(0.5)
+    (plain, plain_steps), (loaded, loaded_steps) = (
+        _co_located(step_slowdown_per_busy=0.0),
+        _co_located(step_slowdown_per_busy=0.5),
+    )
     assert loaded_steps == plain_steps
     for key in ("first_token", "last_token"):
         assert loaded[key][1] == pytest.approx(1.5 * plain[key][1])  # all inside inst-0's work
