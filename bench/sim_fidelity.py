@@ -239,6 +239,15 @@ def _replay_rows(url: str, trace: Any) -> Any:
     return result.metrics.columns()
 
 
+def _burst_tpot(url: str, streams: int, first_index: int) -> float:
+    """Median TPOT (s) of `streams` probe requests streaming PROBE_DECODE + 1 tokens at once."""
+    import numpy as np
+
+    burst = _probe_trace([(0.0, streams, PROBE_PROMPT, PROBE_DECODE + 1)], first_index)
+    cols = _replay_rows(url, burst)
+    return float(np.median((cols["last_token"] - cols["first_token"]) / PROBE_DECODE))
+
+
 def _chunks(prompt: int, budget: int) -> list[tuple[int, int]]:
     """The prefill chunks (new tokens, computed before) of a lone prompt under a token budget."""
     return [(min(budget, prompt - start), start) for start in range(0, prompt, budget)]
@@ -310,9 +319,7 @@ def _probe(
         engine = sum(model.engine_step_time([chunk], []) for chunk in chunks)
         observations.append((value, 1.0, engine, len(chunks), len(chunks)))
     for j, k in enumerate(_probe_batches(args)):
-        burst = _probe_trace([(0.0, k, PROBE_PROMPT, PROBE_DECODE + 1)], base + 1000 * (j + 1))
-        cols = _replay_rows(single, burst)
-        tpot = float(np.median((cols["last_token"] - cols["first_token"]) / PROBE_DECODE))
+        tpot = _burst_tpot(single, k, base + 1000 * (j + 1))
         # Contexts run from PROBE_PROMPT + 1 to PROBE_PROMPT + PROBE_DECODE: the model is linear
         # in their sum, so the mean context prices every step of the probe on average.
         context = PROBE_PROMPT + (PROBE_DECODE + 1) / 2
@@ -366,16 +373,12 @@ def _colocation(
     count = 8
     isolated = [(gap * i, 1, PROBE_PROMPT, 1) for i in range(count)]
     burst = max(1, args.max_num_seqs // 4)
-    burst_tokens = PROBE_DECODE + 1
-    stretched = 3 * burst_tokens * model.engine_step_time([], [PROBE_PROMPT] * burst)
+    stretched = 3 * (PROBE_DECODE + 1) * model.engine_step_time([], [PROBE_PROMPT] * burst)
 
     def measure(index: int) -> tuple[float, float]:
         cols = _replay_rows(quiet, _probe_trace(isolated, index))
         ttft = float(np.median(cols["first_token"] - cols["arrival"]))
-        burst_trace = _probe_trace([(0.0, burst, PROBE_PROMPT, burst_tokens)], index + 50)
-        cols = _replay_rows(quiet, burst_trace)
-        tpot = float(np.median((cols["last_token"] - cols["first_token"]) / PROBE_DECODE))
-        return ttft, tpot
+        return ttft, _burst_tpot(quiet, burst, index + 50)
 
     idle_ttft, idle_tpot = measure(first_index)
     # The neighbour runs as many streams as the burst (a moderately loaded instance), decoding
