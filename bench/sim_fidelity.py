@@ -29,17 +29,22 @@ Steps, all on this machine:
      difference goes to the simulator as `--request-overhead-per-busy-ms` (the request path
      grows per other busy instance at arrival), the median TPOT stretch as
      `--step-slowdown-per-busy` (every step grows per other busy instance at its start).
+  6. Idle wake-up: series of few-token requests through the proxy at arrival gaps of 30 ms to 1 s,
+     in each probe round and again after each real run (a shared VM's wake-up cost drifts within
+     minutes). The TTFT by idle time before the request, median over every series, relative to
+     the probe rounds' TTFT at the isolated probes' idle time, goes to the simulator as
+     `--request-overhead-idle`.
 The trace is the Mooncake trace scaled down to fit the model's context: the first `--requests`
 requests that fit, every length divided by `--shrink` and the hash-id block shrunk alike
 (512/shrink tokens), so the prefix-sharing structure is kept; outputs are capped at `--max-output`.
 Printed first: the machine's loopback round trip after 0 and 0.5 s idle (how fast the host wakes
-idle processes, which the simulator does not model; a shared VM can take milliseconds). Printed
-per policy: TTFT p50/p90, TPOT p50, hit rate and engine steps (how the fleet batched the
-work), the real runs' median and their spread (min..max over the repeats, as +-% of the median),
-the simulated value and its error against the real median (target: within 10%). An error inside
-the real spread is indistinguishable from the fleet's own run-to-run noise. Then, per policy, the
-median over requests of sim TTFT / real TTFT (paired per request) and how often the simulated
-router chose the instance the real one did.
+idle processes; a shared VM can take milliseconds). Printed per policy: TTFT p50/p90, TPOT p50,
+hit rate and engine steps (how the fleet batched the work), the real runs' median and their
+spread (min..max over the repeats, as +-% of the median), the simulated value and its error
+against the real median (target: within 10%). An error inside the real spread is
+indistinguishable from the fleet's own run-to-run noise. Then, per policy, the median over
+requests of sim TTFT / real TTFT (paired per request) and how often the simulated router chose
+the instance the real one did.
 
     python bench/sim_fidelity.py [--policies round_robin,kvherd] [--instances 2] [--requests 60]
         [--model tiny] [--shrink 16] [--repeats 3]
@@ -262,6 +267,9 @@ Observation = tuple[float, float, float, float, float]
 # Arrival gaps of the wake probes (the trace's are ~0.3 s apart, the isolated probes ~0.15 s).
 WAKE_GAPS_S = (0.03, 0.15, 0.3, 1.0)
 WAKE_REQUESTS = 17  # per gap; the first finds the fleet after the previous gap's, not counted
+# After each real run, a shorter wake probe on its fleet: the wake-up cost drifts within minutes
+# on a shared VM, so the curve follows it through the real runs.
+WAKE_TRACK_REQUESTS = 9
 WakePoint = tuple[float, float]  # (idle s before a few-token request, its TTFT s)
 
 
@@ -278,12 +286,12 @@ def _idle_ttft(cols: Any, length: int) -> WakePoint:
     return float(np.median(idle)), float(np.median(ttft[1:][pick]))
 
 
-def _wake_probe(url: str, first_index: int) -> list[WakePoint]:
+def _wake_probe(url: str, first_index: int, requests: int = WAKE_REQUESTS) -> list[WakePoint]:
     """Few-token requests through the proxy at each of `WAKE_GAPS_S`: how the request path's
     time grows with the idle time before it (the host waking parked processes)."""
     points = []
     for j, gap in enumerate(WAKE_GAPS_S):
-        series = [(gap * i, 1, PROBE_PROMPT, 1) for i in range(WAKE_REQUESTS)]
+        series = [(gap * i, 1, PROBE_PROMPT, 1) for i in range(requests)]
         cols = _replay_rows(url, _probe_trace(series, first_index + 100 * j))
         points.append(_idle_ttft(cols, PROBE_PROMPT))
     return points
@@ -619,28 +627,11 @@ def main() -> int:
         0.0, statistics.median(c.busy_tpot / c.idle_tpot - 1 for c in colocation or [_IDLE])
     )
 
-    # The request path by idle time, relative to what it is after the isolated probes' idle
-    # time (the fit's request_s holds that much): the wake series' medians, interpolated there.
-    import numpy as np
-
-    curve = sorted(
-        (statistics.median(w[j][0] for w in wake), statistics.median(w[j][1] for w in wake))
-        for j in range(1, len(wake[0]))
-    )
-    idles = np.array([idle for idle, _ in curve])
-    ttfts = np.array([ttft for _, ttft in curve])
-    baseline = float(np.interp(statistics.median(w[0][0] for w in wake), idles, ttfts))
-    idle_points = [(idle, 1000.0 * (ttft - baseline)) for idle, ttft in curve]
-    idle_table = ",".join(
-        f"{idle:.4f}:{extra:.3f}"
-        for i, (idle, extra) in enumerate(idle_points)
-        if i == 0 or idle > idle_points[i - 1][0]
-    )
-
     policies = args.policies.split(",")
     reals: dict[str, list[dict[str, Any]]] = {policy: [] for policy in policies}
+    tracked: list[list[WakePoint]] = []  # wake probes after each real run
     for repeat in range(args.repeats):
-        for policy in policies:
+        for k, policy in enumerate(policies):
             log = out / f"up_{policy}_{repeat}.log"
             with _fleet(policy, args, profile, log) as (url, agents):
                 # Warm-up: the first requests of a fresh agent pay one-off costs. Sent to the
@@ -670,6 +661,10 @@ def main() -> int:
                     cwd=ROOT,
                 )
                 steps = _engine_steps(agents) - steps_before
+                run_index = repeat * len(policies) + k
+                tracked.append(
+                    _wake_probe(url, 7_000_000 + 1000 * run_index, requests=WAKE_TRACK_REQUESTS)
+                )
             report = json.loads((dest / "summary.json").read_text())
             summary = report["results"][policy]
             summary["engine_steps"] = steps
@@ -682,6 +677,33 @@ def main() -> int:
                 f"client sent up to {report['meta']['send_lag_ms_max']:.1f} ms late)",
                 flush=True,
             )
+    # The request path by idle time, relative to what it was after the isolated probes' idle
+    # time when the fit's request_s (which holds that much) was probed: the probe rounds' wake
+    # curve gives that baseline; the curve itself is the median over every wake probe, those
+    # after the real runs included, so it follows the machine's drift through the real runs.
+    import numpy as np
+
+    def wake_curve(series: list[list[WakePoint]]) -> list[WakePoint]:
+        return sorted(
+            (statistics.median(w[j][0] for w in series), statistics.median(w[j][1] for w in series))
+            for j in range(len(WAKE_GAPS_S))
+        )
+
+    probed = wake_curve([w[1:] for w in wake])
+    curve = wake_curve([w[1:] for w in wake] + tracked)
+    baseline = float(
+        np.interp(
+            statistics.median(w[0][0] for w in wake),
+            [idle for idle, _ in probed],
+            [ttft for _, ttft in probed],
+        )
+    )
+    idle_points = [(idle, 1000.0 * (ttft - baseline)) for idle, ttft in curve]
+    idle_table = ",".join(
+        f"{idle:.4f}:{extra:.3f}"
+        for i, (idle, extra) in enumerate(idle_points)
+        if i == 0 or idle > idle_points[i - 1][0]
+    )
     subprocess.run(
         _kvherd(
             "sim",
@@ -748,7 +770,12 @@ def main() -> int:
         "probed idle wake-up: few-token TTFT after idle "
         + ", ".join(f"{idle * 1000:.0f} ms {extra:+.2f} ms" for idle, extra in idle_points)
         + f" (against the isolated probes' {1000 * statistics.median(w[0][0] for w in wake):.0f}"
-        " ms)"
+        " ms); few-token TTFT by idle gap, probe rounds -> after the real runs: "
+        + ", ".join(
+            f"{1000 * statistics.median(w[j + 1][1] for w in wake):.1f} -> "
+            f"{1000 * statistics.median(t[j][1] for t in tracked):.1f} ms"
+            for j in range(len(WAKE_GAPS_S))
+        )
     )
     if colocation:
 
