@@ -32,7 +32,7 @@ from instance_agent.engine.block_manager import BlockManager
 from instance_agent.engine.kv_events import KVEvent
 from instance_agent.engine.request import Request, SamplingParams
 from simulator.latency.base import LatencyModel
-from simulator.prompts import DEFAULT_LOW_TOKEN, DEFAULT_VOCAB_SIZE, synthesize_prompt_array
+from simulator.prompts import DEFAULT_LOW_TOKEN, DEFAULT_VOCAB_SIZE, synthesize_prompt
 from simulator.traces import TraceRequest
 
 # Synthetic sampled tokens: distinct per (request, position) so output blocks never alias across
@@ -112,7 +112,7 @@ def make_request(
     vocab_size: int = DEFAULT_VOCAB_SIZE,
 ) -> Request:
     """The engine request for a trace entry: synthesised prompt, ignore_eos, max_tokens = output."""
-    prompt = synthesize_prompt_array(
+    prompt = synthesize_prompt(
         trace_request.hash_ids, trace_request.input_length, id_block_size, vocab_size, _TOKEN_LOW
     )
     params = SamplingParams(

@@ -8,7 +8,8 @@ Contract:
 - Tokens lie in [low, vocab_size). The defaults [3, 256) are regular tokens in every vocabulary kvherd
   runs (byte-level ids of the built-in tokenizer, byte-fallback or plain ids of real models) and skip
   the ids models commonly reserve (0-2: pad/bos/eos); pass a larger `vocab_size` for a wider alphabet.
-- `synthesize_prompt_array` gives the same ids as a uint32 `array` (the simulator's engine requests).
+- The ids come as a uint32 `array` (what the simulator's engine requests hold; `.tolist()` for
+  a JSON prompt).
 - Pure function of its arguments (a splitmix64 hash; no RNG state), stable across processes.
 """
 
@@ -50,18 +51,20 @@ DEFAULT_VOCAB_SIZE = 256
 DEFAULT_LOW_TOKEN = 3
 
 
-def prompt_words(
+def synthesize_prompt(
     hash_ids: Sequence[int],
     input_length: int,
     id_block_size: int = 512,
     vocab_size: int = DEFAULT_VOCAB_SIZE,
     low: int = DEFAULT_LOW_TOKEN,
     seed: int = 0,
-) -> np.ndarray:
-    """`synthesize_prompt`'s token ids as a uint64 array."""
-    lo = low
-    if not 0 <= lo < vocab_size:
-        raise ValueError(f"need 0 <= low < vocab_size, got low={lo}, vocab_size={vocab_size}")
+) -> array[int]:
+    """Token ids for a prompt of `input_length` tokens described by its prefix block ids, as a
+    uint32 `array` (what an engine `Request` stores, no int objects; `.tolist()` for JSON)."""
+    if not 0 <= low < vocab_size:
+        raise ValueError(f"need 0 <= low < vocab_size, got low={low}, vocab_size={vocab_size}")
+    if vocab_size > 1 << 32:
+        raise ValueError(f"token ids must fit 32 bits, vocab_size={vocab_size}")
     if input_length > len(hash_ids) * id_block_size:
         raise ValueError(
             f"{len(hash_ids)} block ids cover at most {len(hash_ids) * id_block_size} tokens, "
@@ -72,36 +75,8 @@ def prompt_words(
     block_key = _splitmix64(ids ^ _seed_key(seed))
     positions = _positions(id_block_size)
     words = _splitmix64((block_key[:, None] + positions[None, :]).reshape(-1)[:input_length])
-    return np.uint64(lo) + words % np.uint64(vocab_size - lo)
-
-
-def synthesize_prompt(
-    hash_ids: Sequence[int],
-    input_length: int,
-    id_block_size: int = 512,
-    vocab_size: int = DEFAULT_VOCAB_SIZE,
-    low: int = DEFAULT_LOW_TOKEN,
-    seed: int = 0,
-) -> list[int]:
-    """Token ids for a prompt of `input_length` tokens described by its prefix block ids."""
-    tokens = prompt_words(hash_ids, input_length, id_block_size, vocab_size, low, seed)
-    if vocab_size <= 256:  # bytes -> list is a C loop, several times faster than tolist()
-        return list(tokens.astype(np.uint8).tobytes())
-    return tokens.astype(np.int64).tolist()
-
-
-def synthesize_prompt_array(
-    hash_ids: Sequence[int],
-    input_length: int,
-    id_block_size: int = 512,
-    vocab_size: int = DEFAULT_VOCAB_SIZE,
-    low: int = DEFAULT_LOW_TOKEN,
-    seed: int = 0,
-) -> array[int]:
-    """`synthesize_prompt` as a uint32 `array` (what an engine `Request` stores; no int objects)."""
-    if vocab_size > 1 << 32:
-        raise ValueError(f"token ids must fit 32 bits, vocab_size={vocab_size}")
     tokens = array("I")
-    words = prompt_words(hash_ids, input_length, id_block_size, vocab_size, low, seed)
-    tokens.frombytes(words.astype(np.uint32).tobytes())
+    tokens.frombytes(
+        (np.uint64(low) + words % np.uint64(vocab_size - low)).astype(np.uint32).tobytes()
+    )
     return tokens

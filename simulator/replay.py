@@ -88,7 +88,9 @@ async def _one(
 ) -> None:
     metrics = result.metrics
     rid = tr.request_id
-    prompt = synthesize_prompt(tr.hash_ids, tr.input_length, trace.block_size, config.vocab_size)
+    prompt = synthesize_prompt(
+        tr.hash_ids, tr.input_length, trace.block_size, config.vocab_size
+    ).tolist()
     body = {
         "model": model,
         "prompt": prompt,
