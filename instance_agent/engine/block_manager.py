@@ -24,12 +24,12 @@ Contract:
 
 from __future__ import annotations
 
+import mmap
 from collections import Counter, deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from functools import partial
 from itertools import islice, takewhile
 from operator import indexOf, is_not, or_
-from types import MappingProxyType
 from typing import cast
 
 from instance_agent.engine.block_hash import BlockHash
@@ -71,12 +71,16 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark_blocks = int(watermark * num_blocks)
         self._ref: list[int] = [0] * num_blocks  # owners holding each block
-        # Indexed by block id, None when the block is not cached: its chained hash, and its token
-        # ids for verifying hits, packed as uint32 bytes, as the block hash reads them: one flat
-        # object per block, cheap to create (a slice of the run's packed tokens) and compare.
-        # (Slices written into one shared bytearray cost 2-3x more per block than that.)
+        # Indexed by block id, None when the block is not cached: its chained hash.
         self._block_hash: list[BlockHash | None] = [None] * num_blocks
-        self._block_tokens: list[bytes | None] = [None] * num_blocks
+        # The token ids of every cached block, for verifying hits: uint32, as the block hash
+        # reads them, block b at [b * stride, (b + 1) * stride), meaningful while b is cached.
+        # One buffer, not a bytes object per block: caching a block copies into its slot instead
+        # of allocating, and evicting one frees nothing (per-block objects made eviction, which
+        # touches every victim's cold object, the block manager's costliest step). Anonymous
+        # memory, so pages the pool never caches into cost no resident memory.
+        self._token_stride = 4 * block_size
+        self._block_tokens = mmap.mmap(-1, num_blocks * self._token_stride)
         self._free_uncached: deque[int] = deque(range(num_blocks))
         # Evictable (free, cached) blocks in LRU order, oldest first, pruned lazily: a revived
         # block's entry stays, counted in `_lru_stale` (stale entries of a block are its oldest
@@ -89,9 +93,11 @@ class BlockManager:
         self._num_evictable = 0
         self._cached: dict[BlockHash, int] = {}  # block hash -> block id
         self._owner_blocks: dict[str, list[int]] = {}
-        # Owner -> block table, read-only and live: the batch scheduler reads table lengths on its
-        # per-step paths without a method call per request.
-        self.block_tables: MappingProxyType[str, list[int]] = MappingProxyType(self._owner_blocks)
+        # Owner -> block table, live, for reading only (typed as a Mapping): the batch scheduler
+        # reads table lengths on its per-step paths without a method call per request. The map
+        # itself, not a MappingProxyType over it: a proxy's `get` dispatches to the dict's by
+        # name, several times the cost of a plain dict lookup on those paths.
+        self.block_tables: Mapping[str, list[int]] = self._owner_blocks
         # Leading blocks of each owner's table that `cache_full_blocks` has already handled, so a
         # decode step costs O(new blocks), not O(context) (vLLM's num_cached_block).
         self._owner_num_handled: dict[str, int] = {}
@@ -140,12 +146,13 @@ class BlockManager:
         hits = _leading_hits(self._cached, islice(request.block_hashes, max_blocks))
         if hits:
             stored = self._block_tokens
+            stride = self._token_stride
             wanted = tokens[: len(hits) * bs].tobytes()
+            got = [stored[b * stride : b * stride + stride] for b in hits]
             # One comparison for the whole run; only a hash collision needs the per-block walk.
-            if b"".join(map(stored.__getitem__, hits)) != wanted:  # type: ignore[arg-type]
-                stride = 4 * bs
-                for index, block_id in enumerate(hits):
-                    if stored[block_id] != wanted[index * stride : (index + 1) * stride]:
+            if b"".join(got) != wanted:
+                for index, block_tokens in enumerate(got):
+                    if block_tokens != wanted[index * stride : (index + 1) * stride]:
                         del hits[index:]  # a hash collision: never serve another prompt's KV
                         break
         return hits, len(hits) * bs
@@ -222,14 +229,14 @@ class BlockManager:
         self._block_hash[block_id] = block_hash
         bs = self.block_size
         begin = index * bs
-        tokens = request.token_ids
-        block_tokens = tokens[begin : begin + bs]
-        self._block_tokens[block_id] = block_tokens.tobytes()
+        block_tokens = request.token_ids[begin : begin + bs]
+        slot = block_id * self._token_stride
+        self._block_tokens[slot : slot + self._token_stride] = block_tokens
         self._events.append(
             BlockStored(
                 block_hashes=[block_hash],
                 parent_block_hash=request.block_hashes[index - 1] if index > 0 else None,
-                token_ids=block_tokens.tolist(),
+                token_ids=block_tokens,
                 block_size=bs,
             )
         )
@@ -255,12 +262,13 @@ class BlockManager:
         tokens = request.token_ids
         begin = start * bs
         packed = tokens[begin : begin + count * bs].tobytes()
-        stride = 4 * bs
+        stride = self._token_stride
         stored = self._block_tokens
         block_hash = self._block_hash
         for block_id, h, offset in zip(ids, hashes, range(0, len(packed), stride), strict=True):
             block_hash[block_id] = h
-            stored[block_id] = packed[offset : offset + stride]
+            slot = block_id * stride
+            stored[slot : slot + stride] = packed[offset : offset + stride]
         self._emit_stored(request, start, hashes)
         return True
 
@@ -281,7 +289,10 @@ class BlockManager:
                 continue
             cached[h] = block_id
             block_hash[block_id] = h
-            self._block_tokens[block_id] = tokens[index * bs : (index + 1) * bs].tobytes()
+            slot = block_id * self._token_stride
+            self._block_tokens[slot : slot + self._token_stride] = tokens[
+                index * bs : (index + 1) * bs
+            ]
             if not run_hashes:
                 run_start = index
             run_hashes.append(h)
@@ -296,7 +307,7 @@ class BlockManager:
             BlockStored(
                 block_hashes=hashes,
                 parent_block_hash=request.block_hashes[start - 1] if start > 0 else None,
-                token_ids=request.token_ids[start * bs : (start + len(hashes)) * bs].tolist(),
+                token_ids=request.token_ids[start * bs : (start + len(hashes)) * bs],
                 block_size=bs,
             )
         )
@@ -306,7 +317,6 @@ class BlockManager:
         if self._owner_blocks:
             return False
         self._block_hash = [None] * self.num_blocks
-        self._block_tokens = [None] * self.num_blocks
         self._cached.clear()
         self._lru.clear()
         self._lru_stale = [0] * self.num_blocks
@@ -370,7 +380,7 @@ class BlockManager:
             return False
         tables = self._owner_blocks
         if len(owner_ids) == 1:  # most steps of a decode run: one crossing
-            block_id = free.popleft() if free else self._evict(1)[0]
+            block_id = free.popleft() if free else self._evict_one()
             self._ref[block_id] = 1
             tables.setdefault(owner_ids[0], []).append(block_id)
             return True
@@ -504,7 +514,7 @@ class BlockManager:
         (one BlockRemoved, merged into a pending one, as vLLM batches them)."""
         free = self._free_uncached
         if count == 1:  # a decode step's crossing: skip the bulk machinery
-            block_id = free.popleft() if free else self._evict(1)[0]
+            block_id = free.popleft() if free else self._evict_one()
             self._ref[block_id] = 1
             return [block_id]
         if count <= len(free):
@@ -518,6 +528,29 @@ class BlockManager:
         for block_id in block_ids:
             ref[block_id] = 1
         return block_ids
+
+    def _evict_one(self) -> int:
+        """`_evict(1)[0]` without its lists: a decode run's block crossing on a full pool evicts
+        one block at a time, which is most evictions."""
+        pop = self._lru.popleft
+        block_id = pop()
+        if self._num_stale:
+            stale = self._lru_stale
+            while stale[block_id]:  # its oldest entries are the stale ones
+                stale[block_id] -= 1
+                self._num_stale -= 1
+                block_id = pop()
+        self._num_evictable -= 1
+        h = self._block_hash[block_id]
+        assert h is not None, "an evictable block is cached"
+        del self._cached[h]
+        self._block_hash[block_id] = None  # (its token slot is simply overwritten when reused)
+        events = self._events
+        if events and type(events[-1]) is BlockRemoved:
+            events[-1].block_hashes.append(h)  # merged, as in `_evict`
+        else:
+            events.append(BlockRemoved([h]))
+        return block_id
 
     def _evict(self, count: int) -> list[int]:
         pop = self._lru.popleft
@@ -537,19 +570,15 @@ class BlockManager:
         else:
             victims = [pop() for _ in range(count)]
         self._num_evictable -= count
-        cached = self._cached
         block_hash = self._block_hash
-        block_tokens = self._block_tokens
-        hashes: list[BlockHash] = []
+        hashes = cast("list[BlockHash]", [block_hash[block_id] for block_id in victims])
         for block_id in victims:
-            h = block_hash[block_id]
-            assert h is not None, "an evictable block is cached"
-            hashes.append(h)
-            del cached[h]
             block_hash[block_id] = None
-            block_tokens[block_id] = None
+        cached = self._cached
+        for h in hashes:
+            del cached[h]  # (a KeyError here would mean an evictable block was not cached)
         events = self._events
-        if events and isinstance(events[-1], BlockRemoved):
+        if events and type(events[-1]) is BlockRemoved:
             # Evictions in a row become one event: fewer events to publish and index. The
             # pending list is ours until take_events hands it out.
             events[-1].block_hashes.extend(hashes)
@@ -611,7 +640,9 @@ class BlockManager:
         evictable_set = set(evictable)
         assert len(evictable) == self._num_evictable, "evictable blocks miscounted"
         assert not free_uncached & evictable_set, "block both free and evictable"
-        assert len(self._block_tokens) == self.num_blocks, "token column lost its slots"
+        assert len(self._block_tokens) == self.num_blocks * self._token_stride, (
+            "token buffer lost its slots"
+        )
         assert len(self._block_hash) == self.num_blocks, "hash column lost its slots"
         for bid in range(self.num_blocks):
             assert self._ref[bid] == refs[bid], (
@@ -620,16 +651,12 @@ class BlockManager:
             is_free = bid in free_uncached or bid in evictable_set
             assert is_free == (refs[bid] == 0), f"block {bid}: free state disagrees with refs"
             block_hash = self._block_hash[bid]
-            assert (block_hash is None) == (self._block_tokens[bid] is None), (
-                f"block {bid}: hash and token columns differ"
-            )
             if bid in free_uncached:
                 assert block_hash is None, f"uncached free block {bid} has a hash"
             if bid in evictable_set:
                 assert block_hash is not None, f"evictable block {bid} has no hash"
             if block_hash is not None:
                 assert self._cached.get(block_hash) == bid, f"block {bid} not in hash map"
-                assert len(self._block_tokens[bid] or b"") == 4 * self.block_size
         assert len(self._cached) == self.num_blocks - self._block_hash.count(None), (
             "hash map has entries for blocks that do not carry that hash"
         )

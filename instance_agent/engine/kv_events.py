@@ -18,22 +18,91 @@ Contract:
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
 
-# Not frozen, though nobody changes an event once it is out: an engine creates one per run of
-# blocks it caches or evicts, and a frozen dataclass's __init__ costs 2.5x a plain one.
-@dataclass(slots=True)
 class BlockStored:
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
+    """A run of consecutive full blocks became reusable.
+
+    `token_ids` may be given as a uint32 `array` (how the engine holds a request's tokens): it
+    becomes the list it reads as on first access. An engine stores every block it computes, a
+    prompt's thousands of tokens at a time, and most consumers never read them (the router
+    trusts engine hashes; the simulator's index does too), so a list of int objects built per
+    event was most of what storing a block cost. Mutable, like the other events, though nobody
+    changes an event once it is out.
+    """
+
+    __slots__ = (
+        "_token_ids",
+        "block_hashes",
+        "block_size",
+        "lora_id",
+        "medium",
+        "parent_block_hash",
+    )
+    __match_args__ = (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+    )
+
+    def __init__(
+        self,
+        block_hashes: list[int],
+        parent_block_hash: int | None,
+        token_ids: list[int] | array[int],
+        block_size: int,
+        lora_id: int | None = None,
+        medium: str | None = None,
+    ) -> None:
+        self.block_hashes = block_hashes
+        self.parent_block_hash = parent_block_hash
+        self._token_ids = token_ids
+        self.block_size = block_size
+        self.lora_id = lora_id
+        self.medium = medium
+
+    @property
+    def token_ids(self) -> list[int]:
+        tokens = self._token_ids
+        if type(tokens) is array:
+            tokens = self._token_ids = tokens.tolist()
+        return tokens  # type: ignore[return-value]
+
+    @token_ids.setter
+    def token_ids(self, tokens: list[int] | array[int]) -> None:
+        self._token_ids = tokens
+
+    def _fields(self) -> tuple[Any, ...]:
+        return (
+            self.block_hashes,
+            self.parent_block_hash,
+            self.token_ids,
+            self.block_size,
+            self.lora_id,
+            self.medium,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not BlockStored:
+            return NotImplemented
+        return self._fields() == other._fields()
+
+    __hash__ = None  # type: ignore[assignment]  # mutable and compared by value, as a dataclass
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockStored(block_hashes={self.block_hashes!r}, "
+            f"parent_block_hash={self.parent_block_hash!r}, token_ids={self.token_ids!r}, "
+            f"block_size={self.block_size!r}, lora_id={self.lora_id!r}, medium={self.medium!r})"
+        )
 
 
 @dataclass(slots=True)
