@@ -29,7 +29,6 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import count, islice, repeat, takewhile
-from operator import truth
 
 from scheduler.prefix_index import (
     BlockOwners,
@@ -141,7 +140,10 @@ class ApproxIndex:
                 continue
             # Deadlines are in insertion order: the expired entries are a leading run.
             expiry = entries.expiry
-            passed = sum(islice(takewhile(truth, map(now.__ge__, expiry.values())), budget))
+            if now >= next(reversed(expiry.values())):  # all due: the usual quiet instance
+                passed = min(len(expiry), budget)
+            else:
+                passed = len(list(takewhile(now.__ge__, islice(expiry.values(), budget))))
             oldest = list(islice(expiry, passed))
             self._drop_oldest(entries, oldest)
             budget -= len(oldest)

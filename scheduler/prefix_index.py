@@ -29,6 +29,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, compress, count, islice, repeat
 from operator import and_, ne, not_, or_
+from typing import cast
 
 from instance_agent.engine.block_hash import HashAlgo, block_hash_chain
 from instance_agent.engine.kv_events import (
@@ -43,6 +44,8 @@ _GPU_MEDIA = (None, "GPU", "gpu", "cuda")
 # Blocks looked up by the first chunk of a match walk, and the most per chunk (see `match_groups`).
 _FIRST_CHUNK = 16
 _MAX_CHUNK = 512
+# Trusted event runs at least this long are applied in C-iterator passes, not a loop per block.
+_BULK_RUN = 32
 
 
 class InstanceSlots:
@@ -99,6 +102,9 @@ class BlockOwners:
     def add_many(self, block_hashes: Sequence[int], bit: int) -> None:
         """Set `bit` for every block of `block_hashes`."""
         owners = self.owners
+        if owners.keys().isdisjoint(block_hashes):  # the usual run: blocks nobody holds yet
+            owners.update(zip(block_hashes, repeat(bit)))
+            return
         masks = map(owners.get, block_hashes, repeat(0))
         owners.update(zip(block_hashes, map(or_, masks, repeat(bit)), strict=True))
 
@@ -112,9 +118,13 @@ class BlockOwners:
     def discard_many(self, block_hashes: Sequence[int], bit: int) -> None:
         """Clear `bit` for every block; blocks no instance holds any more are dropped."""
         owners = self.owners
+        masks = list(map(owners.get, block_hashes, repeat(0)))
+        if masks.count(bit) == len(masks):  # the usual run: only this instance holds them
+            deque(map(owners.pop, block_hashes, repeat(None)), 0)
+            return
         keep = ~bit
-        masks = list(map(and_, map(owners.get, block_hashes, repeat(0)), repeat(keep)))
-        if not any(masks):  # the usual run: no other instance holds any of these blocks
+        masks = list(map(and_, masks, repeat(keep)))
+        if not any(masks):  # none of them held by another instance (some not held at all)
             deque(map(owners.pop, block_hashes, repeat(None)), 0)
             return
         owners.update(compress(zip(block_hashes, masks, strict=True), masks))
@@ -432,6 +442,14 @@ class PrefixIndex:
         operations and no mask test (the simulator's whole event stream comes this way)."""
         entries, owners, bit = inst.entries, self.owners.owners, inst.bit
         before = len(entries)
+        if len(block_hashes) >= _BULK_RUN and entries.keys().isdisjoint(block_hashes):
+            # A prefill's run of new blocks: C-iterator passes instead of a loop per block.
+            entries.update(zip(block_hashes, block_hashes, strict=True))
+            if len(entries) - before == len(block_hashes):  # no block repeated in the run
+                self.owners.add_many(block_hashes, bit)
+                self._grew(inst, len(block_hashes))
+                return
+            deque(map(entries.pop, block_hashes, repeat(None)), 0)
         for block_hash in block_hashes:
             if block_hash in entries:  # re-stored: refresh its LRU position
                 del entries[block_hash]
@@ -452,6 +470,19 @@ class PrefixIndex:
             self.stats.other_medium += 1
             return
         entries, dups, owners, keep = inst.entries, inst.dups, self.owners.owners, ~inst.bit
+        hashes = event.block_hashes
+        if inst.trust_engine_hashes and len(hashes) >= _BULK_RUN:
+            # An entry names itself (never a dup), so the popped values are the blocks to release.
+            before = len(entries)
+            popped = list(map(entries.pop, hashes, repeat(None)))
+            if len(entries) == before - len(popped):  # the usual run: every block was held
+                held = cast("list[int]", popped)
+            else:  # some were not held (or named twice)
+                held = [block_hash for block_hash in popped if block_hash is not None]
+            self.owners.discard_many(held, inst.bit)
+            self._total -= len(held)
+            self.stats.removed += len(held)
+            return
         if not dups:  # the usual case (always with trusted hashes): one engine hash per block
             before = len(entries)
             for engine_hash in event.block_hashes:

@@ -260,7 +260,32 @@ trusted_op = st.tuples(
 def test_trusted_hashes_equal_an_lru_model(ops: list[tuple[str, str, list[int]]]) -> None:
     """Trusted engine hashes (the bulk path): re-stores refresh the LRU order, the per-instance
     bound evicts the least recently stored first, and every mask matches the model."""
-    index = PrefixIndex(BS, max_blocks_per_instance=5)
+    check_trusted_against_lru_model(ops, bound=5, universe=31)
+
+
+long_trusted_op = st.tuples(
+    st.sampled_from(["store", "store", "remove", "clear"]),
+    st.sampled_from(INSTANCES),
+    # Runs long enough for the C-iterator passes (prefills, whole requests freed), drawn from
+    # few hashes so that runs overlap other instances' blocks, repeat blocks, name absent ones.
+    st.one_of(
+        st.lists(st.integers(0, 80), min_size=30, max_size=70, unique=True),
+        st.lists(st.integers(0, 80), min_size=30, max_size=70),
+    ),
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(long_trusted_op, max_size=20))
+def test_long_trusted_runs_equal_an_lru_model(ops: list[tuple[str, str, list[int]]]) -> None:
+    """The same model with prefill-sized runs, under a bound that some runs exceed."""
+    check_trusted_against_lru_model(ops, bound=60, universe=81)
+
+
+def check_trusted_against_lru_model(
+    ops: list[tuple[str, str, list[int]]], bound: int, universe: int
+) -> None:
+    index = PrefixIndex(BS, max_blocks_per_instance=bound)
     model: dict[str, dict[int, None]] = {name: {} for name in INSTANCES}
     for name in INSTANCES:
         index.add_instance(name, trust_engine_hashes=True)
@@ -271,7 +296,7 @@ def test_trusted_hashes_equal_an_lru_model(ops: list[tuple[str, str, list[int]]]
             for block in hashes:
                 held.pop(block, None)
                 held[block] = None
-            while len(held) > 5:
+            while len(held) > bound:
                 del held[next(iter(held))]
         elif kind == "remove":
             event = BlockRemoved(hashes)
@@ -281,10 +306,11 @@ def test_trusted_hashes_equal_an_lru_model(ops: list[tuple[str, str, list[int]]]
             event = AllBlocksCleared()
             held.clear()
         index.apply_events(name, [event])
-        # Sets, but under the bound of 5 they differ as soon as an eviction takes the wrong block.
+        # Sets, but under the bound they differ as soon as an eviction takes the wrong block.
         assert index.blocks(name) == set(held)
         assert index.num_blocks() == sum(map(len, model.values()))
-        for block in range(31):
+        assert index.num_blocks(name) == len(held)
+        for block in range(universe):
             owners = {n for n in INSTANCES if block in model[n]}
             expected = sum(index.slots.bit(n) for n in owners)
             assert index.owners.owners.get(block, 0) == expected
