@@ -8,7 +8,8 @@ Contract:
   report plus the router's own optimistic charges for requests dispatched since that report.
 - `ClusterView.prefix_match(request)` returns, per instance, how many *leading* blocks of the
   request's block-hash chain that instance already caches. It is computed at most once per request
-  (cached on the view), so several scorers may ask for it freely.
+  (cached on the view), so several scorers may ask for it freely; its array form
+  (`prefix_match_array`) and `prefix_match_of` reuse that answer rather than walk the chain again.
 - `Decision` names the chosen instance and can explain itself (per-instance scores, a reason);
   `MigrationOrder` asks for one running request to move from `src` to `dst`.
 """
@@ -214,9 +215,9 @@ class ClusterView:
         if cached is None:
             if not request.block_hashes:
                 cached = {}
-            elif self._matcher is not None:
+            elif self._matcher is not None and request.request_id not in self._array_cache:
                 cached = self._matcher(request)
-            elif self._array_matcher is not None:
+            elif self._array_matcher is not None or request.request_id in self._array_cache:
                 array = self.prefix_match_array(request)
                 cached = {
                     self.instances[i].instance_id: int(array[i]) for i in np.flatnonzero(array)
@@ -230,7 +231,11 @@ class ClusterView:
         """`prefix_match` as a float64 array in `instances` order (read-only)."""
         cached = self._array_cache.get(request.request_id)
         if cached is None:
-            if self._array_matcher is not None and request.block_hashes:
+            if (
+                self._array_matcher is not None
+                and request.block_hashes
+                and request.request_id not in self._match_cache  # else: the walk is done
+            ):
                 cached = self._array_matcher(request)
             else:
                 cached = np.zeros(len(self.instances))
@@ -240,6 +245,14 @@ class ClusterView:
             cached.flags.writeable = False
             self._array_cache[request.request_id] = cached
         return cached
+
+    def prefix_match_of(self, request: RequestView, instance_id: str) -> int:
+        """Leading blocks of `request` cached on one instance, from whichever form of the match
+        the policy already asked for (a small fleet's mapping, a large fleet's array)."""
+        array = self._array_cache.get(request.request_id)
+        if array is not None:
+            return int(array[self._index[instance_id]])
+        return int(self.prefix_match(request).get(instance_id, 0))
 
 
 @dataclass(frozen=True, slots=True)

@@ -257,10 +257,15 @@ class ClusterState:
                     views[position] = self.instances[instance_id].view(healthy_override=False)
                     dispatchable[position] = 0.0
 
+        def matcher(request: RequestView) -> dict[str, int]:
+            return self.match(request.block_hashes, now)
+
         def array_matcher(request: RequestView) -> np.ndarray:
             return self.match_array(request.block_hashes, now)
 
-        return ClusterView(views, now, None, columns, self._position, array_matcher)
+        # A policy asks for one form, and the view derives the other from it: a small fleet's
+        # scalar scoring never builds an array, a large fleet's vectorised scoring never a dict.
+        return ClusterView(views, now, matcher, columns, self._position, array_matcher)
 
     def _slot_position(self) -> np.ndarray:
         """Slot -> position in view order (-1 for a free slot), rebuilt after membership changes."""

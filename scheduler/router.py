@@ -108,7 +108,7 @@ class Router:
             raise ValueError(
                 f"policy {self.policy.name!r} chose {decision.instance_id!r}, not a candidate"
             )
-        matched = int(view.prefix_match_array(request)[view.index_of(decision.instance_id)])
+        matched = view.prefix_match_of(request, decision.instance_id)
         cached_tokens = min(num_tokens, matched * self.cluster.block_size)
         state = self.cluster.get(decision.instance_id)
         state.dispatch(request_id, num_tokens, num_tokens - cached_tokens, now)

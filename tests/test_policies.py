@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
 
 from policies import (
@@ -422,3 +423,31 @@ def test_kvherd_small_fleet_path_decides_exactly_like_the_vectorised_one() -> No
             want.scores,
             want.reason,
         )
+
+
+def test_prefix_match_walks_once_whichever_form_is_asked_first() -> None:
+    """A view with both matchers (the scheduler core's) derives the second form from the first:
+    the scalar path never builds an array, the vectorised path never a mapping, and both agree."""
+    instances = [InstanceView("a"), InstanceView("b"), InstanceView("c")]
+    table = {"a": 3, "c": 7}
+    calls: list[str] = []
+
+    def matcher(req: RequestView) -> dict[str, int]:
+        calls.append("dict")
+        return dict(table)
+
+    def array_matcher(req: RequestView) -> np.ndarray:
+        calls.append("array")
+        return np.array([float(table.get(inst.instance_id, 0)) for inst in instances])
+
+    req = request()
+    view = ClusterView(instances, 0.0, matcher, array_matcher=array_matcher)
+    assert view.prefix_match_of(req, "c") == 7 and view.prefix_match_of(req, "b") == 0
+    assert view.prefix_match_array(req).tolist() == [3.0, 0.0, 7.0]
+    assert calls == ["dict"]
+    calls.clear()
+    view = ClusterView(instances, 0.0, matcher, array_matcher=array_matcher)
+    assert view.prefix_match_array(req).tolist() == [3.0, 0.0, 7.0]
+    assert view.prefix_match_of(req, "a") == 3
+    assert dict(view.prefix_match(req)) == table
+    assert calls == ["array"]
