@@ -177,6 +177,29 @@ def test_events_name_parent_and_tokens() -> None:
     assert stored[0].block_size == BLOCK
 
 
+def test_engine_events_carry_tokens_as_vllm_sends_them() -> None:
+    """The block manager hands BlockStored its uint32 tokens; every reader sees a list of ints:
+    attribute, equality, repr and the msgpack wire form."""
+    from instance_agent.engine.kv_events import KVEventBatch, decode_batch, encode_batch
+
+    bm = BlockManager(16, BLOCK)
+    sched = BatchScheduler(SchedulerConfig(max_model_len=64), bm)
+    prompt = [70_000, *range(1, 9)]  # an id past 16 bits survives the uint32 slice
+    req = make_request("a", prompt, 1)
+    sched.add_request(req)
+    run_to_completion(sched)
+    (stored,) = [e for e in bm.take_events() if isinstance(e, BlockStored)]
+    # The tokens are the event's own copy: the request's sequence changing before anyone reads
+    # them does not change them.
+    req.token_ids[0] = 5
+    as_lists = BlockStored(req.block_hashes[:2], None, prompt[:8], BLOCK)
+    assert stored == as_lists and as_lists == stored
+    assert repr(stored) == repr(as_lists)
+    assert type(stored.token_ids) is list and stored.token_ids == prompt[:8]
+    batch = KVEventBatch(1, 0.5, [stored])
+    assert decode_batch(1, encode_batch(batch)).events == [as_lists]
+
+
 def test_reserve_share_and_transfer_for_migration() -> None:
     bm = BlockManager(10, BLOCK, watermark=0.2)
     assert bm.reserve_blocks("mig", 9) is None  # would dip below the watermark
@@ -471,6 +494,31 @@ def test_append_blocks_equals_one_allocation_per_owner() -> None:
     assert bulk.num_free_blocks == single.num_free_blocks == 0
     assert not bulk.append_blocks(["d0"])  # all or nothing: an empty pool changes nothing
     assert bulk.block_ids("d0") == single.block_ids("d0")
+    bulk.check_integrity()
+
+
+def test_one_block_evictions_equal_a_bulk_eviction_past_stale_entries() -> None:
+    """Decode crossings evict one block at a time (`append_blocks`): the same victims, in the same
+    order, with the same merged event, as one bulk reservation evicting them all, also when
+    prefix hits left stale LRU entries to skip."""
+    twins = [BlockManager(16, BLOCK, watermark=0.0) for _ in range(2)]
+    for bm in twins:
+        fill_with_cached(bm, 4, 13)  # 12 cached blocks, evictable; 4 uncached free
+        reviver = make_request("hit", [201, *range(1, 13)], 1)  # fill1's prompt: 3 blocks
+        hits, _ = bm.get_computed_blocks(reviver)
+        assert len(hits) == 3 and bm.allocate_slots(reviver, 1, hits)  # 3 revived, 1 new block
+        bm.free(reviver)  # back to the LRU tail, leaving 3 stale entries behind
+        bm.take_events()
+    one_by_one, bulk = twins
+    for i in range(10):
+        assert one_by_one.append_blocks([f"d{i}"])
+    assert bulk.reserve_blocks("r", 10, respect_watermark=False) is not None
+    removed = one_by_one.take_events()
+    assert removed == bulk.take_events() and len(removed) == 1
+    # 4 uncached blocks first, then 6 evictions (the revived blocks are now the newest).
+    assert isinstance(removed[0], BlockRemoved) and len(removed[0].block_hashes) == 6
+    assert [one_by_one.block_ids(f"d{i}")[0] for i in range(10)] == bulk.block_ids("r")
+    one_by_one.check_integrity()
     bulk.check_integrity()
 
 

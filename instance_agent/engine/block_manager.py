@@ -24,7 +24,6 @@ Contract:
 
 from __future__ import annotations
 
-import mmap
 from collections import Counter, deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from functools import partial
@@ -71,16 +70,13 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark_blocks = int(watermark * num_blocks)
         self._ref: list[int] = [0] * num_blocks  # owners holding each block
-        # Indexed by block id, None when the block is not cached: its chained hash.
+        # Indexed by block id, None when the block is not cached: its chained hash, and its token
+        # ids for verifying hits, packed as uint32 bytes, as the block hash reads them: one flat
+        # object per block, cheap to create (a slice of the run's packed tokens) and compare.
+        # (Slices written into one shared bytearray, or an anonymous map with a slot per block,
+        # cost 1.3-3x more per block than that: more than they save evicting, which frees none.)
         self._block_hash: list[BlockHash | None] = [None] * num_blocks
-        # The token ids of every cached block, for verifying hits: uint32, as the block hash
-        # reads them, block b at [b * stride, (b + 1) * stride), meaningful while b is cached.
-        # One buffer, not a bytes object per block: caching a block copies into its slot instead
-        # of allocating, and evicting one frees nothing (per-block objects made eviction, which
-        # touches every victim's cold object, the block manager's costliest step). Anonymous
-        # memory, so pages the pool never caches into cost no resident memory.
-        self._token_stride = 4 * block_size
-        self._block_tokens = mmap.mmap(-1, num_blocks * self._token_stride)
+        self._block_tokens: list[bytes | None] = [None] * num_blocks
         self._free_uncached: deque[int] = deque(range(num_blocks))
         # Evictable (free, cached) blocks in LRU order, oldest first, pruned lazily: a revived
         # block's entry stays, counted in `_lru_stale` (stale entries of a block are its oldest
@@ -146,13 +142,12 @@ class BlockManager:
         hits = _leading_hits(self._cached, islice(request.block_hashes, max_blocks))
         if hits:
             stored = self._block_tokens
-            stride = self._token_stride
             wanted = tokens[: len(hits) * bs].tobytes()
-            got = [stored[b * stride : b * stride + stride] for b in hits]
             # One comparison for the whole run; only a hash collision needs the per-block walk.
-            if b"".join(got) != wanted:
-                for index, block_tokens in enumerate(got):
-                    if block_tokens != wanted[index * stride : (index + 1) * stride]:
+            if b"".join(map(stored.__getitem__, hits)) != wanted:  # type: ignore[arg-type]
+                stride = 4 * bs
+                for index, block_id in enumerate(hits):
+                    if stored[block_id] != wanted[index * stride : (index + 1) * stride]:
                         del hits[index:]  # a hash collision: never serve another prompt's KV
                         break
         return hits, len(hits) * bs
@@ -229,9 +224,9 @@ class BlockManager:
         self._block_hash[block_id] = block_hash
         bs = self.block_size
         begin = index * bs
-        block_tokens = request.token_ids[begin : begin + bs]
-        slot = block_id * self._token_stride
-        self._block_tokens[slot : slot + self._token_stride] = block_tokens
+        tokens = request.token_ids
+        block_tokens = tokens[begin : begin + bs]
+        self._block_tokens[block_id] = block_tokens.tobytes()
         self._events.append(
             BlockStored(
                 block_hashes=[block_hash],
@@ -262,13 +257,12 @@ class BlockManager:
         tokens = request.token_ids
         begin = start * bs
         packed = tokens[begin : begin + count * bs].tobytes()
-        stride = self._token_stride
+        stride = 4 * bs
         stored = self._block_tokens
         block_hash = self._block_hash
         for block_id, h, offset in zip(ids, hashes, range(0, len(packed), stride), strict=True):
             block_hash[block_id] = h
-            slot = block_id * stride
-            stored[slot : slot + stride] = packed[offset : offset + stride]
+            stored[block_id] = packed[offset : offset + stride]
         self._emit_stored(request, start, hashes)
         return True
 
@@ -289,10 +283,7 @@ class BlockManager:
                 continue
             cached[h] = block_id
             block_hash[block_id] = h
-            slot = block_id * self._token_stride
-            self._block_tokens[slot : slot + self._token_stride] = tokens[
-                index * bs : (index + 1) * bs
-            ]
+            self._block_tokens[block_id] = tokens[index * bs : (index + 1) * bs].tobytes()
             if not run_hashes:
                 run_start = index
             run_hashes.append(h)
@@ -317,6 +308,7 @@ class BlockManager:
         if self._owner_blocks:
             return False
         self._block_hash = [None] * self.num_blocks
+        self._block_tokens = [None] * self.num_blocks
         self._cached.clear()
         self._lru.clear()
         self._lru_stale = [0] * self.num_blocks
@@ -544,7 +536,8 @@ class BlockManager:
         h = self._block_hash[block_id]
         assert h is not None, "an evictable block is cached"
         del self._cached[h]
-        self._block_hash[block_id] = None  # (its token slot is simply overwritten when reused)
+        self._block_hash[block_id] = None
+        self._block_tokens[block_id] = None
         events = self._events
         if events and type(events[-1]) is BlockRemoved:
             events[-1].block_hashes.append(h)  # merged, as in `_evict`
@@ -571,9 +564,11 @@ class BlockManager:
             victims = [pop() for _ in range(count)]
         self._num_evictable -= count
         block_hash = self._block_hash
+        block_tokens = self._block_tokens
         hashes = cast("list[BlockHash]", [block_hash[block_id] for block_id in victims])
         for block_id in victims:
             block_hash[block_id] = None
+            block_tokens[block_id] = None
         cached = self._cached
         for h in hashes:
             del cached[h]  # (a KeyError here would mean an evictable block was not cached)
@@ -640,9 +635,7 @@ class BlockManager:
         evictable_set = set(evictable)
         assert len(evictable) == self._num_evictable, "evictable blocks miscounted"
         assert not free_uncached & evictable_set, "block both free and evictable"
-        assert len(self._block_tokens) == self.num_blocks * self._token_stride, (
-            "token buffer lost its slots"
-        )
+        assert len(self._block_tokens) == self.num_blocks, "token column lost its slots"
         assert len(self._block_hash) == self.num_blocks, "hash column lost its slots"
         for bid in range(self.num_blocks):
             assert self._ref[bid] == refs[bid], (
@@ -651,12 +644,16 @@ class BlockManager:
             is_free = bid in free_uncached or bid in evictable_set
             assert is_free == (refs[bid] == 0), f"block {bid}: free state disagrees with refs"
             block_hash = self._block_hash[bid]
+            assert (block_hash is None) == (self._block_tokens[bid] is None), (
+                f"block {bid}: hash and token columns differ"
+            )
             if bid in free_uncached:
                 assert block_hash is None, f"uncached free block {bid} has a hash"
             if bid in evictable_set:
                 assert block_hash is not None, f"evictable block {bid} has no hash"
             if block_hash is not None:
                 assert self._cached.get(block_hash) == bid, f"block {bid} not in hash map"
+                assert len(self._block_tokens[bid] or b"") == 4 * self.block_size
         assert len(self._cached) == self.num_blocks - self._block_hash.count(None), (
             "hash map has entries for blocks that do not carry that hash"
         )
