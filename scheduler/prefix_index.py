@@ -118,22 +118,19 @@ class BlockOwners:
     def discard_many(self, block_hashes: Sequence[int], bit: int) -> None:
         """Clear `bit` for every block; blocks no instance holds any more are dropped."""
         owners = self.owners
-        masks = list(map(owners.get, block_hashes, repeat(0)))
-        if masks.count(bit) == len(masks):  # the usual run: only this instance holds them
-            deque(map(owners.pop, block_hashes, repeat(None)), 0)
-            return
-        keep = ~bit
-        masks = list(map(and_, masks, repeat(keep)))
-        if not any(masks):  # none of them held by another instance (some not held at all)
-            deque(map(owners.pop, block_hashes, repeat(None)), 0)
-            return
-        owners.update(compress(zip(block_hashes, masks, strict=True), masks))
-        if not all(masks):
-            deque(map(owners.pop, compress(block_hashes, map(not_, masks)), repeat(None)), 0)
+        # Pop first: in the usual run no other instance holds any of them, so none goes back.
+        popped = list(map(owners.pop, block_hashes, repeat(0)))
+        if popped.count(bit) != len(popped):  # some are held elsewhere too (or nowhere)
+            kept = list(map(and_, popped, repeat(~bit)))
+            owners.update(compress(zip(block_hashes, kept, strict=True), kept))
 
     def masks(self, chunk: Sequence[int]) -> list[int]:
         """Each block's mask (0: nobody holds it)."""
         return list(map(self.owners.get, chunk, repeat(0)))
+
+    def holds_none(self, chunk: Sequence[int]) -> bool:
+        """True when no instance holds any block of `chunk`."""
+        return self.owners.keys().isdisjoint(chunk)
 
     def __len__(self) -> int:
         return len(self.owners)
@@ -187,6 +184,10 @@ class ShardedBlockOwners:
         """Each block's mask (0: nobody holds it)."""
         return list(map(dict.get, self._shards_of(chunk), chunk, repeat(0)))
 
+    def holds_none(self, chunk: Sequence[int]) -> bool:
+        """True when no instance holds any block of `chunk`."""
+        return not any(map(dict.__contains__, self._shards_of(chunk), chunk))
+
     def __len__(self) -> int:
         return sum(map(len, self.shards))
 
@@ -214,6 +215,8 @@ def match_groups(chain: Sequence[int], maps: Sequence[OwnerMap]) -> list[tuple[i
         for other in rest:
             # OR in the other map's masks only where it holds the block: the approximate index
             # covers a fraction of a chain, and an OR of two fleet-wide masks makes a new int.
+            if other.holds_none(chunk):  # one pass of lookups, no list of masks
+                continue
             extra = other.masks(chunk)
             for i in compress(count(), extra):
                 masks[i] |= extra[i]

@@ -473,5 +473,8 @@ def test_sharded_owners_equal_one_dict(ops: list[tuple[bool, int, list[int]]]) -
             sharded.discard_many(hashes, 1 << slot)
         assert sharded.masks(universe) == plain.masks(universe)
         assert len(sharded) == len(plain)  # blocks nobody holds are dropped in both
+        for chunk in (hashes, universe[:6], universe[30:]):
+            nobody = not any(plain.masks(chunk))
+            assert plain.holds_none(chunk) == sharded.holds_none(chunk) == nobody
     with pytest.raises(ValueError):
         ShardedBlockOwners(num_shards=3)
