@@ -220,12 +220,20 @@ def match_groups(chain: Sequence[int], maps: Sequence[OwnerMap]) -> list[tuple[i
             extra = other.masks(chunk)
             for i in compress(count(), extra):
                 masks[i] |= extra[i]
-        # running[i]: bits still matching after the first `start + i` blocks.
-        running = list(accumulate(masks, and_, initial=alive))
-        for i in compress(count(), map(ne, running, islice(running, 1, None))):
-            if start + i:  # bits lost at block `start + i` matched exactly that many blocks
-                groups.append((running[i] & ~running[i + 1], start + i))
-        alive = running[-1]
+        head = masks[0]
+        if masks[-1] == head and masks.count(head) == len(masks):
+            # One mask over the whole chunk (a prefix the same instances hold, or nobody): only
+            # its first block can lose bits.
+            if start and alive & ~head:
+                groups.append((alive & ~head, start))
+            alive &= head
+        else:
+            # running[i]: bits still matching after the first `start + i` blocks.
+            running = list(accumulate(masks, and_, initial=alive))
+            for i in compress(count(), map(ne, running, islice(running, 1, None))):
+                if start + i:  # bits lost at block `start + i` matched exactly that many blocks
+                    groups.append((running[i] & ~running[i + 1], start + i))
+            alive = running[-1]
         if not alive:
             return groups
         start += len(chunk)

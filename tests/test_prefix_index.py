@@ -17,7 +17,13 @@ from instance_agent.engine.kv_events import (
     KVEventBatch,
 )
 from scheduler.approx_index import ApproxIndex
-from scheduler.prefix_index import BlockOwners, PrefixIndex, ShardedBlockOwners
+from scheduler.prefix_index import (
+    BlockOwners,
+    InstanceSlots,
+    PrefixIndex,
+    ShardedBlockOwners,
+    match_chain,
+)
 
 BS = 4
 
@@ -478,3 +484,38 @@ def test_sharded_owners_equal_one_dict(ops: list[tuple[bool, int, list[int]]]) -
             assert plain.holds_none(chunk) == sharded.holds_none(chunk) == nobody
     with pytest.raises(ValueError):
         ShardedBlockOwners(num_shards=3)
+
+
+# -- property: the chunked walk over long chains equals a block-by-block walk ------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(  # per instance: a held prefix, holes punched in it, whether it is pending instead
+        st.tuples(
+            st.one_of(st.sampled_from([16, 48, 112]), st.integers(0, 140)),  # chunk ends or any
+            st.lists(st.integers(0, 139), max_size=3),
+            st.booleans(),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    st.integers(1, 140),
+)
+def test_long_chain_walk_equals_block_by_block(
+    held: list[tuple[int, list[int], bool]], length: int
+) -> None:
+    """Chains span several walk chunks (16, 32, 64, ...): whole chunks under one mask, instances
+    dropping out at a chunk's first block, in its middle, or nowhere, over two maps OR-ed."""
+    chain = list(range(1000, 1000 + length))
+    slots, precise, pending = InstanceSlots(), BlockOwners(), BlockOwners()
+    expected = {}
+    for k, (depth, holes, is_pending) in enumerate(held):
+        blocks = [b for i, b in enumerate(chain[:depth]) if i not in holes]
+        (pending if is_pending else precise).add_many(blocks, slots.bit(f"i{k}"))
+        matched = 0
+        while matched < length and matched < depth and matched not in holes:
+            matched += 1
+        if matched:
+            expected[f"i{k}"] = matched
+    assert match_chain(chain, (precise, pending), slots) == expected
