@@ -372,7 +372,7 @@ class BlockManager:
             return False
         tables = self._owner_blocks
         if len(owner_ids) == 1:  # most steps of a decode run: one crossing
-            block_id = free.popleft() if free else self._evict_one()
+            block_id = free.popleft() if free else self._evict(1)[0]
             self._ref[block_id] = 1
             tables.setdefault(owner_ids[0], []).append(block_id)
             return True
@@ -506,7 +506,7 @@ class BlockManager:
         (one BlockRemoved, merged into a pending one, as vLLM batches them)."""
         free = self._free_uncached
         if count == 1:  # a decode step's crossing: skip the bulk machinery
-            block_id = free.popleft() if free else self._evict_one()
+            block_id = free.popleft() if free else self._evict(1)[0]
             self._ref[block_id] = 1
             return [block_id]
         if count <= len(free):
@@ -520,30 +520,6 @@ class BlockManager:
         for block_id in block_ids:
             ref[block_id] = 1
         return block_ids
-
-    def _evict_one(self) -> int:
-        """`_evict(1)[0]` without its lists: a decode run's block crossing on a full pool evicts
-        one block at a time, which is most evictions."""
-        pop = self._lru.popleft
-        block_id = pop()
-        if self._num_stale:
-            stale = self._lru_stale
-            while stale[block_id]:  # its oldest entries are the stale ones
-                stale[block_id] -= 1
-                self._num_stale -= 1
-                block_id = pop()
-        self._num_evictable -= 1
-        h = self._block_hash[block_id]
-        assert h is not None, "an evictable block is cached"
-        del self._cached[h]
-        self._block_hash[block_id] = None
-        self._block_tokens[block_id] = None
-        events = self._events
-        if events and type(events[-1]) is BlockRemoved:
-            events[-1].block_hashes.append(h)  # merged, as in `_evict`
-        else:
-            events.append(BlockRemoved([h]))
-        return block_id
 
     def _evict(self, count: int) -> list[int]:
         pop = self._lru.popleft
