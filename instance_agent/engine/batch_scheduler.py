@@ -327,14 +327,6 @@ class BatchScheduler:
             if computed // bs != before // bs:
                 cache_full_blocks(request)
             if item.samples:
-                params = request.sampling_params
-                if (
-                    params.ignore_eos
-                    and not params.stop_token_ids
-                    and len(request.output_token_ids) < params.max_tokens
-                    and len(request.token_ids) < max_model_len
-                ):
-                    continue  # only its length could stop it (check_stop's verdict, inline)
                 stop = request.check_stop(max_model_len)
                 if stop is not None:
                     done = self.finish_request(request.request_id, stop)
