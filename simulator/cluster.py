@@ -24,6 +24,11 @@ Contract:
   extra s) points, flat past its ends, of how long the whole fleet has been idle at the arrival
   (0 while any instance runs a step). Hosts that park idle CPUs (shared VMs, deep C-states) take
   longer to wake an idle serving path;
+  plus a per-request draw from `request_overhead_spread`: quantiles of the path's deviation from
+  its typical time (a real path varies from request to request; a constant would give every
+  request the median and squeeze the TTFT distribution). Draws are seeded by `seed` and tied to
+  the request's place in the trace, so every policy's run sees the same path times. The total
+  never goes below zero;
   `InstanceConfig.step_overhead_s` adds the serving loop's per-step cost.
 - `step_slowdown_per_busy` stretches each engine step by that fraction per other instance busy at
   its start (co-located instances contending for the host's cores or memory bandwidth; 0, the
@@ -88,6 +93,10 @@ class ClusterConfig:
     request_overhead_per_busy_s: float = 0.0
     # Extra request-path time by fleet idle time: (idle s, extra s) points, idle ascending.
     request_overhead_idle: tuple[tuple[float, float], ...] = ()
+    # Request-path deviation from its typical time (s): quantiles evenly spaced from the least to
+    # the greatest; each request draws one.
+    request_overhead_spread: tuple[float, ...] = ()
+    seed: int = 0  # the run's seed (the request path's draws)
     # Step-time stretch per other busy instance (co-located instances; 0 on separate hosts).
     step_slowdown_per_busy: float = 0.0
     kv_event_delay_s: float = 0.005
@@ -209,6 +218,8 @@ class SimCluster:
         self._between_steps: dict[str, list[Callable[[], None]]] = {}
         # The trace being fed: its requests, their arrival order, its id block size.
         self._arrivals: tuple[list[TraceRequest], list[int], int] = ([], [], 0)
+        # Per trace request: its draw from `request_overhead_spread` (empty: no spread).
+        self._path_draws: list[float] = []
         # KV events on their way to the prefix index: (due, loop order, instance, events).
         self._pending_events: list[tuple[float, int, str, list[KVEvent]]] = []
         self.migration_stats = MigrationStats()
@@ -230,6 +241,12 @@ class SimCluster:
         if any(b.arrival_s < a.arrival_s for a, b in itertools.pairwise(requests)):
             order.sort(key=lambda i: requests[i].arrival_s)
         self._arrivals = (requests, order, trace.block_size)
+        spread = self.config.request_overhead_spread
+        if spread:  # inverse-CDF sampling, linear between the quantiles
+            uniform = np.random.default_rng(self.config.seed).random(len(requests))
+            self._path_draws = np.interp(
+                uniform, np.linspace(0.0, 1.0, len(spread)), spread
+            ).tolist()
         if order:
             self._queue_arrival(0)
         sample_interval = self.config.sample_interval_s or max(trace.duration_s / 400.0, 0.05)
@@ -268,9 +285,13 @@ class SimCluster:
         requests, order, id_block_size = self._arrivals
         if position + 1 < len(order):
             self._queue_arrival(position + 1)
-        self._arrive(requests[order[position]], id_block_size)
+        index = order[position]
+        path_draw = self._path_draws[index] if self._path_draws else 0.0
+        self._arrive(requests[index], id_block_size, path_draw)
 
-    def _arrive(self, tr: TraceRequest, id_block_size: int) -> None:
+    def _arrive(self, tr: TraceRequest, id_block_size: int, path_draw: float) -> None:
+        """A trace request arrives: route it, and admit it after its request-path time
+        (`path_draw`: its draw from `request_overhead_spread`)."""
         now = self.loop.now
         request = make_request(
             tr, id_block_size, self.config.instance.block_size, now, self.vocab_size
@@ -289,12 +310,12 @@ class SimCluster:
             max_tokens=tr.output_length,
         )
         instance = self.instances[routed.instance_id]
-        overhead = self.config.request_overhead_s
+        overhead = self.config.request_overhead_s + path_draw
         if self.config.request_overhead_per_busy_s > 0:
             overhead += self.config.request_overhead_per_busy_s * self._busy_others(instance)
         if self.config.request_overhead_idle:
-            overhead = max(0.0, overhead + self._idle_overhead(now))
-        if overhead > 0:
+            overhead += self._idle_overhead(now)
+        if overhead > 0:  # (a negative total is no delay)
             self.loop.call_later(overhead, self._admit, instance, request)
         else:
             self._admit(instance, request)

@@ -39,6 +39,7 @@ class SimSettings:
     request_overhead_s: float = 0.0
     request_overhead_per_busy_s: float = 0.0
     request_overhead_idle: tuple[tuple[float, float], ...] = ()
+    request_overhead_spread: tuple[float, ...] = ()
     step_slowdown_per_busy: float = 0.0
     # Decode fast-forward (same results, fewer Python steps); off only to check that claim.
     fast_forward: bool = True
@@ -55,6 +56,8 @@ class SimSettings:
             request_overhead_s=self.request_overhead_s,
             request_overhead_per_busy_s=self.request_overhead_per_busy_s,
             request_overhead_idle=self.request_overhead_idle,
+            request_overhead_spread=self.request_overhead_spread,
+            seed=self.seed,
             step_slowdown_per_busy=self.step_slowdown_per_busy,
             **self.cluster_extra,
         )

@@ -10,6 +10,7 @@ one clear line on stderr (no traceback). Deterministic for a seed: run times go 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import sys
 from pathlib import Path
@@ -97,6 +98,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "slow to wake idle processes; default none)",
     )
     fleet.add_argument(
+        "--request-overhead-spread",
+        default="",
+        metavar="MS,...",
+        help="how the request latency varies around its typical value: quantiles of its "
+        "deviation in ms, ascending and evenly spaced from the least to the greatest (e.g. "
+        "-4,-1,0,1,9: each request draws one, seeded; default none)",
+    )
+    fleet.add_argument(
         "--step-slowdown-per-busy",
         type=float,
         default=0.0,
@@ -143,6 +152,21 @@ def _idle_points(text: str) -> tuple[tuple[float, float], ...]:
     return tuple(points)
 
 
+def _spread_quantiles(text: str) -> tuple[float, ...]:
+    """`--request-overhead-spread` -> quantiles in seconds (at least two, ascending)."""
+    if not text.strip():
+        return ()
+    try:
+        values = [float(part) / 1000.0 for part in text.split(",")]
+    except ValueError:
+        values = [math.nan]
+    if not all(map(math.isfinite, values)):
+        raise ValueError(f"--request-overhead-spread: {text!r} is not a list of numbers (ms)")
+    if len(values) < 2 or any(b < a for a, b in itertools.pairwise(values)):
+        raise ValueError("--request-overhead-spread: give at least two quantiles, ascending")
+    return tuple(values)
+
+
 def _window(text: str) -> tuple[float, float | None]:
     start, sep, end = text.partition(":")
     if not sep:
@@ -175,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
             return _fail(f"--{flag.replace('_', '-')} must be a non-negative number")
     try:
         idle_points = _idle_points(args.request_overhead_idle)
+        spread = _spread_quantiles(args.request_overhead_spread)
     except ValueError as exc:
         return _fail(str(exc))
     try:
@@ -224,6 +249,7 @@ def run(args: argparse.Namespace) -> int:
         request_overhead_s=args.request_overhead_ms / 1000.0,
         request_overhead_per_busy_s=args.request_overhead_per_busy_ms / 1000.0,
         request_overhead_idle=idle_points,
+        request_overhead_spread=spread,
         step_slowdown_per_busy=args.step_slowdown_per_busy,
     )
     meta = {
@@ -245,6 +271,7 @@ def run(args: argparse.Namespace) -> int:
         "request_overhead_ms": args.request_overhead_ms,
         "request_overhead_per_busy_ms": args.request_overhead_per_busy_ms,
         "request_overhead_idle": [[idle, extra * 1000.0] for idle, extra in idle_points],
+        "request_overhead_spread_ms": [value * 1000.0 for value in spread],
         "step_slowdown_per_busy": args.step_slowdown_per_busy,
         "migration_policy": args.migration_policy,
         "seed": args.seed,

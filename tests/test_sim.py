@@ -225,6 +225,9 @@ def test_cli_bad_inputs_exit_2_with_one_line(
         ([str(good), "--request-overhead-idle", "0.5:1,0.1:2"], "strictly ascending"),
         ([str(good), "--request-overhead-idle", "0.5"], "'0.5' is not IDLE_S:MS"),
         ([str(good), "--request-overhead-idle=-1:3"], "'-1:3' is not IDLE_S:MS"),
+        ([str(good), "--request-overhead-spread", "3,1"], "at least two quantiles, ascending"),
+        ([str(good), "--request-overhead-spread", "2"], "at least two quantiles, ascending"),
+        ([str(good), "--request-overhead-spread", "1,nan"], "is not a list of numbers"),
     ]
     for extra, needle in cases:
         assert main(["sim", *extra, "--out", str(tmp_path / "o"), "--quiet"]) == 2
@@ -292,6 +295,42 @@ def test_request_overhead_follows_the_fleet_idle_time() -> None:
     got = run(((0.0, -0.005), (1.0, 0.004)))["first_token"]
     assert got[0] == pytest.approx(ttft[0] - 0.002)  # 2 ms - 5 ms: clamped at no delay
     assert got[2] == pytest.approx(ttft[2] + 0.004)
+
+
+def _isolated_ttfts(policy: str = "round_robin", **config: object) -> list[float]:
+    """TTFT (s) of 300 short requests, each alone on the fleet (1 s apart), on 2 instances."""
+    from simulator.traces import TraceRequest
+
+    requests = [TraceRequest(i, float(i), 64, 2, (1000 + i,)) for i in range(300)]
+    cluster = SimCluster(
+        ClusterConfig(num_instances=2, instance=InstanceConfig(num_blocks=512), **config),  # type: ignore[arg-type]
+        load_latency_model(LATENCY),
+        load_dispatch_policy(policy),
+    )
+    cols = cluster.run(Trace("isolated", requests, block_size=64)).columns()
+    return (cols["first_token"] - cols["arrival"]).tolist()
+
+
+def test_request_overhead_spread_is_drawn_per_request() -> None:
+    """Each request's path time draws from the quantiles of `request_overhead_spread` (here
+    uniform on -1..+3 ms), the same draws for every policy and seed-determined; a total below
+    zero is no delay."""
+    plain = _isolated_ttfts(request_overhead_s=0.002)
+    spread = (-0.001, 0.003)
+    drawn = _isolated_ttfts(request_overhead_s=0.002, request_overhead_spread=spread)
+    extra = [d - p for d, p in zip(drawn, plain, strict=True)]
+    assert all(-0.001 - 1e-9 <= e <= 0.003 + 1e-9 for e in extra)
+    assert sorted(extra)[150] == pytest.approx(0.001, abs=0.0004)  # the median of -1..+3 ms
+    assert sum(e < 0 for e in extra) == pytest.approx(75, abs=25)  # a quarter below zero
+    other_policy = _isolated_ttfts(
+        "least_requests", request_overhead_s=0.002, request_overhead_spread=spread
+    )
+    assert other_policy == pytest.approx(drawn, abs=1e-12)
+    assert _isolated_ttfts(request_overhead_s=0.002, request_overhead_spread=spread) == drawn
+    reseeded = _isolated_ttfts(request_overhead_s=0.002, request_overhead_spread=spread, seed=1)
+    assert reseeded != drawn
+    below = _isolated_ttfts(request_overhead_s=0.002, request_overhead_spread=(-0.005, -0.004))
+    assert below == pytest.approx([p - 0.002 for p in plain], abs=1e-12)
 
 
 def test_steps_stretch_with_the_other_busy_instances() -> None:
