@@ -33,7 +33,10 @@ Steps, all on this machine:
      in each probe round and again after each real run (a shared VM's wake-up cost drifts within
      minutes). The TTFT by idle time before the request, median over every series, relative to
      the probe rounds' TTFT at the isolated probes' idle time, goes to the simulator as
-     `--request-overhead-idle`.
+     `--request-overhead-idle`. The same requests' deviations from the median of their series
+     (one gap, one fleet, a few seconds) give the request path's spread, as its percentiles for
+     `--request-overhead-spread`: a real path varies from request to request, and a constant
+     path would give every short request the median and pull the TTFT quantiles in.
 The trace is the Mooncake trace scaled down to fit the model's context: the first `--requests`
 requests that fit, every length divided by `--shrink` and the hash-id block shrunk alike
 (512/shrink tokens), so the prefix-sharing structure is kept; outputs are capped at `--max-output`.
@@ -271,11 +274,15 @@ WAKE_REQUESTS = 17  # per gap; the first finds the fleet after the previous gap'
 # on a shared VM, so the curve follows it through the real runs.
 WAKE_TRACK_REQUESTS = 9
 WakePoint = tuple[float, float]  # (idle s before a few-token request, its TTFT s)
+# Quantiles of the request path's deviation: every percentile, so the rare very slow request
+# (a wake-up far above the rest) keeps the weight it had among the probes.
+SPREAD_QUANTILES = 101
 
 
-def _idle_ttft(cols: Any, length: int) -> WakePoint:
-    """Median (idle time before it, TTFT) of the `length`-token requests of a probe series,
-    idle time being from the previous request's last token to its arrival."""
+def _idle_ttfts(cols: Any, length: int) -> tuple[float, Any]:
+    """The median idle time before the `length`-token requests of a probe series (from the
+    previous request's last token to its arrival; the first request is not counted) and their
+    TTFTs."""
     import numpy as np
 
     order = np.argsort(cols["arrival"])
@@ -283,17 +290,29 @@ def _idle_ttft(cols: Any, length: int) -> WakePoint:
     ttft = (cols["first_token"] - cols["arrival"])[order]
     pick = (cols["prompt_tokens"][order] == length)[1:]
     idle = (arrival[1:] - last[:-1])[pick]
-    return float(np.median(idle)), float(np.median(ttft[1:][pick]))
+    return float(np.median(idle)), ttft[1:][pick]
 
 
-def _wake_probe(url: str, first_index: int, requests: int = WAKE_REQUESTS) -> list[WakePoint]:
+def _idle_ttft(cols: Any, length: int) -> WakePoint:
+    """Median (idle time before it, TTFT) of the `length`-token requests of a probe series."""
+    idle, ttfts = _idle_ttfts(cols, length)
+    return idle, float(statistics.median(ttfts))
+
+
+def _wake_probe(
+    url: str, first_index: int, deviations: list[float], requests: int = WAKE_REQUESTS
+) -> list[WakePoint]:
     """Few-token requests through the proxy at each of `WAKE_GAPS_S`: how the request path's
-    time grows with the idle time before it (the host waking parked processes)."""
+    time grows with the idle time before it (the host waking parked processes). Appends each
+    counted request's TTFT minus its series' median to `deviations`."""
     points = []
     for j, gap in enumerate(WAKE_GAPS_S):
         series = [(gap * i, 1, PROBE_PROMPT, 1) for i in range(requests)]
         cols = _replay_rows(url, _probe_trace(series, first_index + 100 * j))
-        points.append(_idle_ttft(cols, PROBE_PROMPT))
+        idle, ttfts = _idle_ttfts(cols, PROBE_PROMPT)
+        median = float(statistics.median(ttfts))
+        points.append((idle, median))
+        deviations.extend(float(t) - median for t in ttfts)
     return points
 
 
@@ -597,6 +616,7 @@ def main() -> int:
     rounds: list[list[Observation]] = []
     colocation: list[Colocation] = []
     wake: list[list[WakePoint]] = []  # per round: the reference, then one point per wake gap
+    deviations: list[float] = []  # wake probe TTFTs minus the median of their series
     with (
         _fleet("round_robin", args, profile, out / "up_probe.log") as (url, agents),
         _fleet("round_robin", args, profile, out / "up_probe_one.log", instances=1) as (
@@ -606,7 +626,7 @@ def main() -> int:
     ):
         for r in range(args.probe_rounds):
             reference = _probe(url, one, args, model, rounds)
-            wake.append([reference, *_wake_probe(url, 6_000_000 + 1000 * r)])
+            wake.append([reference, *_wake_probe(url, 6_000_000 + 1000 * r, deviations)])
             if args.instances > 1:  # the one-agent fleet is the quiet agent's busy neighbour
                 quiet = agents[r % len(agents)]
                 colocation.append(
@@ -663,7 +683,7 @@ def main() -> int:
                 steps = _engine_steps(agents) - steps_before
                 run_index = repeat * len(policies) + k
                 tracked.append(
-                    _wake_probe(url, 7_000_000 + 1000 * run_index, requests=WAKE_TRACK_REQUESTS)
+                    _wake_probe(url, 7_000_000 + 1000 * run_index, deviations, WAKE_TRACK_REQUESTS)
                 )
             report = json.loads((dest / "summary.json").read_text())
             summary = report["results"][policy]
@@ -699,6 +719,7 @@ def main() -> int:
         )
     )
     idle_points = [(idle, 1000.0 * (ttft - baseline)) for idle, ttft in curve]
+    spread_ms = 1000.0 * np.quantile(deviations, np.linspace(0.0, 1.0, SPREAD_QUANTILES))
     idle_table = ",".join(
         f"{idle:.4f}:{extra:.3f}"
         for i, (idle, extra) in enumerate(idle_points)
@@ -729,6 +750,7 @@ def main() -> int:
             "--step-slowdown-per-busy",
             f"{slowdown:.4f}",
             f"--request-overhead-idle={idle_table}",
+            "--request-overhead-spread=" + ",".join(f"{q:.3f}" for q in spread_ms),
             "--report-interval-ms",
             str(LOAD_INTERVAL_MS),
             "--out",
@@ -776,6 +798,12 @@ def main() -> int:
             f"{1000 * statistics.median(t[j][1] for t in tracked):.1f} ms"
             for j in range(len(WAKE_GAPS_S))
         )
+    )
+    print(
+        f"probed request-path spread: {len(deviations)} wake probe TTFTs against the median of "
+        "their series, p5 / p25 / p75 / p95 "
+        + " / ".join(f"{q:+.2f}" for q in spread_ms[[5, 25, 75, 95]])
+        + " ms"
     )
     if colocation:
 
