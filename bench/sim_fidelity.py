@@ -15,7 +15,10 @@ Steps, all on this machine:
      agents compute now than the profile's clock says (1.0 on a quiet machine; other load on
      the cores raises it), and the serving loop's cost per step outside the engine. The terms
      go into the profile's ``serving`` section and `--request-overhead-ms`; each of the
-     `--probe-rounds` rounds is also fitted alone, to show their spread.
+     `--probe-rounds` rounds is also fitted alone, to show their spread. The rounds are spread
+     over the repeats, run just before each repeat's real runs: a shared VM's speed drifts within
+     minutes, and probes taken all before the first real run calibrate another machine than
+     the last one sees.
   3. For each policy, `--repeats` fresh fleets (`kvherd up -n N --policy P`, agents checked
      against the profile's engine through /kvherd/v1/state), each replaying the trace with
      `kvherd replay` after a short warm-up.
@@ -68,6 +71,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -368,6 +372,49 @@ class Colocation(NamedTuple):
 _IDLE = Colocation(0.0, 0.0, 1.0, 1.0)  # one instance: no neighbour, no co-location cost
 
 
+@dataclass
+class Probes:
+    """What the probes measured, pooled over the whole bench (never the trace's requests)."""
+
+    rounds: list[list[Observation]] = field(default_factory=list)  # fleet-model observations
+    colocation: list[Colocation] = field(default_factory=list)
+    wake: list[list[WakePoint]] = field(default_factory=list)  # reference, then one per gap
+    tracked: list[list[WakePoint]] = field(default_factory=list)  # after each real run
+    deviations: list[float] = field(default_factory=list)  # wake TTFTs minus their series' median
+
+
+def _probe_rounds(
+    count: int,
+    args: argparse.Namespace,
+    profile: dict[str, Any],
+    model: Any,
+    log: Path,
+    probes: Probes,
+) -> None:
+    """`count` rounds of serving, wake-up and co-location probes on fresh probe fleets: a
+    round-robin one of `--instances` agents and a one-agent one (see `_probe`)."""
+    if not count:
+        return
+    with (
+        _fleet("round_robin", args, profile, log) as (url, agents),
+        _fleet("round_robin", args, profile, log.with_name(log.stem + "_one.log"), 1) as (
+            one,
+            one_agents,
+        ),
+    ):
+        for _ in range(count):
+            r = len(probes.rounds)
+            reference = _probe(url, one, args, model, probes.rounds)
+            probes.wake.append(
+                [reference, *_wake_probe(url, 6_000_000 + 1000 * r, probes.deviations)]
+            )
+            if args.instances > 1:  # the one-agent fleet is the quiet agent's busy neighbour
+                quiet = agents[r % len(agents)]
+                probes.colocation.append(
+                    _colocation(quiet, (one, one_agents[0]), args, model, 5_000_000 + 1000 * r)
+                )
+
+
 def _decoding(agent: str, streams: int) -> bool:
     """Whether `agent` runs `streams` requests, every prefill done (it is decoding them)."""
     state = httpx.get(f"{agent}/kvherd/v1/state", timeout=10).json()
@@ -558,7 +605,9 @@ def main() -> int:
     parser.add_argument("--max-output", type=int, default=32)
     parser.add_argument("--rate-scale", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=3, help="real runs per policy")
-    parser.add_argument("--probe-rounds", type=int, default=3)
+    parser.add_argument(
+        "--probe-rounds", type=int, default=6, help="serving probe rounds, spread over the repeats"
+    )
     parser.add_argument("--num-blocks", type=int, default=512)
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -613,44 +662,12 @@ def main() -> int:
     profile = json.loads(engine_profile.read_text())
     model = CalibratedModel(profile, str(engine_profile))
 
-    rounds: list[list[Observation]] = []
-    colocation: list[Colocation] = []
-    wake: list[list[WakePoint]] = []  # per round: the reference, then one point per wake gap
-    deviations: list[float] = []  # wake probe TTFTs minus the median of their series
-    with (
-        _fleet("round_robin", args, profile, out / "up_probe.log") as (url, agents),
-        _fleet("round_robin", args, profile, out / "up_probe_one.log", instances=1) as (
-            one,
-            one_agents,
-        ),
-    ):
-        for r in range(args.probe_rounds):
-            reference = _probe(url, one, args, model, rounds)
-            wake.append([reference, *_wake_probe(url, 6_000_000 + 1000 * r, deviations)])
-            if args.instances > 1:  # the one-agent fleet is the quiet agent's busy neighbour
-                quiet = agents[r % len(agents)]
-                colocation.append(
-                    _colocation(quiet, (one, one_agents[0]), args, model, 5_000_000 + 1000 * r)
-                )
-    fleet = _fleet_fit([o for observations in rounds for o in observations])
-    per_round = [_fleet_fit(observations) for observations in rounds]
-    profile["serving"] = {key: fleet[key] for key in FLEET_TERMS[1:]}
-    fleet_profile = out / "profile_fleet.json"
-    fleet_profile.write_text(json.dumps(profile, indent=1) + "\n")
-    request_ms = fleet["request_s"] * 1000.0
-    # What one busy co-located agent adds to a request, and how much it stretches the steps
-    # (none measured below 0).
-    per_busy_ms = max(
-        0.0, 1000.0 * statistics.median(c.busy_ttft - c.idle_ttft for c in colocation or [_IDLE])
-    )
-    slowdown = max(
-        0.0, statistics.median(c.busy_tpot / c.idle_tpot - 1 for c in colocation or [_IDLE])
-    )
-
+    probes = Probes()
     policies = args.policies.split(",")
     reals: dict[str, list[dict[str, Any]]] = {policy: [] for policy in policies}
-    tracked: list[list[WakePoint]] = []  # wake probes after each real run
     for repeat in range(args.repeats):
+        share = len(range(repeat, args.probe_rounds, args.repeats))
+        _probe_rounds(share, args, profile, model, out / f"up_probe_{repeat}.log", probes)
         for k, policy in enumerate(policies):
             log = out / f"up_{policy}_{repeat}.log"
             with _fleet(policy, args, profile, log) as (url, agents):
@@ -682,8 +699,10 @@ def main() -> int:
                 )
                 steps = _engine_steps(agents) - steps_before
                 run_index = repeat * len(policies) + k
-                tracked.append(
-                    _wake_probe(url, 7_000_000 + 1000 * run_index, deviations, WAKE_TRACK_REQUESTS)
+                probes.tracked.append(
+                    _wake_probe(
+                        url, 7_000_000 + 1000 * run_index, probes.deviations, WAKE_TRACK_REQUESTS
+                    )
                 )
             report = json.loads((dest / "summary.json").read_text())
             summary = report["results"][policy]
@@ -697,6 +716,27 @@ def main() -> int:
                 f"client sent up to {report['meta']['send_lag_ms_max']:.1f} ms late)",
                 flush=True,
             )
+    rounds, colocation, wake, tracked = (
+        probes.rounds,
+        probes.colocation,
+        probes.wake,
+        probes.tracked,
+    )
+    fleet = _fleet_fit([o for observations in rounds for o in observations])
+    per_round = [_fleet_fit(observations) for observations in rounds]
+    profile["serving"] = {key: fleet[key] for key in FLEET_TERMS[1:]}
+    fleet_profile = out / "profile_fleet.json"
+    fleet_profile.write_text(json.dumps(profile, indent=1) + "\n")
+    request_ms = fleet["request_s"] * 1000.0
+    # What one busy co-located agent adds to a request, and how much it stretches the steps
+    # (none measured below 0).
+    per_busy_ms = max(
+        0.0, 1000.0 * statistics.median(c.busy_ttft - c.idle_ttft for c in colocation or [_IDLE])
+    )
+    slowdown = max(
+        0.0, statistics.median(c.busy_tpot / c.idle_tpot - 1 for c in colocation or [_IDLE])
+    )
+
     # The request path by idle time, relative to what it was after the isolated probes' idle
     # time when the fit's request_s (which holds that much) was probed: the probe rounds' wake
     # curve gives that baseline; the curve itself is the median over every wake probe, those
@@ -719,7 +759,7 @@ def main() -> int:
         )
     )
     idle_points = [(idle, 1000.0 * (ttft - baseline)) for idle, ttft in curve]
-    spread_ms = 1000.0 * np.quantile(deviations, np.linspace(0.0, 1.0, SPREAD_QUANTILES))
+    spread_ms = 1000.0 * np.quantile(probes.deviations, np.linspace(0.0, 1.0, SPREAD_QUANTILES))
     idle_table = ",".join(
         f"{idle:.4f}:{extra:.3f}"
         for i, (idle, extra) in enumerate(idle_points)
@@ -800,8 +840,8 @@ def main() -> int:
         )
     )
     print(
-        f"probed request-path spread: {len(deviations)} wake probe TTFTs against the median of "
-        "their series, p5 / p25 / p75 / p95 "
+        f"probed request-path spread: {len(probes.deviations)} wake probe TTFTs against the "
+        "median of their series, p5 / p25 / p75 / p95 "
         + " / ".join(f"{q:+.2f}" for q in spread_ms[[5, 25, 75, 95]])
         + " ms"
     )
