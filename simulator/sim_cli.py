@@ -102,8 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         metavar="MS,...",
         help="how the request latency varies around its typical value: quantiles of its "
-        "deviation in ms, ascending and evenly spaced from the least to the greatest (e.g. "
-        "-4,-1,0,1,9: each request draws one, seeded; default none)",
+        "deviation in ms, ascending and evenly spaced from the least to the greatest, each "
+        "request drawing one (seeded), e.g. --request-overhead-spread=-4,-1,0,1,9 (default none)",
     )
     fleet.add_argument(
         "--step-slowdown-per-busy",
