@@ -842,7 +842,9 @@ def main() -> int:
     print(
         f"probed request-path spread: {len(probes.deviations)} wake probe TTFTs against the "
         "median of their series, p5 / p25 / p75 / p95 "
-        + " / ".join(f"{q:+.2f}" for q in spread_ms[[5, 25, 75, 95]])
+        + " / ".join(
+            f"{1000.0 * q:+.2f}" for q in np.quantile(probes.deviations, [0.05, 0.25, 0.75, 0.95])
+        )
         + " ms"
     )
     if colocation:
