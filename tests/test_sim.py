@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,7 +16,7 @@ from simulator.instance import InstanceConfig
 from simulator.latency import LatencyModelError, load_latency_model
 from simulator.prompts import synthesize_prompt
 from simulator.synthetic import SyntheticSpec, generate
-from simulator.traces import Trace, load_trace, scale_rate
+from simulator.traces import Trace, TraceRequest, load_trace, scale_rate
 
 MOONCAKE = (
     Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake" / "synthetic_trace.jsonl"
@@ -236,28 +237,35 @@ def test_cli_bad_inputs_exit_2_with_one_line(
         assert err.startswith("kvherd sim: error: ")
 
 
+def _run_cluster(
+    requests: list[TraceRequest],
+    instance: InstanceConfig,
+    *,
+    policy: str = "round_robin",
+    **config: object,
+) -> tuple[dict[str, Any], SimCluster]:
+    """`requests` (ids in 512-token blocks) on 2 instances: the result columns and the cluster."""
+    cluster = SimCluster(
+        ClusterConfig(num_instances=2, instance=instance, **config),  # type: ignore[arg-type]
+        load_latency_model(LATENCY),
+        load_dispatch_policy(policy),
+    )
+    return cluster.run(Trace("test", requests, block_size=512)).columns(), cluster
+
+
 def _co_located(**config: object) -> tuple[dict[str, list[float]], int]:
     """Two round-robin instances: a long prompt keeps inst-0 prefilling in 8 chunks, a short
     request on inst-1 arrives and finishes inside that prefill, and a third one comes after
     everything went quiet. Returns its time columns (seconds after arrival, and arrival) and
     the engine steps taken."""
-    from simulator.traces import TraceRequest
-
     requests = [
         TraceRequest(0, 0.0, 4000, 4, tuple(range(100, 108))),
         TraceRequest(1, 0.01, 64, 4, (200,)),
         TraceRequest(2, 30.0, 64, 4, (300,)),
     ]
-    cluster = SimCluster(
-        ClusterConfig(
-            num_instances=2,
-            instance=InstanceConfig(num_blocks=4096, max_num_batched_tokens=512),
-            **config,  # type: ignore[arg-type]
-        ),
-        load_latency_model(LATENCY),
-        load_dispatch_policy("round_robin"),
+    cols, cluster = _run_cluster(
+        requests, InstanceConfig(num_blocks=4096, max_num_batched_tokens=512), **config
     )
-    cols = cluster.run(Trace("co-located", requests, block_size=512)).columns()
     times = {k: (cols[k] - cols["arrival"]).tolist() for k in ("first_token", "last_token")}
     times["arrival"] = cols["arrival"].tolist()
     return times, sum(i.num_steps for i in cluster.instances.values())
@@ -299,15 +307,8 @@ def test_request_overhead_follows_the_fleet_idle_time() -> None:
 
 def _isolated_ttfts(policy: str = "round_robin", **config: object) -> list[float]:
     """TTFT (s) of 300 short requests, each alone on the fleet (1 s apart), on 2 instances."""
-    from simulator.traces import TraceRequest
-
     requests = [TraceRequest(i, float(i), 64, 2, (1000 + i,)) for i in range(300)]
-    cluster = SimCluster(
-        ClusterConfig(num_instances=2, instance=InstanceConfig(num_blocks=512), **config),  # type: ignore[arg-type]
-        load_latency_model(LATENCY),
-        load_dispatch_policy(policy),
-    )
-    cols = cluster.run(Trace("isolated", requests, block_size=64)).columns()
+    cols, _ = _run_cluster(requests, InstanceConfig(num_blocks=512), policy=policy, **config)
     return (cols["first_token"] - cols["arrival"]).tolist()
 
 
