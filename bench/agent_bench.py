@@ -44,8 +44,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from instance_agent.engine.core.request import SamplingParams
 from instance_agent.engine.llm_engine import EngineConfig, LLMEngine
-from instance_agent.engine.request import SamplingParams
 
 
 def _prompts(n: int, length: int, seed: int) -> list[list[int]]:

@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 
 from instance_agent.engine.config import PRESETS
+from instance_agent.engine.core.request import SamplingParams
 from instance_agent.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
-from instance_agent.engine.request import SamplingParams
 
 
 def build_checkpoint(path: Path, seed: int) -> torch.nn.Module:

@@ -2,7 +2,7 @@
 
 Setup: two engines with preset ``small`` shapes (8 layers, hidden 512, 4 KV heads of 64, fp32, CPU,
 block size 16, one torch thread each) in one process, each stepping on its own thread
-(`migration.engine_thread.EngineThread`). KV bytes move over a real gloo pair group on loopback
+(`tests/support/engine_thread.py`). KV bytes move over a real gloo pair group on loopback
 (`migration.transport`); control messages are direct calls to the destination driver, so the
 figures isolate the migration from HTTP. To reach 8k tokens of context the ``small`` shapes are
 registered with 8,448 positions (same weights, longer RoPE tables).
@@ -48,17 +48,20 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The in-process engine thread the migration tests use (a test support module, not a product one).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+
+from engine_thread import EngineThread
 
 from instance_agent.engine.config import PRESETS
+from instance_agent.engine.core.request import SamplingParams
 from instance_agent.engine.llm_engine import EngineConfig, LLMEngine
-from instance_agent.engine.request import SamplingParams
 from instance_agent.migration_routes import EngineMigrationAdapter
+from migration.core.protocol import MigrationOutcome, MigrationStatus
+from migration.core.reservations import ReservationTable
+from migration.core.stages import StageConfig
 from migration.destination import MigrationDestination
-from migration.engine_thread import EngineThread
-from migration.protocol import MigrationOutcome, MigrationStatus
-from migration.reservations import ReservationTable
 from migration.source import migrate_out
-from migration.stages import StageConfig
 from migration.transport import TransportHub
 
 BLOCK_SIZE = 16

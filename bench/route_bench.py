@@ -23,12 +23,12 @@ import time
 import tracemalloc
 from collections.abc import Sequence
 
-from instance_agent.engine.block_hash import block_hash_chain
-from instance_agent.engine.kv_events import BlockStored
+from kvherd.block_hash import block_hash_chain
+from kvherd.kv_events import BlockStored
 from policies import load_dispatch_policy
-from scheduler.cluster_state import ClusterState
-from scheduler.load_report import LoadReport
-from scheduler.router import Router
+from scheduler.core.cluster_state import ClusterState
+from scheduler.core.load_report import LoadReport
+from scheduler.core.router import Router
 
 BLOCK_SIZE = 16
 

@@ -36,7 +36,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from instance_agent.engine.request import SamplingParams
+from instance_agent.engine.core.request import SamplingParams
 from instance_agent.kv_publisher import KVEventPublisher
 from instance_agent.metrics import AgentMetrics
 from instance_agent.state import StepLatencyWindow

@@ -48,8 +48,8 @@ def _parse_token_ids(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from instance_agent.engine.core.request import SamplingParams
     from instance_agent.engine.llm_engine import EngineConfig, LLMEngine
-    from instance_agent.engine.request import SamplingParams
 
     try:
         prompt: str | list[int] = (

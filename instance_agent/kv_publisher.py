@@ -28,7 +28,7 @@ from collections import deque
 
 import zmq
 
-from instance_agent.engine.kv_events import KVEventBatch, encode_batch
+from kvherd.kv_events import KVEventBatch, encode_batch
 
 log = logging.getLogger(__name__)
 

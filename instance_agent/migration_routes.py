@@ -1,7 +1,7 @@
 """The agent's live-migration endpoints and the glue between `LLMEngine` and `migration`.
 
 Contract:
-- `EngineMigrationAdapter` makes an `LLMEngine` a `migration.protocol.MigratableEngine`. Its
+- `EngineMigrationAdapter` makes an `LLMEngine` a `migration.core.protocol.MigratableEngine`. Its
   methods run on the engine thread only (through `EngineLoop.call`).
 - `MigrationService` owns this agent's transport hub, its incoming-reservation table and the
   outgoing-migration limit (one in and one out at a time by default, like Llumnix).
@@ -35,11 +35,9 @@ from fastapi import APIRouter, FastAPI, Request
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from instance_agent import relay
-from instance_agent.engine.request import RequestStatus
-from instance_agent.protocol import OpenAIError, bad_request
-from migration.destination import MigrationDestination
-from migration.http_link import HttpDestination
-from migration.protocol import (
+from instance_agent.engine.core.request import RequestStatus
+from kvherd.wire import OpenAIError, bad_request
+from migration.core.protocol import (
     AbortReason,
     AbortRequest,
     CommitRequest,
@@ -51,9 +49,11 @@ from migration.protocol import (
     RequestState,
     ReserveRequest,
 )
-from migration.reservations import ReservationTable
+from migration.core.reservations import ReservationTable
+from migration.core.stages import StageConfig
+from migration.destination import MigrationDestination
+from migration.http_link import HttpDestination
 from migration.source import migrate_out
-from migration.stages import StageConfig
 from migration.transport import TransportHub
 
 if TYPE_CHECKING:

@@ -22,7 +22,7 @@ Contract:
   (block size, pool size, batch limits, torch threads, clock: `kvherd sim` adopts the engine
   limits), KV bytes per token, and every measured point with its prediction. The feature names
   are the file's contract with the simulator: both compute them with
-  `instance_agent.engine.step_features`.
+  `kvherd.profile_format`.
 - Bad arguments exit with status 2 and one line on stderr.
 """
 
@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from instance_agent.engine.step_features import FEATURES, PROFILE_FORMAT, step_features
+from kvherd.profile_format import FEATURES, PROFILE_FORMAT, step_features
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,7 +95,7 @@ class _Profiler:
         return [self._rng.randrange(self._low, self._high) for _ in range(n)]
 
     def add(self, prompt: list[int], max_tokens: int) -> None:
-        from instance_agent.engine.request import SamplingParams
+        from instance_agent.engine.core.request import SamplingParams
 
         self._ids += 1
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""OpenAI-compatible request bodies, response/chunk builders and the OpenAI error object.
+"""OpenAI-compatible request bodies and response/chunk builders.
 
 Contract:
 - `CompletionRequest` and `ChatCompletionRequest` are pydantic models of the bodies the agent accepts.
@@ -10,9 +10,8 @@ Contract:
   never silently gets something other than what it asked for.
 - `resolve_prompt` turns a completions prompt (text, token ids, or a one-element batch of either) into
   text or validated token ids (each id in ``[0, vocab_size)``); `chat_messages` checks chat messages.
-- `OpenAIError` carries an HTTP status and the error object ``{"error": {"message", "type", "param",
-  "code"}}``; `error_from_validation` turns pydantic/FastAPI validation errors into a 400 naming the
-  first offending field.
+- `error_from_validation` turns pydantic/FastAPI validation errors into a 400 (`kvherd.wire.OpenAIError`)
+  naming the first offending field.
 - The chunk and response builders produce exactly the JSON shapes of OpenAI/vLLM: ``text_completion``
   and ``chat.completion(.chunk)`` objects, ``usage`` with ``prompt_tokens_details.cached_tokens``.
   With ``return_token_ids`` (vLLM's flag) each choice also carries ``token_ids`` and each streamed chunk
@@ -22,54 +21,20 @@ Contract:
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from instance_agent.engine.request import InvalidRequestError, SamplingParams
+from instance_agent.engine.core.request import InvalidRequestError, SamplingParams
+from kvherd.wire import OpenAIError, bad_request
 
 # Bodies above this size are refused before parsing: a prompt this long cannot fit any model the agent
 # serves, and parsing it would only cost memory.
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
 Number = StrictFloat | StrictInt
-
-
-class OpenAIError(Exception):
-    """An HTTP error answered with the OpenAI error object."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
-    return OpenAIError(400, message, param=param, code=code)
 
 
 def from_invalid_request(exc: InvalidRequestError) -> OpenAIError:
@@ -408,11 +373,3 @@ def chat_response(
     return _response(
         "chat.completion", response_id, created, model, choice, usage_, token_ids, prompt_token_ids
     )
-
-
-def sse(payload: dict[str, Any]) -> bytes:
-    """One server-sent event frame, as OpenAI and vLLM write them."""
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"

@@ -51,7 +51,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from instance_agent import protocol, relay
-from instance_agent.engine.request import InvalidRequestError, SamplingParams
+from instance_agent.engine.core.request import InvalidRequestError, SamplingParams
 from instance_agent.engine_loop import (
     EngineDeadError,
     EngineLoop,
@@ -63,12 +63,11 @@ from instance_agent.metrics import AgentMetrics
 from instance_agent.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    OpenAIError,
-    bad_request,
 )
 from instance_agent.registration import Registrar
 from instance_agent.state import snapshot
-from kvherd import __version__
+from kvherd import __version__, wire
+from kvherd.wire import OpenAIError, bad_request
 
 if TYPE_CHECKING:
     from instance_agent.engine.llm_engine import LLMEngine
@@ -520,7 +519,7 @@ async def _sse(
             )  # fmt: skip
             if want_ids:
                 first["choices"][0]["prompt_token_ids"] = meta.prompt_ids
-            yield protocol.sse(first)
+            yield wire.sse(first)
         # Outputs that queued up while this stream waited for the event loop go out in one write.
         async for outputs in stream.batches():
             frames = []
@@ -546,13 +545,13 @@ async def _sse(
                         chunk["usage"] = protocol.usage(
                             meta.prompt_len, index + len(new_ids), output.num_cached_tokens
                         )
-                    frames.append(protocol.sse(chunk))
+                    frames.append(wire.sse(chunk))
                 index += len(new_ids)
             if frames:
                 yield b"".join(frames)
         if fmt.include_usage:
             usage = protocol.usage(meta.prompt_len, index, cached)
-            yield protocol.sse(protocol.usage_chunk(rid, created, model, meta.chat, usage))
+            yield wire.sse(protocol.usage_chunk(rid, created, model, meta.chat, usage))
     except RequestMigrated as moved:
         # The client (the proxy) continues this very stream at the destination: no [DONE].
         done = False
@@ -567,16 +566,15 @@ async def _sse(
             "continuous_usage_stats": continuous_usage,
             "include_usage": fmt.include_usage,
         }
-        notice = {"migrated_to": moved.dst_url, "request_id": stream.request_id, "resume": resume}
-        yield protocol.sse({"kvherd": notice})
+        yield wire.migration_notice(moved.dst_url, stream.request_id, resume)
     except (RequestAborted, EngineDeadError) as exc:
         kind = "server_error"
         status = 503 if isinstance(exc, RequestAborted) else 500
-        yield protocol.sse(OpenAIError(status, str(exc), type=kind).body())
+        yield wire.sse(OpenAIError(status, str(exc), type=kind).body())
     finally:
         stream.close()
     if done:
-        yield protocol.SSE_DONE
+        yield wire.SSE_DONE
 
 
 def _check_wait(wait: float) -> None:
@@ -663,7 +661,7 @@ async def _relay_frames(stream: RequestStream) -> AsyncIterator[bytes]:
         async for output in stream:
             yield relay.encode_output(output, stream.index)
     except (RequestAborted, EngineDeadError) as exc:
-        yield protocol.sse(OpenAIError(503, str(exc), type="server_error").body())
+        yield wire.sse(OpenAIError(503, str(exc), type="server_error").body())
     finally:
         stream.close()
-    yield protocol.SSE_DONE
+    yield wire.SSE_DONE

@@ -22,9 +22,9 @@ import threading
 from collections import deque
 from typing import Any
 
-from instance_agent.engine.batch_scheduler import BatchScheduler
-from instance_agent.engine.block_manager import BlockManager
-from instance_agent.engine.request import Request
+from instance_agent.engine.core.batch_scheduler import BatchScheduler
+from instance_agent.engine.core.block_manager import BlockManager
+from instance_agent.engine.core.request import Request
 
 
 def freeness(free_blocks: int, head_of_line_blocks: int, num_requests: int) -> float:

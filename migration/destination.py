@@ -24,8 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from migration.kv_copy import recv_blocks
-from migration.protocol import (
+from migration.core.protocol import (
     AbortReason,
     AbortRequest,
     AckResponse,
@@ -34,8 +33,9 @@ from migration.protocol import (
     ReserveRequest,
     ReserveResponse,
 )
-from migration.reservations import Reservation, ReservationError, ReservationTable
-from migration.stages import blocks_for
+from migration.core.reservations import Reservation, ReservationError, ReservationTable
+from migration.core.stages import blocks_for
+from migration.kv_copy import recv_blocks
 from migration.transport import TransferError, TransportHub
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from migration.protocol import MessageError, MigrationOutcome
+from migration.core.protocol import MessageError, MigrationOutcome
 
 log = logging.getLogger(__name__)
 

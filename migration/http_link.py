@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from migration.protocol import (
+from migration.core.protocol import (
     AbortRequest,
     AckResponse,
     CommitRequest,

@@ -22,8 +22,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from migration.kv_copy import send_blocks
-from migration.protocol import (
+from migration.core.protocol import (
     AbortReason,
     AbortRequest,
     CommitRequest,
@@ -37,7 +36,8 @@ from migration.protocol import (
     ReserveRequest,
     TransportEndpoint,
 )
-from migration.stages import MigrationAborted, Phase, StageConfig, StagePlanner
+from migration.core.stages import MigrationAborted, Phase, StageConfig, StagePlanner
+from migration.kv_copy import send_blocks
 from migration.transport import PairChannel, TransferError, TransportHub
 
 

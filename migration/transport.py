@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from migration.protocol import TransportEndpoint
+from migration.core.protocol import TransportEndpoint
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 

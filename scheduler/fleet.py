@@ -36,13 +36,14 @@ from typing import TYPE_CHECKING, Any
 
 from policies.registry import PolicyLoadError, load_dispatch_policy
 from policies.views import NoInstanceError
-from scheduler.cluster_state import ClusterState
-from scheduler.health import ActiveProber, Health, OutlierDetector
+from scheduler.core.cluster_state import ClusterState
+from scheduler.core.load_report import LoadReport
+from scheduler.core.outliers import Health, OutlierDetector
+from scheduler.core.router import Router
 from scheduler.kv_subscriber import KVEventSubscriber
 from scheduler.load_poller import LoadPoller
-from scheduler.load_report import LoadReport
-from scheduler.proxy_metrics import ProxyMetrics
-from scheduler.router import Router
+from scheduler.prober import ActiveProber
+from scheduler.proxy.metrics import ProxyMetrics
 
 if TYPE_CHECKING:
     from scheduler.migration_driver import MigrationDriver

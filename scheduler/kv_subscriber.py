@@ -3,7 +3,7 @@
 Contract:
 - For each instance with a KV event endpoint, `KVEventSubscriber` connects a SUB socket (all topics)
   and reads vLLM-format messages ``[topic, seq (8 bytes big-endian), msgpack EventBatch]``; payloads
-  are decoded with `instance_agent.engine.kv_events.decode_batch` and handed to the sink in sequence
+  are decoded with `kvherd.kv_events.decode_batch` and handed to the sink in sequence
   order, each batch exactly once.
 - Joining (and re-joining) an instance: the sink's view of it is cleared, then everything the
   instance's replay buffer still holds is replayed from sequence 0, so the index starts from the
@@ -30,7 +30,7 @@ from typing import Protocol
 import zmq
 import zmq.asyncio
 
-from instance_agent.engine.kv_events import KVEventBatch, KVEventDecodeError, decode_batch
+from kvherd.kv_events import KVEventBatch, KVEventDecodeError, decode_batch
 
 log = logging.getLogger("kvherd.kv_events")
 

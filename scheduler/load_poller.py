@@ -2,7 +2,7 @@
 
 Contract:
 - A kvherd agent is polled at ``GET {url}/kvherd/v1/state`` (parsed by
-  `scheduler.load_report.parse_agent_state`). An instance that answers that path with 404 is a plain
+  `scheduler.core.load_report.parse_agent_state`). An instance that answers that path with 404 is a plain
   vLLM/SGLang server: from then on its ``GET {url}/metrics`` is scraped (`parse_prometheus`).
 - An instance that serves neither (404 on both) is asked again only every `idle_recheck_s`: a
   poll that can never succeed should not cost the proxy's event loop a request per interval.
@@ -21,7 +21,12 @@ from collections.abc import Callable
 
 import httpx
 
-from scheduler.load_report import LoadReport, LoadReportError, parse_agent_state, parse_prometheus
+from scheduler.core.load_report import (
+    LoadReport,
+    LoadReportError,
+    parse_agent_state,
+    parse_prometheus,
+)
 from scheduler.periodic import PeriodicTask
 
 log = logging.getLogger("kvherd.load")

@@ -27,24 +27,53 @@ Contract:
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from kvherd.wire import OpenAIError
+from migration.core.protocol import MigrationOutcome, MigrationStatus
 from migration.executor import MigrationExecutor
-from migration.protocol import MigrationOutcome, MigrationStatus
 from policies.base import MigrationPolicy
 from policies.migrate_drain import DrainMigration
 from policies.views import ClusterView, MigrationOrder
-from scheduler.fleet import FleetError
-from scheduler.migration_loop import InFlightMigration, MigrationLoop
+from scheduler.core.migration_loop import InFlightMigration, MigrationLoop
 from scheduler.periodic import PeriodicTask
 
-if TYPE_CHECKING:
-    from scheduler.fleet import Fleet
-
 log = logging.getLogger("kvherd.migration")
+
+
+class _Instance(Protocol):
+    url: str
+
+
+class _Router(Protocol):
+    def instance_of(self, key: str) -> str | None: ...
+
+
+class _Cluster(Protocol):
+    def view(self, now: float) -> ClusterView: ...
+
+
+class _Metrics(Protocol):
+    registry: CollectorRegistry
+
+
+class MigrationHost(Protocol):
+    """What the driver needs of the fleet it migrates in (`scheduler.fleet.Fleet` is one)."""
+
+    @property
+    def instances(self) -> Mapping[str, _Instance]: ...
+    @property
+    def router(self) -> _Router: ...
+    @property
+    def cluster(self) -> _Cluster: ...
+    @property
+    def metrics(self) -> _Metrics: ...
+    def clock(self) -> float: ...
+    def request_migrated(self, key: str, dst: str) -> None: ...
 
 
 class WithDrain:
@@ -110,7 +139,7 @@ class MigrationMetrics:
 class MigrationDriver:
     def __init__(
         self,
-        fleet: Fleet,
+        fleet: MigrationHost,
         policy: MigrationPolicy,
         interval_s: float = 1.0,
         max_in_flight: int = 4,
@@ -161,13 +190,15 @@ class MigrationDriver:
         """An operator's order: move `request_id` from where it runs to instance `dst`."""
         src = self.fleet.router.instance_of(request_id)
         if src is None:
-            raise FleetError(404, f"no request {request_id!r} in flight", "request_id")
+            raise OpenAIError(404, f"no request {request_id!r} in flight", param="request_id")
         if dst not in self.fleet.instances:
-            raise FleetError(404, f"unknown instance {dst!r}", "to")
+            raise OpenAIError(404, f"unknown instance {dst!r}", param="to")
         if dst == src:
-            raise FleetError(400, f"request {request_id!r} already runs on {dst!r}", "to")
+            raise OpenAIError(400, f"request {request_id!r} already runs on {dst!r}", param="to")
         if request_id in self.loop.in_flight:
-            raise FleetError(409, f"request {request_id!r} is already migrating", "request_id")
+            raise OpenAIError(
+                409, f"request {request_id!r} is already migrating", param="request_id"
+            )
         order = MigrationOrder(request_id, src, dst, "operator")
         # In flight for the loop too, so the policy does not move the request meanwhile.
         self.loop.in_flight[request_id] = InFlightMigration(order, self.fleet.clock())

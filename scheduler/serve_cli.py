@@ -220,12 +220,12 @@ async def serve_fleet(
     `on_ready` runs once both servers listen; `before_shutdown` runs after the stop request while
     both still serve (``kvherd up`` stops its agents there, so they can deregister).
     """
-    from instance_agent.engine.tokenizer import load_tokenizer
-    from scheduler.admin import LOOPBACK_PATTERNS, RegistrationPolicy, build_admin_app
+    from kvherd.tokenizer import load_tokenizer
+    from scheduler.core.tenancy import build_registry
     from scheduler.fleet import Fleet, FleetError, FleetSettings
-    from scheduler.proxy import Proxy, ProxyConfig, build_front
-    from scheduler.proxy_metrics import ProxyMetrics
-    from scheduler.tenancy import build_registry
+    from scheduler.proxy.admin import LOOPBACK_PATTERNS, RegistrationPolicy, build_admin_app
+    from scheduler.proxy.metrics import ProxyMetrics
+    from scheduler.proxy.proxy import Proxy, ProxyConfig, build_front
 
     try:
         static_instances = [parse_instance_spec(t) for t in getattr(args, "instance", [])]

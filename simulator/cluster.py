@@ -4,16 +4,16 @@ Contract:
 - `SimCluster.run(trace)` replays every trace request on a virtual clock. Arrival -> the engine
   `Request` (synthesised prompt, its block-hash chain) -> the dispatch policy chooses an instance from
   the router's view -> the instance's batch scheduler runs it step by step -> metrics.
-- The global scheduler is production's own pure core: `scheduler.cluster_state.ClusterState` (load
-  state, precise prefix index) and `scheduler.router.Router` (view -> policy -> optimistic charge).
+- The global scheduler is production's own pure core: `scheduler.core.cluster_state.ClusterState` (load
+  state, precise prefix index) and `scheduler.core.router.Router` (view -> policy -> optimistic charge).
   It sees the fleet as the proxy does: load reports (the agent's state snapshot as a `LoadReport`)
   taken every `report_interval_s` reach it `report_delay_s` later, KV events reach the prefix index
   `kv_event_delay_s` after the step that emitted them (applied lazily, in due order, before the
   next read: a routing decision or a migration plan), and between reports the router charges its
   own dispatches.
-- Migrations (`migration_policy` other than `none`): `scheduler.migration_loop.MigrationLoop` asks
+- Migrations (`migration_policy` other than `none`): `scheduler.core.migration_loop.MigrationLoop` asks
   the migration policy every `migration_interval_s`; each accepted order runs Llumnix's multi-stage
-  copy with `migration.stages.StagePlanner`, stage
+  copy with `migration.core.stages.StagePlanner`, stage
   transfer time = bytes / `migration_bandwidth` + `migration_stage_latency_s`; the request keeps
   decoding during live stages and is suspended only for the stop-and-copy stage (between engine steps,
   never mid-step), then adopted by the destination with its exact state.
@@ -60,16 +60,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from instance_agent.engine.kv_events import KVEvent
-from instance_agent.engine.request import InvalidRequestError, Request, RequestStatus
-from migration.protocol import AbortReason
-from migration.stages import MigrationAborted, Phase, Stage, StageConfig, StagePlanner
+from instance_agent.engine.core.request import InvalidRequestError, Request, RequestStatus
+from kvherd.kv_events import KVEvent
+from migration.core.protocol import AbortReason
+from migration.core.stages import MigrationAborted, Phase, Stage, StageConfig, StagePlanner
 from policies.base import DispatchPolicy, MigrationPolicy
 from policies.views import MigrationOrder, RunningRequestView
-from scheduler.cluster_state import ClusterState
-from scheduler.load_report import LoadReport
-from scheduler.migration_loop import MigrationLoop
-from scheduler.router import Router
+from scheduler.core.cluster_state import ClusterState
+from scheduler.core.load_report import LoadReport
+from scheduler.core.migration_loop import MigrationLoop
+from scheduler.core.router import Router
 from simulator.instance import DecodeRun, InstanceConfig, SimInstance, make_request
 from simulator.latency.base import LatencyModel
 from simulator.loop import EventLoop

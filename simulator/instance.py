@@ -27,10 +27,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from instance_agent.engine.batch_scheduler import BatchScheduler, SchedulerConfig, SchedulerOutput
-from instance_agent.engine.block_manager import BlockManager
-from instance_agent.engine.kv_events import KVEvent
-from instance_agent.engine.request import Request, SamplingParams
+from instance_agent.engine.core.batch_scheduler import (
+    BatchScheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
+from instance_agent.engine.core.block_manager import BlockManager
+from instance_agent.engine.core.request import Request, SamplingParams
+from kvherd.kv_events import KVEvent
 from simulator.latency.base import LatencyModel
 from simulator.prompts import DEFAULT_LOW_TOKEN, DEFAULT_VOCAB_SIZE, synthesize_prompt
 from simulator.traces import TraceRequest

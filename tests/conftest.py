@@ -7,10 +7,14 @@ biases (HF initialises them to zero, which would hide a bias bug) and tied embed
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+# Test helpers (agent processes, the in-process engine thread) live in tests/support.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 TINY_SHAPES: dict[str, Any] = {
     "vocab_size": 512,

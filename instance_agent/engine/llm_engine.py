@@ -30,20 +30,20 @@ from typing import Any
 
 import torch
 
-from instance_agent.engine.batch_scheduler import BatchScheduler, SchedulerConfig
-from instance_agent.engine.block_hash import HashAlgo
-from instance_agent.engine.block_manager import BlockManager
-from instance_agent.engine.kv_events import KVEvent, KVEventBatch
-from instance_agent.engine.loader import load_model
-from instance_agent.engine.model import kv_bytes_per_block
-from instance_agent.engine.model_runner import ModelRunner
-from instance_agent.engine.request import (
+from instance_agent.engine.core.batch_scheduler import BatchScheduler, SchedulerConfig
+from instance_agent.engine.core.block_manager import BlockManager
+from instance_agent.engine.core.request import (
     InvalidRequestError,
     Request,
     RequestStatus,
     SamplingParams,
 )
-from instance_agent.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from instance_agent.engine.loader import load_model
+from instance_agent.engine.model import kv_bytes_per_block
+from instance_agent.engine.model_runner import ModelRunner
+from kvherd.block_hash import HashAlgo
+from kvherd.kv_events import KVEvent, KVEventBatch
+from kvherd.tokenizer import IncrementalDetokenizer, Tokenizer
 
 MAX_PENDING_KV_EVENTS = 65536
 

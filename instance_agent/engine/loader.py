@@ -22,7 +22,7 @@ import torch
 
 from instance_agent.engine.config import PRESETS, ModelConfig
 from instance_agent.engine.model import LlamaModel, RotaryEmbedding
-from instance_agent.engine.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from kvherd.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 _DTYPES = {
     "float32": torch.float32,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from instance_agent.engine.attention import build_metadata
-from instance_agent.engine.batch_scheduler import ScheduledRequest, SchedulerOutput
+from instance_agent.engine.core.batch_scheduler import ScheduledRequest, SchedulerOutput
 from instance_agent.engine.loader import LoadedModel
 from instance_agent.engine.model import allocate_kv_cache
 from instance_agent.engine.sampler import SamplingRow, sample

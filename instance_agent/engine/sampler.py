@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from instance_agent.engine.request import SamplingParams
+from instance_agent.engine.core.request import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

@@ -3,7 +3,7 @@
 Contract: `kvherd profile` measures whole engine steps and fits
   t = c0 + c1 * prefill_sequences + c2 * prefill_tokens + c3 * prefill_attention_pairs
         + c4 * decode_batch + c5 * decode_context_tokens
-by least squares over the features `instance_agent.engine.step_features` computes; this module
+by least squares over the features `kvherd.profile_format` computes; this module
 loads that JSON file and predicts with the very same feature function, so fit and prediction
 cannot disagree. Files of the
 first format (``kvherd-latency-profile/v1``, without ``prefill_sequences``) still load; a feature a
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from instance_agent.engine.step_features import FEATURES, PROFILE_FORMAT, step_features
+from kvherd.profile_format import FEATURES, PROFILE_FORMAT, step_features
 from simulator.latency.base import LatencyModel, LatencyModelError, PrefillChunk
 
 _FORMATS = ("kvherd-latency-profile/v1", PROFILE_FORMAT)

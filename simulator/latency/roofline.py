@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from instance_agent.engine.step_features import attention_pairs
+from kvherd.profile_format import attention_pairs
 from simulator.latency.base import LatencyModel, LatencyModelError, PrefillChunk
 
 

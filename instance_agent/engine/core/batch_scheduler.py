@@ -1,0 +1,529 @@
+"""Continuous-batching scheduler: which requests run in the next engine step, and how many tokens each.
+
+Contract (vLLM v1's unified token-budget design):
+- One step schedules at most `max_num_batched_tokens` tokens across at most `max_num_seqs` running
+  requests. Running requests come first (a decode costs one token; an unfinished prefill continues),
+  then waiting requests in (priority, arrival) order — FCFS with a priority field, lower value first.
+- Chunked prefill: a prompt longer than the remaining budget is computed over several steps.
+- Prefix-cache hits skip already computed tokens (`BlockManager.get_computed_blocks`).
+- When blocks run out, the lowest-priority, newest running request not yet scheduled this step is
+  preempted by recompute: its blocks are freed and it waits again, first among its peers; its
+  tokens so far (prompt and output) are recomputed when it is resumed. No new request is admitted in a
+  step that preempted.
+- `update_from_output` advances progress, appends sampled tokens, caches full blocks, applies
+  token-level stop conditions and frees finished requests' blocks.
+- Decode fast-forward: `decode_run_length(limit)` says how many next steps are guaranteed to be
+  pure decode of an unchanged running set, and `advance_decode(k, token_fn)` applies them at once,
+  with exactly the block allocations, prefix caching, KV events and token appends that k calls of
+  `schedule` + `update_from_output` would make (the simulator's way past uneventful steps).
+- `num_waiting_tokens` (the queued work a load report names) is kept as requests join and leave
+  the waiting queue, O(1) to read.
+- Migration support: a request can be suspended (kept with its blocks, not scheduled), resumed,
+  released (it left for another instance), or adopted with blocks already filled.
+The scheduler is pure Python: the engine drives it with a model, the simulator with a latency model.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from sortedcontainers import SortedList
+
+from instance_agent.engine.core.block_manager import BlockManager
+from instance_agent.engine.core.request import InvalidRequestError, Request, RequestStatus
+from kvherd.kv_events import KVEvent
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def validate(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
+            raise ValueError("max_num_seqs, max_num_batched_tokens >= 1 and max_model_len >= 2")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "without chunked prefill, max_num_batched_tokens must be >= max_model_len"
+            )
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    num_computed_before: int
+    block_ids: list[int]
+    samples: bool  # the chunk reaches the last known token: sample the next one
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_new_tokens > 1 or not self.request.output_token_ids
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    step_id: int
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class BatchScheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        config.validate()
+        self.config = config
+        self.block_manager = block_manager
+        self.running: list[Request] = []
+        self.waiting: SortedList = SortedList(key=self._queue_key)
+        # Tokens the waiting requests still have to compute, kept as they join and leave the
+        # queue (a load report reads it every interval; a queue can hold thousands).
+        self._waiting_tokens = 0
+        self.suspended: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        self._admission_seq: dict[str, int] = {}
+        self._seq = itertools.count()
+        self._step_ids = itertools.count()
+        # Counters read by metrics (tokens, like vLLM's prefix_cache_queries/hits).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.num_preemptions = 0
+
+    def _queue_key(self, request: Request) -> tuple[int, float, int]:
+        return (request.priority, request.arrival_time, self._admission_seq[request.request_id])
+
+    # -- queue management --------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Tokens the waiting requests still have to compute: prompts, or a preempted request's
+        whole sequence (its recompute). A waiting request does not grow, so this is kept as
+        requests join and leave the queue, not summed on every read."""
+        return self._waiting_tokens
+
+    def _enqueue(self, request: Request) -> None:
+        self.waiting.add(request)
+        self._waiting_tokens += request.num_tokens - request.num_computed_tokens
+
+    def _dequeued(self, request: Request) -> None:
+        self._waiting_tokens -= request.num_tokens - request.num_computed_tokens
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def blocks_for_full_length(self, request: Request) -> int:
+        """Blocks the request holds when it reaches its maximum length."""
+        max_len = min(
+            request.num_prompt_tokens + request.sampling_params.max_tokens,
+            self.config.max_model_len,
+        )
+        return self.block_manager.blocks_needed(max_len)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request. Refuses, before any block is allocated, one that could never fit."""
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens == 0:
+            raise InvalidRequestError("the prompt must contain at least one token", "prompt")
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {request.num_prompt_tokens} tokens; the maximum context length is "
+                f"{self.config.max_model_len}",
+                "prompt",
+                "context_length_exceeded",
+            )
+        capacity = self.block_manager.num_blocks - self.block_manager.watermark_blocks
+        if self.blocks_for_full_length(request) > capacity:
+            raise InvalidRequestError(
+                f"request needs {self.blocks_for_full_length(request)} KV blocks at full length "
+                f"but the instance has {capacity}",
+                "max_tokens",
+            )
+        self._admission_seq[request.request_id] = next(self._seq)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request with `status` (abort, stop string, migrated away) and free its blocks."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
+            self._dequeued(request)
+        self.suspended.pop(request_id, None)
+        self._admission_seq.pop(request_id, None)
+        request.status = status
+        request.finish_reason = status.finish_reason
+        self.block_manager.free(request)
+        return request
+
+    def abort_request(self, request_id: str) -> Request | None:
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    # -- migration support -------------------------------------------------------------------
+    def suspend(self, request_id: str) -> Request:
+        """Stop scheduling a running request; it keeps its blocks and state."""
+        request = self.requests[request_id]
+        if request not in self.running:
+            raise ValueError(f"request {request_id!r} is not running")
+        self.running.remove(request)
+        request.status = RequestStatus.SUSPENDED
+        self.suspended[request_id] = request
+        return request
+
+    def resume(self, request_id: str) -> Request:
+        request = self.suspended.pop(request_id)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return request
+
+    def adopt(self, request: Request) -> None:
+        """Join a request whose blocks are already filled (a committed migration) to the batch.
+
+        The block manager must already list its blocks under `request.request_id`, covering
+        `request.num_computed_tokens` tokens.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self._admission_seq[request.request_id] = next(self._seq)
+        request.status = RequestStatus.RUNNING
+        self.requests[request.request_id] = request
+        self.running.append(request)
+        self.block_manager.cache_full_blocks(request)
+
+    # -- scheduling --------------------------------------------------------------------------
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(request)
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        bm = self.block_manager
+        output = SchedulerOutput(step_id=next(self._step_ids))
+        budget = cfg.max_num_batched_tokens
+
+        # 1. Running requests, in admission order; preempt from the back when blocks run out.
+        running = self.running
+        scheduled = output.scheduled
+        tables = bm.block_tables
+        slots_per_block = bm.block_size
+        index = 0
+        while index < len(running) and budget > 0:
+            request = running[index]
+            computed = request.num_computed_tokens
+            num_new = len(request.token_ids) - computed
+            if num_new > budget:  # (not min(): this runs for every running request per step)
+                num_new = budget
+            if num_new <= 0:  # nothing to compute (cannot happen for a healthy request)
+                index += 1
+                continue
+            table = tables.get(request.request_id)
+            if table is not None and computed + num_new <= len(table) * slots_per_block:
+                # The common decode step: its slot is in the last block, nothing to allocate.
+                scheduled.append(
+                    ScheduledRequest(
+                        request,
+                        num_new,
+                        computed,
+                        table,
+                        computed + num_new == len(request.token_ids),
+                    )
+                )
+                budget -= num_new
+                index += 1
+                continue
+            while not bm.allocate_slots(request, num_new):
+                victim = max(running[index:], key=self._queue_key)
+                self._preempt(victim)
+                output.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(self._scheduled(request, num_new))
+                budget -= num_new
+                index += 1
+
+        # 2. Waiting requests, head of line first; stop at the first that does not fit.
+        if not output.preempted:
+            while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+                request = self.waiting[0]
+                computed_blocks, num_hit = bm.get_computed_blocks(request)
+                num_new = request.num_tokens - num_hit
+                if not cfg.enable_chunked_prefill and num_new > budget:
+                    break
+                num_new = min(num_new, budget)
+                if not bm.allocate_slots(request, num_new, computed_blocks, respect_watermark=True):
+                    break
+                self.waiting.pop(0)
+                self._dequeued(request)
+                request.num_computed_tokens = num_hit
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_hit
+                    self.prefix_cache_queries += request.num_tokens
+                    self.prefix_cache_hits += num_hit
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                output.scheduled.append(self._scheduled(request, num_new))
+                budget -= num_new
+
+        output.num_batched_tokens = cfg.max_num_batched_tokens - budget
+        return output
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request=request,
+            num_new_tokens=num_new,
+            num_computed_before=start,
+            block_ids=self.block_manager.block_ids(request.request_id),
+            samples=start + num_new == request.num_tokens,
+        )
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: Mapping[str, int]
+    ) -> list[Request]:
+        """Apply a step's results; returns the requests that finished in it."""
+        finished: list[Request] = []
+        bs = self.block_manager.block_size
+        cache_full_blocks = self.block_manager.cache_full_blocks
+        max_model_len = self.config.max_model_len
+        running_status = RequestStatus.RUNNING
+        for item in output.scheduled:
+            request = item.request
+            if request.status is not running_status:
+                continue  # aborted, suspended or preempted after the step was planned
+            before = item.num_computed_before
+            if request.num_computed_tokens != before:
+                continue  # preempted and re-admitted since: this result is stale
+            computed = request.num_computed_tokens = before + item.num_new_tokens
+            if item.samples:
+                request.append_output_token(sampled[request.request_id])
+            # Only a step that fills a block can cache one: blocks full before it were handled
+            # by earlier steps or came as prefix hits (most decode steps fill none).
+            if computed // bs != before // bs:
+                cache_full_blocks(request)
+            if item.samples:
+                stop = request.check_stop(max_model_len)
+                if stop is not None:
+                    done = self.finish_request(request.request_id, stop)
+                    assert done is not None
+                    finished.append(done)
+        return finished
+
+    # -- decode fast-forward -----------------------------------------------------------------
+    def _admission_probe(self) -> Request | None:
+        """The waiting head `schedule` would try to admit after a pure-decode pass, or None."""
+        cfg = self.config
+        n = len(self.running)
+        if not self.waiting or n >= cfg.max_num_seqs or n >= cfg.max_num_batched_tokens:
+            return None
+        head: Request = self.waiting[0]
+        return head
+
+    def _head_admissible(self, head: Request) -> bool:
+        cfg = self.config
+        bm = self.block_manager
+        budget = cfg.max_num_batched_tokens - len(self.running)
+        computed_blocks, num_hit = bm.get_computed_blocks(head)
+        num_new = head.num_tokens - num_hit
+        if not cfg.enable_chunked_prefill and num_new > budget:
+            return False
+        return bm.can_allocate(head, min(num_new, budget), computed_blocks, respect_watermark=True)
+
+    def decode_run_length(self, limit: int) -> int:
+        """How many of the next steps (at most `limit`) are certain to be pure decode steps.
+
+        In such a run every running request decodes one token per step, none finishes (length or
+        stop token), every block-boundary crossing finds a free block (no preemption), and the
+        waiting head, if `schedule` would try it, stays refused: it is refused now, free blocks
+        only shrink during the run, and the run stops before evicting any block cached under one
+        of the head's hashes (which could change its prefix hit). A newly cached block the head
+        could hit ends the run early in `advance_decode`. Returns 0 when the next step is not a
+        pure decode step.
+        """
+        cfg = self.config
+        bm = self.block_manager
+        bs = bm.block_size
+        running = self.running
+        if limit <= 0 or not running or len(running) > cfg.max_num_batched_tokens:
+            return 0
+        k = limit
+        max_model_len = cfg.max_model_len
+        tables = bm.block_tables
+        running_status = RequestStatus.RUNNING
+        first_alloc: list[int] = []  # per request: the step of its first new block
+        for request in running:
+            params = request.sampling_params
+            num_tokens = len(request.token_ids)
+            num_outputs = len(request.output_token_ids)
+            if (
+                request.status is not running_status
+                or request.num_computed_tokens != num_tokens - 1
+                or not num_outputs
+                or params.stop_token_ids
+                or (not params.ignore_eos and request.eos_token_id is not None)
+            ):
+                return 0
+            # Step j appends output token (outputs + j) and makes the sequence num_tokens + j long.
+            # (Comparisons, not min(): this loop runs over every running request per run.)
+            steps_left = params.max_tokens - num_outputs - 1
+            if steps_left < k:
+                k = steps_left
+            if max_model_len - num_tokens - 1 < k:
+                k = max_model_len - num_tokens - 1
+            if k <= 0:
+                return 0
+            capacity = len(tables.get(request.request_id, ())) * bs
+            # Step j computes position num_tokens + j - 2, so it needs num_tokens + j - 1 slots.
+            first_alloc.append(capacity - num_tokens + 2)
+        free = bm.num_free_blocks
+        head = self._admission_probe()
+        if head is not None:
+            if self._head_admissible(head):
+                return 0
+            free = bm.num_free_before_evicting(head.block_hashes, free)
+        if max(first_alloc) > k:  # requests with no crossing in the run cost nothing
+            first_alloc = [c for c in first_alloc if c <= k]
+
+        def allocations(steps: int) -> int:
+            return sum([(steps - c) // bs + 1 for c in first_alloc if steps >= c])
+
+        if allocations(k) <= free:
+            return k
+        low, high = 0, k  # allocations(low) <= free < allocations(high)
+        while high - low > 1:
+            mid = (low + high) // 2
+            if allocations(mid) <= free:
+                low = mid
+            else:
+                high = mid
+        return low
+
+    def advance_decode(
+        self,
+        num_steps: int,
+        next_tokens: Callable[[Request, int], Sequence[int]],
+        *,
+        pools: list[tuple[int, int]] | None = None,
+        step_events: list[list[KVEvent]] | None = None,
+    ) -> int:
+        """Apply `num_steps` pure-decode steps (at most `decode_run_length`) at once.
+
+        The result equals `num_steps` rounds of `schedule` + `update_from_output`: the same blocks
+        allocated in the same order (step by step, running order), the same blocks cached and the
+        same KV events, the same tokens appended. `next_tokens(request, n)` gives the request's next
+        `n` sampled tokens (counter-based sampling makes them a function of its seed and output
+        length). Work is per request and per block crossing, not per token: tokens and block
+        hashes are appended in bulk. `pools` and `step_events`, when given, record per step what
+        an observer of stepping would see (the simulator replays them): (free blocks, cached
+        blocks) after the step's allocations, while it is in flight, and the KV events it emitted
+        (events pending before the run count as the first step's).
+        Returns the steps applied: fewer than `num_steps` only when a step caches a block under a
+        hash of the waiting head, which the next `schedule` must see.
+        """
+        bm = self.block_manager
+        bs = bm.block_size
+        running = self.running
+        tables = bm.block_tables
+        starts: list[int] = []
+        # Per step, in running order: who crosses into a new block, whose block completes (for
+        # all `num_steps`; a run cut short below never reaches the later ones). One pass over
+        # the running requests: with short runs, per-request work is most of the cost.
+        allocs: dict[int, list[str]] = {}
+        completions: dict[int, list[tuple[Request, int]]] = {}
+        for request in running:
+            start = request.num_computed_tokens  # = num_tokens - 1: pure decode
+            starts.append(start)
+            tokens = next_tokens(request, num_steps)
+            assert len(tokens) == num_steps, "next_tokens must give exactly the tokens asked for"
+            if not isinstance(tokens, list):
+                tokens = list(tokens)
+            request.output_token_ids.extend(tokens)
+            sequence = request.token_ids
+            sequence.fromlist(tokens)  # (2x faster than array.extend from a list)
+            if (len(request.block_hashes) + 1) * bs <= len(sequence):  # a block filled up
+                request.update_block_hashes()
+            # Step j computes position start + j - 1, so it needs start + j slots.
+            first_alloc = len(tables[request.request_id]) * bs - start + 1
+            if first_alloc <= num_steps:
+                for j in range(first_alloc, num_steps + 1, bs):
+                    allocs.setdefault(j, []).append(request.request_id)
+            first_completion = bs - start % bs
+            if first_completion <= num_steps:
+                for j in range(first_completion, num_steps + 1, bs):
+                    completions.setdefault(j, []).append((request, start + j))
+        steps = num_steps
+        head = self._admission_probe()
+        head_hashes = set(head.block_hashes) if head is not None else None
+        if head_hashes:
+            # Step j completes a block of request i when starts[i] + j is a multiple of bs:
+            # blocks starts[i] // bs on, those completed before the last step can matter.
+            for i, request in enumerate(running):
+                first_block = starts[i] // bs
+                last_block = (starts[i] + steps - 1) // bs
+                if first_block >= last_block or head_hashes.isdisjoint(
+                    request.block_hashes[first_block:last_block]
+                ):
+                    continue
+                j = bs - starts[i] % bs
+                while j < steps:
+                    if request.block_hashes[(starts[i] + j) // bs - 1] in head_hashes:
+                        steps = j
+                        break
+                    j += bs
+            if steps < num_steps:
+                surplus = num_steps - steps
+                for request in running:
+                    del request.output_token_ids[len(request.output_token_ids) - surplus :]
+                    del request.token_ids[len(request.token_ids) - surplus :]
+                    del request.block_hashes[len(request.token_ids) // bs :]
+        if steps:  # the run's step ids, as `steps` calls of `schedule` would have drawn them
+            self._step_ids = itertools.count(next(self._step_ids) + steps)
+        cache_full_blocks = bm.cache_full_blocks
+        pool = (-1, -1)
+        changed = True  # the pool (and pending events) must be read at the first step
+        for j in range(1, steps + 1):
+            owners = allocs.get(j)
+            if owners is not None:
+                allocated = bm.append_blocks(owners)
+                assert allocated, "advance_decode past decode_run_length"
+                changed = True
+            if pools is not None:
+                if changed:  # only allocations and completions move the pool
+                    pool = bm.pool_counts()
+                pools.append(pool)
+            completed = completions.get(j)
+            if completed is not None:
+                for request, computed in completed:
+                    request.num_computed_tokens = computed
+                    cache_full_blocks(request)
+            if step_events is not None:
+                step_events.append(bm.take_events() if changed or completed else [])
+            changed = completed is not None
+        for request, start in zip(running, starts, strict=True):
+            request.num_computed_tokens = start + steps
+        return steps

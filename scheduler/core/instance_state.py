@@ -1,0 +1,225 @@
+"""One instance's load as the scheduler knows it: last report + the router's optimistic accounting.
+
+Contract:
+- `apply_report(report, now, taken_at)` replaces the reported figures (and says whether the view
+  can have changed: a steady instance reports the same figures again and again). Fields the report leaves
+  unknown (None) keep their previous value (a Prometheus scrape carries no request lists; an agent
+  snapshot carries everything). `taken_at` is when the instance took the snapshot (default: `now`);
+  reports travel, and whatever the router did after the snapshot is not in it.
+- The router charges every dispatch at once (`dispatch`), moves it from "waiting" to "running" at
+  its first token (`first_token`) and releases it at completion or abort (`finish`). Every such
+  change is logged with its time; the effective load is the last report plus the changes made
+  *after* its snapshot, so a change is counted by the report or by the log, never by both, and a
+  burst between reports never lands on one instance that still looks idle. The log holds only
+  changes since the last snapshot (bounded by `max_log`).
+- Without any report, the load is the router's own accounting alone (a plain server that is
+  neither scraped nor reporting still gets balanced).
+- `view(now)` renders a read-only `InstanceView` for the policies. Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from operator import attrgetter
+
+from policies.views import InstanceView
+from scheduler.core.load_report import LoadReport
+
+# Every `LoadReport` field, in declaration order (one C call reads them all).
+_REPORT_FIELDS = attrgetter(*LoadReport.__slots__)
+
+
+@dataclass(slots=True)
+class Dispatch:
+    """A request the router sent to this instance and has not seen finish."""
+
+    request_id: str
+    dispatch_time: float
+    prompt_tokens: int
+    uncached_tokens: int  # prompt tokens not covered by the prefix hit at dispatch
+    blocks: int  # KV blocks the request occupies (prompt blocks, grown by decode estimates)
+    started: bool = False  # first token seen
+
+
+def _plus(reported: int | None, delta: int, own: int) -> int:
+    """Reported figure plus the changes since, or the router's own count when never reported."""
+    return own if reported is None else max(0, reported + delta)
+
+
+class InstanceState:
+    def __init__(
+        self,
+        instance_id: str,
+        block_size: int,
+        has_kv_events: bool = False,
+        healthy: bool = True,
+        max_log: int = 1 << 16,
+    ) -> None:
+        self.instance_id = instance_id
+        self.block_size = block_size
+        self.has_kv_events = has_kv_events
+        self.healthy = healthy
+        self.draining = False
+        self.report: LoadReport = LoadReport()
+        self.report_time: float | None = None
+        self.inflight: dict[str, Dispatch] = {}
+        # Router totals over all in-flight dispatches.
+        self.pending_prefill = 0
+        self.pending_prefill_tokens = 0
+        self.inflight_blocks = 0
+        # Changes since the last report's snapshot: (time, waiting, running, blocks, prefill tokens)
+        # and their running sums.
+        self._log: deque[tuple[float, int, int, int, int]] = deque(maxlen=max_log)
+        self._delta_waiting = 0
+        self._delta_running = 0
+        self._delta_blocks = 0
+        self._delta_prefill_tokens = 0
+        self._log_overflowed = False  # the log dropped entries: recount the sums from it
+
+    # -- reports -----------------------------------------------------------------------------
+    def apply_report(self, report: LoadReport, now: float, taken_at: float | None = None) -> bool:
+        """Take a report; False when the instance's view cannot have changed (the same figures
+        as the previous report, and no logged change left the log)."""
+        fields = _REPORT_FIELDS(report)
+        previous = _REPORT_FIELDS(self.report)
+        changed = fields != previous  # the usual steady report: equal, Nones included
+        if changed and None in fields:  # keep what the previous report knew, this one does not
+            merged = tuple(
+                [old if new is None else new for new, old in zip(fields, previous, strict=True)]
+            )
+            if merged != fields:
+                report = LoadReport(*merged)
+                changed = merged != previous
+        self.report = report
+        self.report_time = now
+        cutoff = now if taken_at is None else taken_at
+        log = self._log
+        if self._log_overflowed:  # the deque dropped changes its running sums still hold
+            while log and log[0][0] <= cutoff:
+                log.popleft()
+            self._delta_waiting = sum(entry[1] for entry in log)
+            self._delta_running = sum(entry[2] for entry in log)
+            self._delta_blocks = sum(entry[3] for entry in log)
+            self._delta_prefill_tokens = sum(entry[4] for entry in log)
+            self._log_overflowed = False
+            return True
+        if not log or log[0][0] > cutoff:
+            return changed
+        # Changes the snapshot already counts leave the log and its running sums.
+        while log and log[0][0] <= cutoff:
+            _, waiting, running, blocks, tokens = log.popleft()
+            self._delta_waiting -= waiting
+            self._delta_running -= running
+            self._delta_blocks -= blocks
+            self._delta_prefill_tokens -= tokens
+        return True
+
+    def _change(self, now: float, waiting: int, running: int, blocks: int, tokens: int) -> None:
+        if len(self._log) == self._log.maxlen:
+            self._log_overflowed = True
+        self._log.append((now, waiting, running, blocks, tokens))
+        self._delta_waiting += waiting
+        self._delta_running += running
+        self._delta_blocks += blocks
+        self._delta_prefill_tokens += tokens
+
+    # -- optimistic accounting ---------------------------------------------------------------
+    def dispatch(
+        self, request_id: str, prompt_tokens: int, uncached_tokens: int, now: float
+    ) -> None:
+        if request_id in self.inflight:
+            raise ValueError(f"request {request_id!r} is already in flight on {self.instance_id}")
+        blocks = -(-prompt_tokens // self.block_size)
+        self.inflight[request_id] = Dispatch(
+            request_id, now, prompt_tokens, uncached_tokens, blocks
+        )
+        self.pending_prefill += 1
+        self.pending_prefill_tokens += uncached_tokens
+        self.inflight_blocks += blocks
+        self._change(now, 1, 0, blocks, uncached_tokens)
+
+    def first_token(self, request_id: str, now: float) -> bool:
+        """Prefill done: the request now decodes. False if unknown or already started."""
+        dispatch = self.inflight.get(request_id)
+        if dispatch is None or dispatch.started:
+            return False
+        dispatch.started = True
+        self.pending_prefill -= 1
+        self.pending_prefill_tokens -= dispatch.uncached_tokens
+        self._change(now, -1, 1, 0, -dispatch.uncached_tokens)
+        return True
+
+    def finish(self, request_id: str, now: float) -> Dispatch | None:
+        """Completed, aborted or migrated away: release its charges."""
+        dispatch = self.inflight.pop(request_id, None)
+        if dispatch is None:
+            return None
+        self.inflight_blocks -= dispatch.blocks
+        if dispatch.started:
+            self._change(now, 0, -1, -dispatch.blocks, 0)
+        else:
+            self.pending_prefill -= 1
+            self.pending_prefill_tokens -= dispatch.uncached_tokens
+            self._change(now, -1, 0, -dispatch.blocks, -dispatch.uncached_tokens)
+        return dispatch
+
+    def adopt(self, dispatch: Dispatch, now: float) -> None:
+        """Take over a request migrated in (or kept across a re-join)."""
+        self.inflight[dispatch.request_id] = dispatch
+        self.inflight_blocks += dispatch.blocks
+        if dispatch.started:
+            self._change(now, 0, 1, dispatch.blocks, 0)
+        else:
+            self.pending_prefill += 1
+            self.pending_prefill_tokens += dispatch.uncached_tokens
+            self._change(now, 1, 0, dispatch.blocks, dispatch.uncached_tokens)
+
+    # -- view --------------------------------------------------------------------------------
+    def view(self, healthy_override: bool | None = None) -> InstanceView:
+        rep = self.report
+        started = len(self.inflight) - self.pending_prefill
+        num_running = _plus(rep.num_running, self._delta_running, started)
+        num_waiting = _plus(rep.num_waiting, self._delta_waiting, self.pending_prefill)
+        waiting_tokens = _plus(
+            rep.waiting_prefill_tokens, self._delta_prefill_tokens, self.pending_prefill_tokens
+        )
+        capacity = rep.num_total_blocks or 0
+        if rep.num_free_blocks is not None:
+            free = max(0, min(capacity or math.inf, rep.num_free_blocks - self._delta_blocks))
+        elif capacity:
+            free = max(0, capacity - self.inflight_blocks)
+        else:
+            free = 0
+        free = int(free)
+        kv_usage = (1.0 - free / capacity) if capacity else (rep.kv_usage or 0.0)
+        head = rep.head_waiting_blocks
+        if head is None or rep.num_waiting is None:
+            pending = [d for d in self.inflight.values() if not d.started]
+            head = min(pending, key=lambda d: d.dispatch_time).blocks if pending else 0
+        elif num_waiting == 0:
+            head = 0
+        requests = num_running + num_waiting
+        freeness = math.inf if requests == 0 else (free - head) / requests
+        return InstanceView(
+            instance_id=self.instance_id,
+            capacity=capacity,
+            num_running=num_running,
+            num_waiting=num_waiting,
+            kv_usage=min(1.0, max(0.0, kv_usage)),
+            free_blocks=free,
+            cached_blocks=rep.num_cached_blocks or 0,
+            freeness=freeness,
+            inflight=len(self.inflight),
+            pending_prefill=self.pending_prefill,
+            pending_prefill_tokens=self.pending_prefill_tokens,
+            inflight_blocks=self.inflight_blocks,
+            waiting_prefill_tokens=waiting_tokens,
+            head_waiting_blocks=head,
+            num_preemptions=rep.num_preemptions or 0,
+            healthy=self.healthy if healthy_override is None else healthy_override,
+            draining=self.draining,
+            has_kv_events=self.has_kv_events,
+            running=rep.running or (),
+        )

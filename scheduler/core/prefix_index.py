@@ -1,0 +1,564 @@
+"""Precise prefix index: which instance caches which block, fed by KV events.
+
+Contract:
+- `BlockOwners` is the shared core: kvherd block hash -> bitmask of instance slots
+  (`InstanceSlots`), so `match(chain)` walks the request's chain once, AND-ing masks until no
+  instance still matches, and returns ``{instance_id: leading blocks matched}`` (instances with 0
+  are absent). Cost is one dict lookup per matched block, independent of the number of instances.
+- `PrefixIndex` applies vLLM-format KV event batches per instance:
+  `BlockStored` (re-hashed with kvherd's own `block_hash_chain`, because an engine's hash function
+  may differ; the per-instance map engine hash -> kvherd hash resolves later removals and parent
+  links), `BlockRemoved`, `AllBlocksCleared`. With ``trust_engine_hashes`` (kvherd agents, which
+  hash with the very same function, tenant salts included) the engine's hashes are used as they are.
+- Sequence numbers: batches must arrive in order per instance. A batch below the next expected
+  number is a duplicate (skipped); one above it is a gap: it is *not* applied, and the result says
+  ``need_replay_from`` (the first missing number). After `clear_instance` (join, re-join, failed
+  replay: a full resync) the next batch is accepted whatever its number.
+- Hard memory bound: at most `max_blocks_per_instance` per instance and `max_blocks_total` overall;
+  beyond that the instance's least recently stored entries are forgotten first (the index then
+  under-reports a hit, never invents one).
+- Events the index cannot place (unknown parent, wrong block size, non-GPU medium) are counted in
+  `stats` and skipped; they never raise.
+Pure: no I/O, no clock, no threads.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from itertools import accumulate, compress, count, islice, repeat
+from operator import and_, ne, not_, or_
+from typing import cast
+
+from kvherd.block_hash import HashAlgo, block_hash_chain
+from kvherd.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventBatch,
+)
+
+_GPU_MEDIA = (None, "GPU", "gpu", "cuda")
+# Blocks looked up by the first chunk of a match walk, and the most per chunk (see `match_groups`).
+_FIRST_CHUNK = 16
+_MAX_CHUNK = 512
+# Trusted event runs at least this long are applied in C-iterator passes, not a loop per block.
+_BULK_RUN = 32
+
+
+class InstanceSlots:
+    """Instance id <-> bit position; freed positions are reused, so masks stay short.
+
+    One `InstanceSlots` may be shared by several indexes (the scheduler's precise and approximate
+    indexes) so that their masks can be OR-ed in one walk; the sharer then releases slots itself.
+    """
+
+    def __init__(self) -> None:
+        self._slot_of: dict[str, int] = {}
+        self.id_of: list[str | None] = []
+        self._free: list[int] = []
+
+    def bit(self, instance_id: str) -> int:
+        """The instance's bit, allocating a slot on first use."""
+        slot = self._slot_of.get(instance_id)
+        if slot is None:
+            if self._free:
+                slot = self._free.pop()
+                self.id_of[slot] = instance_id
+            else:
+                slot = len(self.id_of)
+                self.id_of.append(instance_id)
+            self._slot_of[instance_id] = slot
+        return 1 << slot
+
+    def release(self, instance_id: str) -> None:
+        """Free the slot; every index must already have cleared the instance's bits."""
+        slot = self._slot_of.pop(instance_id, None)
+        if slot is not None:
+            self.id_of[slot] = None
+            self._free.append(slot)
+
+
+class BlockOwners:
+    """kvherd block hash -> bitmask of the instances holding it.
+
+    The bulk forms (`add_many`, `discard_many`) take a run of blocks at once: a KV event or a routed
+    chain names tens to thousands of blocks, and their lookups and updates run in C iterators.
+    """
+
+    def __init__(self) -> None:
+        self.owners: dict[int, int] = {}
+
+    def add(self, block_hash: int, bit: int) -> bool:
+        """Set `bit` for the block; False when it was already set."""
+        mask = self.owners.get(block_hash, 0)
+        if mask & bit:
+            return False
+        self.owners[block_hash] = mask | bit
+        return True
+
+    def add_many(self, block_hashes: Sequence[int], bit: int) -> None:
+        """Set `bit` for every block of `block_hashes`."""
+        owners = self.owners
+        if owners.keys().isdisjoint(block_hashes):  # the usual run: blocks nobody holds yet
+            owners.update(zip(block_hashes, repeat(bit)))
+            return
+        masks = map(owners.get, block_hashes, repeat(0))
+        owners.update(zip(block_hashes, map(or_, masks, repeat(bit)), strict=True))
+
+    def discard(self, block_hash: int, bit: int) -> None:
+        mask = self.owners.get(block_hash, 0) & ~bit
+        if mask:
+            self.owners[block_hash] = mask
+        else:
+            self.owners.pop(block_hash, None)
+
+    def discard_many(self, block_hashes: Sequence[int], bit: int) -> None:
+        """Clear `bit` for every block; blocks no instance holds any more are dropped."""
+        owners = self.owners
+        # Pop first: in the usual run no other instance holds any of them, so none goes back.
+        popped = list(map(owners.pop, block_hashes, repeat(0)))
+        if popped.count(bit) != len(popped):  # some are held elsewhere too (or nowhere)
+            kept = list(map(and_, popped, repeat(~bit)))
+            owners.update(compress(zip(block_hashes, kept, strict=True), kept))
+
+    def masks(self, chunk: Sequence[int]) -> list[int]:
+        """Each block's mask (0: nobody holds it)."""
+        return list(map(self.owners.get, chunk, repeat(0)))
+
+    def holds_none(self, chunk: Sequence[int]) -> bool:
+        """True when no instance holds any block of `chunk`."""
+        return self.owners.keys().isdisjoint(chunk)
+
+    def __len__(self) -> int:
+        return len(self.owners)
+
+
+class ShardedBlockOwners:
+    """`BlockOwners` split over `num_shards` dicts by the hash's low bits.
+
+    The approximate index grows inside routing decisions (every routed chain is recorded), and a
+    CPython dict grows by rebuilding its whole table: one dict of ~170k entries (a few hundred
+    routed 32k-token prompts) costs one decision several milliseconds. Split, each rebuild touches
+    1/`num_shards` of the entries; a lookup costs one extra C-level step per block.
+    """
+
+    def __init__(self, num_shards: int = 64) -> None:
+        if num_shards <= 0 or num_shards & (num_shards - 1):
+            raise ValueError("num_shards must be a power of two")
+        self._low = num_shards - 1
+        self.shards: list[dict[int, int]] = [{} for _ in range(num_shards)]
+
+    def _shards_of(self, block_hashes: Iterable[int]) -> list[dict[int, int]]:
+        return list(map(self.shards.__getitem__, map(and_, block_hashes, repeat(self._low))))
+
+    def add_many(self, block_hashes: Sequence[int], bit: int) -> None:
+        """Set `bit` for every block of `block_hashes`."""
+        shards = self._shards_of(block_hashes)
+        masks = map(or_, map(dict.get, shards, block_hashes, repeat(0)), repeat(bit))
+        deque(map(dict.__setitem__, shards, block_hashes, masks), 0)
+
+    def discard_many(self, block_hashes: Sequence[int], bit: int) -> None:
+        """Clear `bit` for every block; blocks no instance holds any more are dropped."""
+        shards = self._shards_of(block_hashes)
+        masks = list(map(and_, map(dict.get, shards, block_hashes, repeat(0)), repeat(~bit)))
+        if not any(masks):  # the usual run: no other instance holds any of these blocks
+            deque(map(dict.pop, shards, block_hashes, repeat(None)), 0)
+            return
+        kept = list(map(bool, masks))
+        deque(
+            map(dict.__setitem__, compress(shards, kept), compress(block_hashes, kept),
+                compress(masks, kept)),
+            0,
+        )  # fmt: skip
+        if not all(kept):
+            gone = list(map(not_, kept))
+            deque(
+                map(dict.pop, compress(shards, gone), compress(block_hashes, gone), repeat(None)),
+                0,
+            )
+
+    def masks(self, chunk: Sequence[int]) -> list[int]:
+        """Each block's mask (0: nobody holds it)."""
+        return list(map(dict.get, self._shards_of(chunk), chunk, repeat(0)))
+
+    def holds_none(self, chunk: Sequence[int]) -> bool:
+        """True when no instance holds any block of `chunk`."""
+        return not any(map(dict.__contains__, self._shards_of(chunk), chunk))
+
+    def __len__(self) -> int:
+        return sum(map(len, self.shards))
+
+
+OwnerMap = BlockOwners | ShardedBlockOwners
+
+
+def match_groups(chain: Sequence[int], maps: Sequence[OwnerMap]) -> list[tuple[int, int]]:
+    """The walk itself: ``[(instance bits, leading blocks matched), ...]`` by increasing depth, a
+    block counting if any of `maps` holds it. Each bit appears in at most one group.
+
+    The chain is walked in chunks whose lookups, OR-ing and running AND run inside C iterators
+    (`map`, `accumulate`), not one bytecode loop per block: a deep match over thousands of blocks
+    costs a few C-level passes. Chunks start small and double, so a walk that ends early (no
+    instance still matching) looks up at most about twice the blocks it needed.
+    """
+    groups: list[tuple[int, int]] = []
+    num = len(chain)
+    first, rest = maps[0], maps[1:]
+    alive = -1  # every bit: the AND of no mask; never recorded (depth 0 is "no match")
+    start, size = 0, _FIRST_CHUNK
+    while start < num:
+        chunk = chain[start : start + size]
+        masks = first.masks(chunk)
+        for other in rest:
+            # OR in the other map's masks only where it holds the block: the approximate index
+            # covers a fraction of a chain, and an OR of two fleet-wide masks makes a new int.
+            if other.holds_none(chunk):  # one pass of lookups, no list of masks
+                continue
+            extra = other.masks(chunk)
+            for i in compress(count(), extra):
+                masks[i] |= extra[i]
+        head = masks[0]
+        if masks[-1] == head and masks.count(head) == len(masks):
+            # One mask over the whole chunk (a prefix the same instances hold, or nobody): only
+            # its first block can lose bits.
+            if start and alive & ~head:
+                groups.append((alive & ~head, start))
+            alive &= head
+        else:
+            # running[i]: bits still matching after the first `start + i` blocks.
+            running = list(accumulate(masks, and_, initial=alive))
+            for i in compress(count(), map(ne, running, islice(running, 1, None))):
+                if start + i:  # bits lost at block `start + i` matched exactly that many blocks
+                    groups.append((running[i] & ~running[i + 1], start + i))
+            alive = running[-1]
+        if not alive:
+            return groups
+        start += len(chunk)
+        size = min(2 * size, _MAX_CHUNK)
+    if start:
+        groups.append((alive, num))
+    return groups
+
+
+def match_chain(
+    chain: Sequence[int], maps: Sequence[OwnerMap], slots: InstanceSlots
+) -> dict[str, int]:
+    """Leading blocks of `chain` held per instance, a block counting if any map holds it."""
+    result: dict[str, int] = {}
+    for bits, depth in match_groups(chain, maps):
+        _record(bits, depth, slots.id_of, result)
+    return result
+
+
+def _record(bits: int, depth: int, id_of: list[str | None], into: dict[str, int]) -> None:
+    while bits:
+        low = bits & -bits
+        instance_id = id_of[low.bit_length() - 1]
+        if instance_id is not None:
+            into[instance_id] = depth
+        bits ^= low
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyResult:
+    """Outcome of one batch: applied, a duplicate, or a gap that needs a replay from a sequence."""
+
+    applied: bool
+    duplicate: bool = False
+    need_replay_from: int | None = None
+
+
+@dataclass(slots=True)
+class _InstanceBlocks:
+    bit: int
+    trust_engine_hashes: bool
+    # engine hash -> kvherd hash, in store order (oldest first): the LRU for the memory bound.
+    entries: dict[int, int] = field(default_factory=dict)
+    # kvherd hash -> extra engine hashes naming it (rare: distinct engine hashes, same tokens).
+    dups: dict[int, int] = field(default_factory=dict)
+    next_seq: int | None = None  # None: accept any sequence number (after a resync)
+
+
+@dataclass(slots=True)
+class IndexStats:
+    batches: int = 0
+    duplicates: int = 0
+    gaps: int = 0
+    stored: int = 0
+    removed: int = 0
+    cleared: int = 0
+    evicted: int = 0
+    unknown_parent: int = 0
+    wrong_block_size: int = 0
+    other_medium: int = 0
+
+
+class PrefixIndex:
+    """Exact per-instance block sets from KV events (see the module docstring)."""
+
+    def __init__(
+        self,
+        block_size: int,
+        hash_algo: HashAlgo = "xxh3_64",
+        max_blocks_per_instance: int = 1 << 20,
+        max_blocks_total: int = 1 << 24,
+        slots: InstanceSlots | None = None,
+    ) -> None:
+        if block_size <= 0 or max_blocks_per_instance <= 0 or max_blocks_total <= 0:
+            raise ValueError("block_size and the memory bounds must be positive")
+        self.block_size = block_size
+        self.hash_algo: HashAlgo = hash_algo
+        self.max_blocks_per_instance = max_blocks_per_instance
+        self.max_blocks_total = max_blocks_total
+        self.owners = BlockOwners()
+        self._own_slots = slots is None
+        self.slots = InstanceSlots() if slots is None else slots
+        self._instances: dict[str, _InstanceBlocks] = {}
+        self._total = 0
+        self.stats = IndexStats()
+
+    # -- instances ---------------------------------------------------------------------------
+    def add_instance(
+        self, instance_id: str, trust_engine_hashes: bool = False, next_seq: int | None = None
+    ) -> None:
+        """Register (or re-register, which clears) an instance.
+
+        With `next_seq` None the next batch starts its view whatever its number (the replay may
+        not reach back to 0); pass the first expected number when it is known (replay from 0).
+        """
+        if instance_id in self._instances:
+            self.clear_instance(instance_id)
+            inst = self._instances[instance_id]
+            inst.trust_engine_hashes = trust_engine_hashes
+        else:
+            inst = _InstanceBlocks(self.slots.bit(instance_id), trust_engine_hashes)
+            self._instances[instance_id] = inst
+        inst.next_seq = next_seq
+
+    def remove_instance(self, instance_id: str) -> None:
+        if instance_id in self._instances:
+            self.clear_instance(instance_id)
+            del self._instances[instance_id]
+            if self._own_slots:
+                self.slots.release(instance_id)
+
+    def clear_instance(self, instance_id: str) -> None:
+        """Forget everything the instance holds and accept its next batch whatever its number."""
+        inst = self._instances[instance_id]
+        self.owners.discard_many(list(set(inst.entries.values())), inst.bit)
+        self._total -= len(inst.entries)
+        inst.entries.clear()
+        inst.dups.clear()
+        inst.next_seq = None
+
+    def __contains__(self, instance_id: object) -> bool:
+        return instance_id in self._instances
+
+    def num_blocks(self, instance_id: str | None = None) -> int:
+        if instance_id is None:
+            return self._total
+        return len(self._instances[instance_id].entries)
+
+    def blocks(self, instance_id: str) -> set[int]:
+        """The kvherd hashes the index believes `instance_id` holds."""
+        return set(self._instances[instance_id].entries.values())
+
+    def next_seq(self, instance_id: str) -> int | None:
+        return self._instances[instance_id].next_seq
+
+    # -- events ------------------------------------------------------------------------------
+    def apply_batch(self, instance_id: str, batch: KVEventBatch) -> ApplyResult:
+        inst = self._instances.get(instance_id)
+        if inst is None:
+            raise KeyError(f"unknown instance {instance_id!r}")
+        if inst.next_seq is not None:
+            if batch.seq < inst.next_seq:
+                self.stats.duplicates += 1
+                return ApplyResult(applied=False, duplicate=True)
+            if batch.seq > inst.next_seq:
+                self.stats.gaps += 1
+                return ApplyResult(applied=False, need_replay_from=inst.next_seq)
+        self.stats.batches += 1
+        self.apply_events(instance_id, batch.events)
+        inst.next_seq = batch.seq + 1
+        return ApplyResult(applied=True)
+
+    def apply_events(self, instance_id: str, events: Iterable[KVEvent]) -> None:
+        """Apply events in order, without sequence checks (in-process producers)."""
+        inst = self._instances.get(instance_id)
+        if inst is None:
+            raise KeyError(f"instance {instance_id!r} is not registered with KV events")
+        for event in events:
+            if isinstance(event, BlockStored):
+                self._stored(inst, event)
+            elif isinstance(event, BlockRemoved):
+                self._removed(inst, event)
+            elif isinstance(event, AllBlocksCleared):
+                self.stats.cleared += 1
+                next_seq = inst.next_seq
+                self.clear_instance(instance_id)
+                inst.next_seq = next_seq
+
+    def _stored(self, inst: _InstanceBlocks, event: BlockStored) -> None:
+        if event.medium not in _GPU_MEDIA:
+            self.stats.other_medium += 1
+            return
+        if event.block_size != self.block_size:
+            self.stats.wrong_block_size += 1
+            return
+        engine_hashes = event.block_hashes
+        if inst.trust_engine_hashes:
+            self._store_trusted(inst, engine_hashes)
+            return
+        parent: int | None = None
+        if event.parent_block_hash is not None:
+            parent = inst.entries.get(event.parent_block_hash)
+            if parent is None:  # the parent was evicted or never seen: cannot chain
+                self.stats.unknown_parent += 1
+                return
+        usable = len(event.token_ids) // self.block_size
+        if usable < len(engine_hashes):
+            engine_hashes = engine_hashes[:usable]
+        kv_hashes = block_hash_chain(
+            event.token_ids[: len(engine_hashes) * self.block_size],
+            self.block_size,
+            algo=self.hash_algo,
+            parent_hash=parent,
+        )
+        # A plain loop: each block costs four dict operations, memory-bound on a large index;
+        # C-iterator passes over the run (measured on the simulator's event stream) only add
+        # passes over the same dicts.
+        entries, dups, owners, bit = inst.entries, inst.dups, self.owners.owners, inst.bit
+        size = before = len(entries)
+        for engine_hash, kv_hash in zip(engine_hashes, kv_hashes, strict=True):
+            previous = entries.setdefault(engine_hash, kv_hash)
+            if len(entries) == size:  # re-stored: keep its kvherd hash, refresh its LRU position
+                del entries[engine_hash]
+                entries[engine_hash] = previous
+                continue
+            size += 1
+            mask = owners.get(kv_hash, 0)
+            if mask & bit:  # another engine hash of this instance already names these tokens
+                dups[kv_hash] = dups.get(kv_hash, 0) + 1
+            else:
+                owners[kv_hash] = mask | bit
+        self._grew(inst, size - before)
+
+    def _store_trusted(self, inst: _InstanceBlocks, block_hashes: Sequence[int]) -> None:
+        """`_stored` for engine hashes that are kvherd's own: an entry names itself and the
+        instance's bit is set exactly for its entries (never a dup), so a block costs three dict
+        operations and no mask test (the simulator's whole event stream comes this way)."""
+        entries, owners, bit = inst.entries, self.owners.owners, inst.bit
+        before = len(entries)
+        if len(block_hashes) >= _BULK_RUN and entries.keys().isdisjoint(block_hashes):
+            # A prefill's run of new blocks: C-iterator passes instead of a loop per block.
+            entries.update(zip(block_hashes, block_hashes, strict=True))
+            if len(entries) - before == len(block_hashes):  # no block repeated in the run
+                self.owners.add_many(block_hashes, bit)
+                self._grew(inst, len(block_hashes))
+                return
+            deque(map(entries.pop, block_hashes, repeat(None)), 0)
+        for block_hash in block_hashes:
+            if block_hash in entries:  # re-stored: refresh its LRU position
+                del entries[block_hash]
+                entries[block_hash] = block_hash
+            else:
+                entries[block_hash] = block_hash
+                owners[block_hash] = owners.get(block_hash, 0) | bit
+        self._grew(inst, len(entries) - before)
+
+    def _grew(self, inst: _InstanceBlocks, added: int) -> None:
+        self._total += added
+        self.stats.stored += added
+        if len(inst.entries) > self.max_blocks_per_instance or self._total > self.max_blocks_total:
+            self._enforce_bounds(inst)
+
+    def _removed(self, inst: _InstanceBlocks, event: BlockRemoved) -> None:
+        if event.medium not in _GPU_MEDIA:
+            self.stats.other_medium += 1
+            return
+        entries, dups, owners, keep = inst.entries, inst.dups, self.owners.owners, ~inst.bit
+        hashes = event.block_hashes
+        if inst.trust_engine_hashes and len(hashes) >= _BULK_RUN:
+            # An entry names itself (never a dup), so the popped values are the blocks to release.
+            before = len(entries)
+            popped = list(map(entries.pop, hashes, repeat(None)))
+            if len(entries) == before - len(popped):  # the usual run: every block was held
+                held = cast("list[int]", popped)
+            else:  # some were not held (or named twice)
+                held = [block_hash for block_hash in popped if block_hash is not None]
+            self.owners.discard_many(held, inst.bit)
+            self._total -= len(held)
+            self.stats.removed += len(held)
+            return
+        if not dups:  # the usual case (always with trusted hashes): one engine hash per block
+            before = len(entries)
+            for engine_hash in event.block_hashes:
+                kv_hash = entries.pop(engine_hash, None)
+                if kv_hash is not None:
+                    mask = owners.get(kv_hash, 0) & keep
+                    if mask:
+                        owners[kv_hash] = mask
+                    else:
+                        owners.pop(kv_hash, None)
+            self._total -= before - len(entries)
+            self.stats.removed += before - len(entries)
+            return
+        removed = 0
+        for engine_hash in event.block_hashes:
+            kv_hash = entries.pop(engine_hash, None)
+            if kv_hash is None:
+                continue
+            removed += 1
+            extra = dups.get(kv_hash)
+            if extra:  # another engine hash still names these tokens
+                if extra == 1:
+                    del dups[kv_hash]
+                else:
+                    dups[kv_hash] = extra - 1
+                continue
+            mask = owners.get(kv_hash, 0) & keep
+            if mask:
+                owners[kv_hash] = mask
+            else:
+                owners.pop(kv_hash, None)
+        self._total -= removed
+        self.stats.removed += removed
+
+    def _forget(self, inst: _InstanceBlocks, kv_hashes: list[int]) -> None:
+        """Drop the instance's claim on blocks whose entries were just evicted."""
+        self._total -= len(kv_hashes)
+        dups = inst.dups
+        if dups and not dups.keys().isdisjoint(kv_hashes):
+            last_names = []
+            for kv_hash in kv_hashes:
+                extra = dups.get(kv_hash)
+                if not extra:
+                    last_names.append(kv_hash)
+                elif extra == 1:
+                    del dups[kv_hash]
+                else:
+                    dups[kv_hash] = extra - 1
+            kv_hashes = last_names
+        self.owners.discard_many(kv_hashes, inst.bit)
+
+    def _enforce_bounds(self, inst: _InstanceBlocks) -> None:
+        excess = len(inst.entries) - self.max_blocks_per_instance
+        if excess > 0:
+            self._evict_oldest(inst, excess)
+        if self._total > self.max_blocks_total:
+            # Take from the largest instance: the one whose share of the bound is most exceeded.
+            largest = max(self._instances.values(), key=lambda i: len(i.entries))
+            self._evict_oldest(largest, self._total - self.max_blocks_total)
+
+    def _evict_oldest(self, inst: _InstanceBlocks, count: int) -> None:
+        oldest = list(islice(inst.entries, count))
+        self._forget(inst, list(map(inst.entries.pop, oldest)))
+        self.stats.evicted += len(oldest)
+
+    # -- queries -----------------------------------------------------------------------------
+    def match(self, chain: Sequence[int]) -> dict[str, int]:
+        return match_chain(chain, (self.owners,), self.slots)

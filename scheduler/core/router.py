@@ -1,0 +1,154 @@
+"""The scheduler core's entry point: request -> views -> policy -> decision -> optimistic charge.
+
+Contract:
+- `Router.route(request_id, token_ids=..., now=...)` hashes the prompt's full blocks with kvherd's
+  `block_hash_chain` (tenant salt folded in), builds the `ClusterView`, asks the dispatch policy,
+  charges the chosen instance at once (so a burst spreads before any load report arrives), records
+  the chain in the approximate index, and returns a `Routed` (decision, request view, matched
+  blocks). Callers that already hashed pass `block_hashes` and `num_tokens` instead of tokens.
+- Lifecycle: `on_first_token` (prefill done), `on_finish` (completed or aborted), `on_migrated`
+  (the request now lives on another instance). Unknown request ids are ignored (a late event after
+  an instance left must not crash the proxy). A retry calls `on_finish` and routes again with the
+  failed instance in `exclude`.
+- `NoInstanceError` when nothing is dispatchable. Pure: times are arguments, no I/O or threads;
+  the proxy and the simulator drive the same object.
+
+Usage::
+
+    from policies import load_dispatch_policy
+    from scheduler.core.cluster_state import ClusterState
+    from scheduler.core.load_report import parse_agent_state
+    from scheduler.core.router import Router
+
+    cluster = ClusterState(block_size=16)
+    cluster.add_instance("a", has_kv_events=True)    # -> ResyncRequest: replay events from 0
+    cluster.add_instance("b")                         # no events: approximate index
+    cluster.apply_report("a", parse_agent_state(state_json), now=0.0)
+    router = Router(cluster, load_dispatch_policy("kvherd"))
+    routed = router.route("req-1", token_ids=prompt_ids, cache_salt=tenant_salt, now=0.01)
+    routed.decision.instance_id        # where to forward; routed.decision.explain() for logs
+    router.on_first_token("req-1", now=0.2)
+    router.on_finish("req-1", now=1.5)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from kvherd.block_hash import block_hash_chain
+from policies.base import DispatchPolicy
+from policies.views import Decision, RequestView
+from scheduler.core.cluster_state import ClusterState
+from scheduler.core.instance_state import Dispatch
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    decision: Decision
+    request: RequestView
+    matched_blocks: int  # leading blocks the chosen instance caches, as the index believes
+
+    @property
+    def instance_id(self) -> str:
+        return self.decision.instance_id
+
+
+class Router:
+    def __init__(self, cluster: ClusterState, policy: DispatchPolicy) -> None:
+        self.cluster = cluster
+        self.policy = policy
+        self._where: dict[str, str] = {}  # request id -> instance id
+
+    def set_policy(self, policy: DispatchPolicy) -> None:
+        """Switch the dispatch policy; in-flight accounting is kept."""
+        self.policy = policy
+
+    def instance_of(self, request_id: str) -> str | None:
+        return self._where.get(request_id)
+
+    def route(
+        self,
+        request_id: str,
+        token_ids: Sequence[int] | None = None,
+        *,
+        now: float,
+        num_tokens: int | None = None,
+        block_hashes: Sequence[int] | None = None,
+        cache_salt: str | None = None,
+        tenant: str | None = None,
+        priority: int = 0,
+        max_tokens: int | None = None,
+        exclude: Collection[str] = (),
+    ) -> Routed:
+        if request_id in self._where:
+            raise ValueError(f"request {request_id!r} is already routed; finish it first")
+        if block_hashes is None:
+            if token_ids is None:
+                raise ValueError("route() needs token_ids, or block_hashes and num_tokens")
+            block_hashes = block_hash_chain(
+                token_ids, self.cluster.block_size, cache_salt, self.cluster.hash_algo
+            )
+        if num_tokens is None:
+            if token_ids is None:
+                raise ValueError("num_tokens is required with precomputed block_hashes")
+            num_tokens = len(token_ids)
+        request = RequestView(
+            request_id,
+            num_tokens,
+            tuple(block_hashes),
+            self.cluster.block_size,
+            tenant,
+            priority,
+            max_tokens,
+        )
+        view = self.cluster.view(now, exclude)
+        decision = self.policy.choose(request, view)
+        if decision.instance_id not in self.cluster or decision.instance_id in exclude:
+            raise ValueError(
+                f"policy {self.policy.name!r} chose {decision.instance_id!r}, not a candidate"
+            )
+        matched = view.prefix_match_of(request, decision.instance_id)
+        cached_tokens = min(num_tokens, matched * self.cluster.block_size)
+        state = self.cluster.get(decision.instance_id)
+        state.dispatch(request_id, num_tokens, num_tokens - cached_tokens, now)
+        self.cluster.touch(decision.instance_id)
+        self.cluster.note_routed(decision.instance_id, request.block_hashes, now, matched)
+        self._where[request_id] = decision.instance_id
+        return Routed(decision, request, matched)
+
+    def on_first_token(self, request_id: str, now: float) -> None:
+        instance_id = self._where.get(request_id)
+        if (
+            instance_id is not None
+            and instance_id in self.cluster
+            and self.cluster.get(instance_id).first_token(request_id, now)
+        ):
+            self.cluster.touch(instance_id)
+
+    def on_finish(self, request_id: str, now: float) -> None:
+        """Completed or aborted: release the request's charges."""
+        self._release(request_id, now)
+
+    def on_migrated(self, request_id: str, dst: str, now: float) -> None:
+        """A live migration committed: the request's charges move to `dst`."""
+        dispatch = self._release(request_id, now)
+        if dispatch is not None and dst in self.cluster:
+            self.cluster.get(dst).adopt(dispatch, now)
+            self.cluster.touch(dst)
+            self._where[request_id] = dst
+
+    def forget_instance(self, instance_id: str) -> list[str]:
+        """Remove an instance; returns the requests that were in flight there."""
+        orphans = self.cluster.remove_instance(instance_id)
+        for request_id in orphans:
+            self._where.pop(request_id, None)
+        return orphans
+
+    def _release(self, request_id: str, now: float) -> Dispatch | None:
+        instance_id = self._where.pop(request_id, None)
+        if instance_id is None or instance_id not in self.cluster:
+            return None
+        dispatch = self.cluster.get(instance_id).finish(request_id, now)
+        self.cluster.touch(instance_id)
+        return dispatch

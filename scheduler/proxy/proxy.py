@@ -1,0 +1,528 @@
+"""The OpenAI-compatible reverse proxy (``kvherd serve``): route each request where it is cheapest.
+
+Contract:
+- Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (routed, forwarded, relayed;
+  served straight from `scheduler.proxy.http_front`, other methods get 405),
+  ``GET /v1/models`` (the fleet's models), ``GET /metrics`` (`scheduler.proxy.metrics`),
+  ``GET /health`` (200 while at least one instance is dispatchable, else 503) through FastAPI.
+- Per request: authenticate (`scheduler.core.tenancy`), parse the body, render the chat template and
+  tokenize with the fleet tokenizer, hash full blocks with the tenant's salt, ask the scheduler core
+  for an instance, forward the body unchanged except ``cache_salt`` (set to the tenant's salt when
+  tenancy is on), and relay the response: JSON in one piece, SSE chunk by chunk as it arrives.
+- ``X-Request-Id`` is taken from the client (or generated) and sent to the instance and back.
+  Which instance served is never revealed (the upstream ``server`` header is dropped) unless
+  ``expose_instance`` is set, which adds ``X-Kvherd-Instance``.
+- Failures: a connect error, a broken connection before the response head, a head timeout, a 5xx
+  from the instance, or a stream that breaks before its first chunk is retried on another instance
+  (never one already tried) while nothing has been sent to the client (the response head is held
+  back until the first chunk), up to ``max_attempts`` in all; then the client gets a 502/504 error
+  object. After the first byte is relayed, an upstream failure ends the client's stream.
+- Live migration: streamed requests go out with ``X-Kvherd-Reattach: 1``. When one migrates, its
+  agent ends the stream with a notice frame ``data: {"kvherd": {"migrated_to": URL, "request_id",
+  "resume"}}`` (never relayed); the proxy then POSTs ``resume`` to
+  ``URL/kvherd/v1/requests/{id}/resume`` (a fleet instance only) and relays that stream from the
+  next token on, as often as the request moves. Non-streamed requests are relayed by the source.
+- Admission: an instance is saturated when the proxy has ``max_inflight_per_instance`` requests in
+  flight on it (`scheduler.fleet.FleetSettings`). When every dispatchable instance is saturated a
+  request waits in a FIFO admission queue of at most ``queue_size`` entries for up to
+  ``queue_timeout_s``; past either bound it gets 429 with an OpenAI error object. With no
+  dispatchable instance at all it gets 503.
+- Bad input (not JSON, not an object, missing or mistyped prompt/messages, an oversized body) gets
+  400 with ``{"error": {"message", "type", "param", "code"}}``; nothing a client sends crashes the
+  proxy. Validation beyond what routing needs is the instance's (its 400 is relayed as is).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote
+
+import orjson
+from fastapi import FastAPI
+from fastapi.responses import Response
+
+from kvherd import wire
+from kvherd.block_hash import block_hash_chain
+from kvherd.tokenizer import Tokenizer
+from kvherd.wire import OpenAIError
+from scheduler.core.tenancy import Tenant, TenantRegistry
+from scheduler.fleet import Fleet, FleetInstance, NoCapacityError
+from scheduler.proxy.forwarding import (
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
+from scheduler.proxy.http_front import Exchange, FrontServer
+from scheduler.proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from scheduler.proxy.metrics import ProxyMetrics
+from scheduler.proxy.routing_tokens import prompt_token_ids
+
+log = logging.getLogger("kvherd.proxy")
+
+_NOTICE = wire.NOTICE_PREFIX
+
+
+def _split(data: bytes) -> tuple[bytes, bytes, bytes]:
+    """`data` as (bytes to relay now, bytes to hold back, a migration notice's start)."""
+    at = data.find(_NOTICE)
+    if at >= 0:
+        return data[:at], b"", data[at:]
+    # A chunk may end inside a notice's first bytes: hold those back until the next one.
+    keep = len(data) - _notice_prefix(data)
+    return data[:keep], data[keep:], b""
+
+
+def _notice_prefix(data: bytes) -> int:
+    """Length of the longest proper prefix of a notice frame that `data` ends with."""
+    if data.endswith(b"\n"):  # the usual case: a chunk ends with a whole frame
+        return 0
+    for size in range(min(len(_NOTICE) - 1, len(data)), 0, -1):
+        if data.endswith(_NOTICE[:size]):
+            return size
+    return 0
+
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+# Client headers worth passing on; the body is always sent as JSON (it was parsed as JSON here).
+_FORWARD_HEADERS = frozenset({b"accept", b"user-agent", b"openai-organization"})
+
+
+@dataclass(slots=True)
+class ProxyConfig:
+    max_attempts: int = 3
+    queue_size: int = 1024
+    queue_timeout_s: float = 30.0
+    connect_timeout_s: float = 2.0
+    request_timeout_s: float = 600.0  # until the response head (whole request when not streamed)
+    stream_idle_timeout_s: float = 300.0  # between streamed chunks
+    expose_instance: bool = False
+    max_body_bytes: int = MAX_BODY_BYTES
+
+
+def _error_json(exc: OpenAIError) -> bytes:
+    """The error object as the bytes the proxy sends (orjson: this is on the request path)."""
+    return orjson.dumps(exc.body())
+
+
+@dataclass(slots=True)
+class _Admission:
+    """FIFO of requests waiting for an instance to have room; woken as requests finish."""
+
+    waiters: deque[asyncio.Future[None]] = field(default_factory=deque)
+
+    def wake_one(self) -> None:
+        while self.waiters:
+            waiter = self.waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+
+class Proxy:
+    """The request path: one instance per ``kvherd serve`` process."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        tokenizer: Tokenizer,
+        tenants: TenantRegistry,
+        config: ProxyConfig,
+        metrics: ProxyMetrics,
+    ) -> None:
+        self.fleet = fleet
+        self.tokenizer = tokenizer
+        self.tenants = tenants
+        self.config = config
+        self.metrics = metrics
+        self.pool = UpstreamPool(
+            connect_timeout=config.connect_timeout_s,
+            head_timeout=config.request_timeout_s,
+            read_timeout=config.stream_idle_timeout_s,
+        )
+        self._admission = _Admission()
+        # Generated request ids: a random per-process prefix and a counter (cheaper than uuid4).
+        self._id_prefix = os.urandom(6).hex().encode()
+        self._id_counter = itertools.count(1)
+        fleet.on_capacity = self._admission.wake_one
+
+    # -- endpoints (`scheduler.proxy.http_front` handlers) --------------------------------------------
+    async def completions(self, exchange: Exchange) -> None:
+        await self._generate(exchange, b"/v1/completions", chat=False)
+
+    async def chat_completions(self, exchange: Exchange) -> None:
+        await self._generate(exchange, b"/v1/chat/completions", chat=True)
+
+    # -- the request path -------------------------------------------------------------------------
+    async def _generate(self, exchange: Exchange, path: bytes, chat: bool) -> None:
+        request_id = b""
+        auth: bytes | None = None
+        forward: list[tuple[bytes, bytes]] = [(b"content-type", b"application/json")]
+        for name, value in exchange.headers:
+            if name == b"x-request-id":
+                request_id = value[:128]
+            elif name == b"authorization":
+                auth = value
+            elif name in _FORWARD_HEADERS:
+                forward.append((name, value))
+        if not request_id:
+            request_id = b"%s-%x" % (self._id_prefix, next(self._id_counter))
+        status: int | str
+        try:
+            if exchange.method != b"POST":
+                raise OpenAIError(405, "only POST is allowed here", code="method_not_allowed")
+            tenant = self._authenticate(auth)
+            if exchange.too_large:
+                raise OpenAIError(
+                    400,
+                    f"request body exceeds {self.config.max_body_bytes} bytes",
+                    code="too_large",
+                )
+            status = await self._serve(exchange, path, chat, request_id, tenant, forward)
+        except OpenAIError as exc:
+            status = exc.status
+            _respond_error(exchange, exc, request_id)
+        except asyncio.CancelledError:
+            if not exchange.gone:
+                raise  # the server is shutting down
+            # The client went away; the upstream request was closed on the way out.
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            status = "client_closed"
+        except Exception:
+            # A bug must cost one request, not the proxy; the client still gets an error object
+            # (or, when the response had started, a closed connection).
+            log.exception("request %s failed", request_id.decode("latin-1"))
+            status = 500
+            if not exchange.started:
+                error = OpenAIError(500, "internal proxy error", type="server_error")
+                _respond_error(exchange, error, request_id)
+        self.metrics.request_done(status)
+
+    def _authenticate(self, auth: bytes | None) -> Tenant | None:
+        if not self.tenants.enabled:
+            return None
+        tenant = self.tenants.authenticate(auth)
+        if tenant is None:
+            raise OpenAIError(
+                401,
+                "invalid or missing API key",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
+        return tenant
+
+    async def _serve(
+        self,
+        exchange: Exchange,
+        path: bytes,
+        chat: bool,
+        request_id: bytes,
+        tenant: Tenant | None,
+        headers: list[tuple[bytes, bytes]],
+    ) -> int | str:
+        started = time.perf_counter()
+        raw = exchange.body
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise OpenAIError(
+                400, f"request body is not valid JSON: {exc}", code="invalid_json"
+            ) from exc
+        if not isinstance(body, dict):
+            raise OpenAIError(400, "request body must be a JSON object")
+        token_ids = prompt_token_ids(body, chat, self.tokenizer)
+        if tenant is not None:
+            salt: str | None = tenant.cache_salt
+            if body.get("cache_salt") != salt:
+                body["cache_salt"] = salt
+                raw = orjson.dumps(body)
+        else:
+            client_salt = body.get("cache_salt")
+            if client_salt is not None and not isinstance(client_salt, str):
+                raise OpenAIError(400, "'cache_salt' must be a string", param="cache_salt")
+            salt = client_salt or None
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        block_hashes = block_hash_chain(token_ids, self.fleet.block_size, salt)
+        self.metrics.prompt_blocks.observe(len(block_hashes))
+        rid = request_id.decode("latin-1")
+        key = self.fleet.new_key(rid)
+        headers.append((b"x-request-id", request_id))
+        if body.get("stream") is True:
+            headers.append((b"x-kvherd-reattach", b"1"))
+        tried: set[str] = set()
+        last_error: UpstreamError | None = None
+        last_status: UpstreamResponse | None = None
+        for attempt in range(self.config.max_attempts):
+            instance = await self._admit(
+                key, len(token_ids), block_hashes, tenant, max_tokens, tried, started
+            )
+            if instance is None:
+                break
+            if attempt:
+                self.metrics.retries.inc()
+            tried.add(instance.instance_id)
+            try:
+                response = await self.pool.send(instance.url, b"POST", path, headers, raw)
+            except UpstreamError as exc:
+                self.fleet.request_failed(key, instance)
+                last_error = exc
+                log.warning("request %s: %s", rid, exc)
+                continue
+            except BaseException:
+                self.fleet.request_finished(key, instance)
+                raise
+            if response.status >= 500:
+                self.fleet.request_failed(key, instance)
+                last_status = response
+                response.close()
+                continue
+            chunks: AsyncIterator[bytes] | None = None
+            first = b""
+            if response.streaming:
+                # Nothing reaches the client before the first chunk: an instance that dies during
+                # prefill (after sending its stream headers) is still retried elsewhere.
+                chunks = response.iter_body()
+                try:
+                    first = await anext(chunks, b"")
+                except UpstreamError as exc:
+                    self.fleet.request_failed(key, instance)
+                    last_error = exc
+                    log.warning("request %s: %s", rid, exc)
+                    continue
+                except BaseException:
+                    response.close()
+                    self.fleet.request_finished(key, instance)
+                    raise
+            return await self._relay(exchange, response, instance, key, request_id, chunks, first)
+        if last_status is not None and last_status.body is not None:
+            exchange.respond(last_status.status, _json_headers(request_id), last_status.body)
+            return last_status.status
+        if isinstance(last_error, UpstreamTimeout):
+            raise OpenAIError(504, f"instance timed out: {last_error}", type="timeout_error")
+        if last_error is not None or tried:
+            raise OpenAIError(502, "no instance could serve the request", type="server_error")
+        raise OpenAIError(503, "no instance is available", type="server_error")
+
+    async def _admit(
+        self,
+        key: str,
+        num_tokens: int,
+        block_hashes: list[int],
+        tenant: Tenant | None,
+        max_tokens: Any,
+        tried: set[str],
+        started: float,
+    ) -> FleetInstance | None:
+        """Choose an instance, waiting in the admission queue while every instance is saturated."""
+        deadline: float | None = None
+        while True:
+            try:
+                instance, matched = self.fleet.dispatch(
+                    key,
+                    num_tokens,
+                    block_hashes,
+                    tenant=None if tenant is None else tenant.name,
+                    max_tokens=max_tokens if isinstance(max_tokens, int) else None,
+                    exclude=tried,
+                )
+            except NoCapacityError as exc:
+                if not exc.saturated:
+                    return None  # nothing dispatchable (or everything already tried)
+            else:
+                if not tried:
+                    if deadline is None:  # time spent queueing is not decision time
+                        self.metrics.decision_seconds.observe(time.perf_counter() - started)
+                    self.metrics.matched_blocks.observe(matched)
+                return instance
+            admission = self._admission
+            if len(admission.waiters) >= self.config.queue_size:
+                self.metrics.rejected("queue_full")
+                raise OpenAIError(
+                    429,
+                    "every instance is saturated and the admission queue is full",
+                    type="rate_limit_error",
+                    code="queue_full",
+                )
+            loop = asyncio.get_running_loop()
+            if deadline is None:
+                deadline = loop.time() + self.config.queue_timeout_s
+            waiter: asyncio.Future[None] = loop.create_future()
+            admission.waiters.append(waiter)
+            self.metrics.queue_depth.set(len(admission.waiters))
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await waiter
+            except TimeoutError:
+                self.metrics.rejected("queue_timeout")
+                raise OpenAIError(
+                    429,
+                    f"no instance had room within {self.config.queue_timeout_s}s",
+                    type="rate_limit_error",
+                    code="queue_timeout",
+                ) from None
+            finally:
+                with contextlib.suppress(ValueError):
+                    admission.waiters.remove(waiter)
+                self.metrics.queue_depth.set(len(admission.waiters))
+
+    async def _relay(
+        self,
+        exchange: Exchange,
+        response: UpstreamResponse,
+        instance: FleetInstance,
+        key: str,
+        request_id: bytes,
+        chunks: AsyncIterator[bytes] | None,
+        first: bytes,
+    ) -> int | str:
+        headers = [h for h in response.headers if h[0] != b"x-request-id"]
+        headers.append((b"x-request-id", request_id))
+        if self.config.expose_instance:
+            headers.append((b"x-kvherd-instance", instance.instance_id.encode()))
+        ok = response.status < 400
+        if chunks is None:
+            try:
+                exchange.respond(response.status, headers, response.body or b"")
+            finally:
+                self.fleet.request_finished(key, instance, ok=ok)
+            return response.status
+        self.fleet.first_token(key)
+        stream = self._follow_migrations(first, chunks, request_id)
+        try:
+            exchange.start_stream(response.status, headers)
+            async for chunk in stream:
+                await exchange.write_chunk(chunk)
+            exchange.end_stream()
+        except UpstreamError as exc:
+            log.warning("request %s: stream from %s broke: %s", key, instance.instance_id, exc)
+            self.fleet.request_failed(key, instance)
+            return "upstream_broke"
+        except BaseException:
+            response.close()
+            await stream.aclose()  # closes a resumed upstream too: the instance aborts
+            self.fleet.request_finished(key, instance, ok=ok)
+            raise
+        self.fleet.request_finished(key, instance, ok=ok)
+        return response.status
+
+    async def _follow_migrations(
+        self, first: bytes, chunks: AsyncIterator[bytes], request_id: bytes
+    ) -> AsyncGenerator[bytes, None]:
+        """The upstream stream's bytes, continued at the destination each time the request
+        migrates; the agents' migration notices are consumed here, never relayed."""
+        resumed: UpstreamResponse | None = None
+        try:
+            while True:
+                out, pending, notice = _split(first)
+                if out:
+                    yield out
+                if not notice:
+                    async for chunk in chunks:
+                        out, pending, notice = _split(pending + chunk if pending else chunk)
+                        if out:
+                            yield out
+                        if notice:
+                            break
+                if not notice:
+                    if pending:
+                        yield pending
+                    return
+                async for chunk in chunks:  # the notice's rest, up to the end of the stream
+                    notice += chunk
+                if resumed is not None:
+                    resumed.close()
+                resumed = await self._resume(notice, request_id)
+                if self.fleet.migration is not None:
+                    self.fleet.migration.metrics.reattached.inc()
+                first, chunks = b"", resumed.iter_body()
+        finally:
+            if resumed is not None:
+                resumed.close()
+
+    async def _resume(self, notice: bytes, request_id: bytes) -> UpstreamResponse:
+        """Open the destination's continuation of a migrated request's stream."""
+        try:
+            moved = wire.parse_migration_notice(notice)
+            dst = str(moved["migrated_to"]).rstrip("/")
+            rid = str(moved["request_id"])
+            resume = orjson.dumps(moved["resume"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise UpstreamError(f"malformed migration notice: {exc}") from exc
+        if not any(inst.url.rstrip("/") == dst for inst in self.fleet.instances.values()):
+            raise UpstreamError(f"request migrated to {dst}, which is not a fleet instance")
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"x-request-id", request_id),
+            (b"x-kvherd-reattach", b"1"),
+        ]
+        path = f"/kvherd/v1/requests/{quote(rid, safe='')}/resume".encode()
+        response = await self.pool.send(dst, b"POST", path, headers, resume)
+        if response.status != 200 or not response.streaming:
+            response.close()
+            raise UpstreamError(f"{dst} did not resume {rid}: HTTP {response.status}")
+        return response
+
+
+def _json_headers(request_id: bytes) -> list[tuple[bytes, bytes]]:
+    return [(b"content-type", b"application/json"), (b"x-request-id", request_id)]
+
+
+def _respond_error(exchange: Exchange, exc: OpenAIError, request_id: bytes) -> None:
+    headers = _json_headers(request_id)
+    if exc.status == 405:
+        headers.append((b"allow", b"POST"))
+    exchange.respond(exc.status, headers, _error_json(exc))
+
+
+def build_front(proxy: Proxy) -> FrontServer:
+    """What ``kvherd serve`` serves on its client port: the two generation routes straight from
+    the HTTP server (FastAPI's routing and ASGI cycle cost as much CPU as a routing decision),
+    the rest through FastAPI."""
+    return FrontServer(
+        {b"/v1/completions": proxy.completions, b"/v1/chat/completions": proxy.chat_completions},
+        build_app(proxy),
+        proxy.config.max_body_bytes,
+    )
+
+
+def build_app(proxy: Proxy) -> FastAPI:
+    """The proxy's FastAPI app for the client port's control routes."""
+    app = FastAPI(title="kvherd proxy", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        data = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "kvherd"}
+            for name in proxy.fleet.models()
+        ]
+        return Response(
+            orjson.dumps({"object": "list", "data": data}), media_type="application/json"
+        )
+
+    @app.get("/health")
+    async def health() -> Response:
+        if proxy.fleet.num_dispatchable() > 0:
+            return Response(b"", status_code=200)
+        return Response(
+            _error_json(OpenAIError(503, "no dispatchable instance", type="server_error")),
+            status_code=503,
+            media_type="application/json",
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        proxy.metrics.set_instance_states(proxy.fleet.state_counts())
+        return Response(proxy.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    return app
