@@ -1,17 +1,18 @@
 """The agent's state snapshot (``GET /kvherd/v1/state``) and Llumnix freeness.
 
 Contract:
-- `snapshot` must run on the engine thread (it reads the live scheduler and block manager) and returns
-  a JSON-ready dict: ``instance_id``, ``model``, ``block_size``, ``total_blocks``, ``free_blocks``
-  (free plus evictable cached), ``cached_blocks``, ``kv_usage``, ``running`` and ``waiting`` (each
-  request's ``request_id``, ``num_tokens``, ``num_prompt_tokens``, ``num_output_tokens``,
-  ``num_computed_tokens``, ``blocks`` held; waiting in scheduling order), ``num_running``,
-  ``num_waiting``, ``num_preemptions``, ``freeness``, ``step_latency`` (recent steps: count, mean,
-  p50, p99, seconds), ``last_kv_event_seq`` (-1 before the first batch), ``draining``; with
-  ``include_block_hashes`` also ``cached_block_hashes``, the exact set the KV event stream describes.
-- Freeness is Llumnix's load measure: ``(free blocks - blocks the head-of-line waiting request still
-  needs) / number of requests`` (running + waiting; at least 1 so an idle instance reports its free
-  blocks). Higher is freer; it goes negative when the queue head cannot be admitted.
+- `snapshot` must run on the engine thread (it reads the live scheduler and block manager) and returns a
+  JSON-ready dict: ``instance_id``, ``model``, ``block_size``, ``total_blocks``, ``free_blocks`` (free plus
+  evictable cached), ``cached_blocks``, ``kv_usage``, ``running`` and ``waiting`` (each request's
+  ``request_id``, ``num_tokens``, ``num_prompt_tokens``, ``num_output_tokens``, ``num_computed_tokens``,
+  ``blocks`` held; waiting in scheduling order), ``num_running``, ``num_waiting``, ``num_preemptions``,
+  ``waiting_prefill_tokens`` and ``head_waiting_blocks`` (the engine's one load report,
+  `instance_agent.engine.core.load`), ``freeness``, ``step_latency`` (recent steps: count, mean, p50, p99,
+  seconds), ``last_kv_event_seq`` (-1 before the first batch), ``draining``; with ``include_block_hashes``
+  also ``cached_block_hashes``, the exact set the KV event stream describes.
+- Freeness is Llumnix's load measure: ``(free blocks - head_waiting_blocks) / number of requests`` (running
+  + waiting; at least 1 so an idle instance reports its free blocks). Higher is freer; it goes negative when
+  the queue head cannot be admitted.
 - `StepLatencyWindow` keeps the durations of the last `size` engine steps (bounded).
 """
 
@@ -24,6 +25,7 @@ from typing import Any
 
 from instance_agent.engine.core.batch_scheduler import BatchScheduler
 from instance_agent.engine.core.block_manager import BlockManager
+from instance_agent.engine.core.load import engine_load
 from instance_agent.engine.core.request import Request
 
 
@@ -70,15 +72,6 @@ def _request_view(request: Request, block_manager: BlockManager) -> dict[str, An
     }
 
 
-def head_of_line_blocks(scheduler: BatchScheduler, block_manager: BlockManager) -> int:
-    """Blocks the first waiting request needs beyond those it already holds."""
-    if not scheduler.waiting:
-        return 0
-    head: Request = scheduler.waiting[0]
-    held = len(block_manager.block_ids(head.request_id))
-    return max(0, block_manager.blocks_needed(head.num_tokens) - held)
-
-
 def snapshot(
     scheduler: BatchScheduler,
     block_manager: BlockManager,
@@ -92,22 +85,24 @@ def snapshot(
 ) -> dict[str, Any]:
     running = [_request_view(r, block_manager) for r in scheduler.running]
     waiting = [_request_view(r, block_manager) for r in scheduler.waiting]
-    free = block_manager.num_free_blocks
+    load = engine_load(scheduler, block_manager)
     state: dict[str, Any] = {
         "instance_id": instance_id,
         "model": model,
-        "block_size": block_manager.block_size,
-        "total_blocks": block_manager.num_blocks,
-        "free_blocks": free,
-        "cached_blocks": block_manager.num_cached_blocks,
-        "kv_usage": block_manager.usage,
-        "num_running": len(running),
-        "num_waiting": len(waiting),
+        "block_size": load.block_size,
+        "total_blocks": load.num_total_blocks,
+        "free_blocks": load.num_free_blocks,
+        "cached_blocks": load.num_cached_blocks,
+        "kv_usage": load.kv_usage,
+        "num_running": load.num_running,
+        "num_waiting": load.num_waiting,
         "running": running,
         "waiting": waiting,
-        "num_preemptions": scheduler.num_preemptions,
+        "num_preemptions": load.num_preemptions,
+        "waiting_prefill_tokens": load.waiting_prefill_tokens,
+        "head_waiting_blocks": load.head_waiting_blocks,
         "freeness": freeness(
-            free, head_of_line_blocks(scheduler, block_manager), len(running) + len(waiting)
+            load.num_free_blocks, load.head_waiting_blocks, load.num_running + load.num_waiting
         ),
         "step_latency": step_latency.summary(),
         "last_kv_event_seq": last_kv_event_seq,

@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from instance_agent.engine.core.load import engine_load
 from instance_agent.engine.core.request import InvalidRequestError, Request, RequestStatus
 from kvherd.kv_events import KVEvent
 from migration.core.protocol import AbortReason
@@ -627,16 +628,15 @@ class SimCluster:
 def load_report(
     inst: SimInstance, with_running: bool = False, now: float | None = None
 ) -> LoadReport:
-    """What the instance's agent would report at `now` (its state snapshot, as a `LoadReport`).
+    """What the instance's agent would report at `now`: the engine's one load report
+    (`instance_agent.engine.core.load.engine_load`, as the agent's state snapshot carries it).
 
     Inside a decode run the pool figures are those of the step in flight at `now`; running
     views (`with_running`) are only valid outside runs.
     """
     sched = inst.scheduler
     bm = inst.block_manager
-    num_free, num_cached = (
-        (bm.num_free_blocks, bm.num_cached_blocks) if now is None else inst.pool_at(now)
-    )
+    load = engine_load(sched, bm, None if now is None else inst.pool_at(now))
     running = None
     if with_running:
         running = tuple(
@@ -644,15 +644,15 @@ def load_report(
             for r in sched.running
         )
     return LoadReport(
-        num_running=sched.num_running,
-        num_waiting=sched.num_waiting,
-        kv_usage=1.0 - num_free / bm.num_blocks,
-        num_total_blocks=bm.num_blocks,
-        num_free_blocks=num_free,
-        num_cached_blocks=num_cached,
-        num_preemptions=sched.num_preemptions,
-        waiting_prefill_tokens=inst.waiting_prefill_tokens(),
-        head_waiting_blocks=inst.head_waiting_blocks(),
+        num_running=load.num_running,
+        num_waiting=load.num_waiting,
+        kv_usage=load.kv_usage,
+        num_total_blocks=load.num_total_blocks,
+        num_free_blocks=load.num_free_blocks,
+        num_cached_blocks=load.num_cached_blocks,
+        num_preemptions=load.num_preemptions,
+        waiting_prefill_tokens=load.waiting_prefill_tokens,
+        head_waiting_blocks=load.head_waiting_blocks,
         running=running,
-        block_size=bm.block_size,
+        block_size=load.block_size,
     )

@@ -364,14 +364,3 @@ class SimInstance:
 
     def take_events(self) -> list[KVEvent]:
         return self.block_manager.take_events()
-
-    # -- load, as an agent would report it -------------------------------------------------------
-    def head_waiting_blocks(self) -> int:
-        waiting = self.scheduler.waiting
-        if not waiting:
-            return 0
-        head: Request = waiting[0]
-        return self.block_manager.blocks_needed(head.num_tokens)
-
-    def waiting_prefill_tokens(self) -> int:
-        return self.scheduler.num_waiting_tokens

@@ -12,6 +12,9 @@ Contract:
   the same way. Aliases (``total_blocks``/``num_total_blocks``, ``free_blocks``/
   ``num_free_blocks``, ``cached_blocks``/``num_cached_blocks``, ``num_blocks``/``blocks``) are
   accepted; lists override counts.
+- The queue figures ``waiting_prefill_tokens`` and ``head_waiting_blocks`` are read as the agent
+  computed them (`instance_agent.engine.core.load`, the simulator's one definition too); only a
+  snapshot without them gets them derived from its request lists.
 - `parse_prometheus(text, block_size)` reads vLLM (v1 and older) and SGLang metric names:
   ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
   (old: ``vllm:gpu_cache_usage_perc``), ``vllm:num_preemptions_total``,
@@ -125,6 +128,13 @@ def parse_agent_state(obj: Any) -> LoadReport:
             if index == 0:  # what the head still needs beyond the blocks it holds
                 held = _int(item, "num_blocks", "blocks") or 0
                 head_blocks = max(0, _blocks(tokens, block_size) - held)
+    # The engine's own figures (the one definition) win over the lists' approximation.
+    reported_tokens = _int(obj, "waiting_prefill_tokens")
+    if reported_tokens is not None:
+        waiting_tokens = reported_tokens
+    reported_head = _int(obj, "head_waiting_blocks")
+    if reported_head is not None:
+        head_blocks = reported_head
     usage = obj.get("kv_usage", obj.get("usage"))
     if usage is not None and (not isinstance(usage, int | float) or not 0 <= usage <= 1):
         raise LoadReportError(f"'kv_usage' must be in [0, 1], got {usage!r:.40}")
