@@ -3,6 +3,9 @@
 Contract:
 - A dispatch policy has ``choose(request, cluster) -> Decision`` and picks among
   ``cluster.dispatchable`` (healthy, not draining); it raises `NoInstanceError` when that is empty.
+- A P/D policy has ``pair(request, cluster) -> PDDecision``: a prefill instance among the
+  dispatchable ones that prefill, a decode instance among those that decode (the same instance when
+  the request should not be handed off); it raises `NoInstanceError` when either set is empty.
 - A migration policy has ``plan(cluster) -> list[MigrationOrder]``; the migration loop filters out
   requests and instances already busy with a migration, so a plan may be naive about in-flight moves.
 - Policies are plain objects, constructed with keyword parameters (the registry passes YAML/CLI
@@ -22,6 +25,7 @@ from policies.views import (
     InstanceView,
     MigrationOrder,
     NoInstanceError,
+    PDDecision,
     RequestView,
 )
 
@@ -33,6 +37,15 @@ class DispatchPolicy(Protocol):
     name: str
 
     def choose(self, request: RequestView, cluster: ClusterView) -> Decision: ...
+
+
+@runtime_checkable
+class PDPolicy(Protocol):
+    """Pairs a prefill instance with a decode instance for a new request (P/D disaggregation)."""
+
+    name: str
+
+    def pair(self, request: RequestView, cluster: ClusterView) -> PDDecision: ...
 
 
 @runtime_checkable
@@ -52,6 +65,17 @@ def candidates(cluster: ClusterView) -> tuple[InstanceView, ...]:
             f"no dispatchable instance among {len(cluster)} registered (all unhealthy or draining)"
         )
     return found
+
+
+def phase_candidates(cluster: ClusterView) -> tuple[list[InstanceView], list[InstanceView]]:
+    """Dispatchable instances that prefill and that decode; raises if either is empty."""
+    found = candidates(cluster)
+    prefill = [inst for inst in found if inst.prefills]
+    decode = [inst for inst in found if inst.decodes]
+    if not prefill or not decode:
+        missing = "prefill" if not prefill else "decode"
+        raise NoInstanceError(f"no dispatchable instance can {missing} among {len(cluster)}")
+    return prefill, decode
 
 
 def argbest(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 
 from policies.base import argbest, candidates
 from policies.views import ClusterView, Decision, InstanceView, RequestView
@@ -41,7 +42,13 @@ class DynamoKV:
         return self.overlap_score_weight * prefill_blocks + decode_blocks
 
     def choose(self, request: RequestView, cluster: ClusterView) -> Decision:
-        pool = sorted(candidates(cluster), key=lambda i: i.instance_id)
+        return self.choose_among(request, cluster, candidates(cluster))
+
+    def choose_among(
+        self, request: RequestView, cluster: ClusterView, instances: Sequence[InstanceView]
+    ) -> Decision:
+        """The decision over `instances` only (a P/D policy's decode pool)."""
+        pool = sorted(instances, key=lambda i: i.instance_id)
         matched = cluster.prefix_match(request)
         logits = {
             i.instance_id: self.logit(request, i, matched.get(i.instance_id, 0)) for i in pool

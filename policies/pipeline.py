@@ -33,7 +33,13 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from policies.plugins.filters import HealthyFilter, KVCapacityFilter, LowQueueFilter
+from policies.plugins.filters import (
+    DecodeFilter,
+    HealthyFilter,
+    KVCapacityFilter,
+    LowQueueFilter,
+    PrefillFilter,
+)
 from policies.plugins.pickers import MaxScorePicker, RandomPicker, WeightedRandomPicker
 from policies.plugins.scorers import (
     ActiveRequestScorer,
@@ -68,6 +74,8 @@ PLUGIN_TYPES: dict[str, type] = {
     cls.type_name: cls
     for cls in (
         HealthyFilter,
+        PrefillFilter,
+        DecodeFilter,
         KVCapacityFilter,
         LowQueueFilter,
         PrefixCacheScorer,

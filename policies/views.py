@@ -11,7 +11,9 @@ Contract:
   (cached on the view), so several scorers may ask for it freely; its array form
   (`prefix_match_array`) and `prefix_match_of` reuse that answer rather than walk the chain again.
 - `Decision` names the chosen instance and can explain itself (per-instance scores, a reason);
-  `MigrationOrder` asks for one running request to move from `src` to `dst`.
+  `PDDecision` names a prefill and a decode instance (equal: no handoff); `MigrationOrder` asks for
+  one running request to move from `src` to `dst`.
+- An instance's `role` (``prefill``, ``decode``, ``mixed``) says which phases it serves.
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ class InstanceView:
     draining: bool = False
     has_kv_events: bool = False
     running: tuple[RunningRequestView, ...] = ()
+    # Prefill/decode disaggregation: "prefill", "decode" or "mixed" (does both; the default).
+    role: str = "mixed"
 
     @property
     def num_requests(self) -> int:
@@ -93,6 +97,16 @@ class InstanceView:
     def dispatchable(self) -> bool:
         """Healthy and not draining: may receive new requests."""
         return self.healthy and not self.draining
+
+    @property
+    def prefills(self) -> bool:
+        """May compute prompts (role ``prefill`` or ``mixed``)."""
+        return self.role != "decode"
+
+    @property
+    def decodes(self) -> bool:
+        """May decode requests (role ``decode`` or ``mixed``)."""
+        return self.role != "prefill"
 
 
 class NoInstanceError(RuntimeError):
@@ -273,6 +287,23 @@ class Decision:
         for inst, score in sorted(self.scores.items(), key=lambda kv: (-kv[1], kv[0])):
             lines.append(f"   {inst:>16} {score:.4f}")
         return "\n".join(lines)
+
+
+@dataclass(frozen=True, slots=True)
+class PDDecision:
+    """Where a request is prefilled and where it decodes.
+
+    `decode` == `prefill` means no handoff: the request runs where it is prefilled (colocated, or
+    conditional disaggregation keeping a short prompt on its decode instance).
+    """
+
+    prefill: str
+    decode: str
+    reason: str = ""
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill != self.decode
 
 
 @dataclass(frozen=True, slots=True)

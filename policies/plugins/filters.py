@@ -2,7 +2,9 @@
 
 Contract: ``filter(request, cluster, instances) -> list[InstanceView]`` returns a subset of
 `instances`, in order. A filter that would drop *every* instance returns its input unchanged
-(a soft constraint), except `healthy-filter`, which is hard and always runs first in a pipeline.
+(a soft constraint), except `healthy-filter`, which is hard and always runs first in a pipeline,
+and the role filters `prefill-filter` / `decode-filter` (llm-d's names), which are hard too: a
+decode-only instance must never be asked to prefill a disaggregated request, nor the reverse.
 """
 
 from __future__ import annotations
@@ -21,6 +23,28 @@ class HealthyFilter:
         self, request: RequestView, cluster: ClusterView, instances: Sequence[InstanceView]
     ) -> list[InstanceView]:
         return [inst for inst in instances if inst.dispatchable]
+
+
+class PrefillFilter:
+    """`prefill-filter`: instances that prefill (role ``prefill`` or ``mixed``)."""
+
+    type_name = "prefill-filter"
+
+    def filter(
+        self, request: RequestView, cluster: ClusterView, instances: Sequence[InstanceView]
+    ) -> list[InstanceView]:
+        return [inst for inst in instances if inst.prefills]
+
+
+class DecodeFilter:
+    """`decode-filter`: instances that decode (role ``decode`` or ``mixed``)."""
+
+    type_name = "decode-filter"
+
+    def filter(
+        self, request: RequestView, cluster: ClusterView, instances: Sequence[InstanceView]
+    ) -> list[InstanceView]:
+        return [inst for inst in instances if inst.decodes]
 
 
 class KVCapacityFilter:
