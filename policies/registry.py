@@ -1,9 +1,9 @@
 """Loading policies by name: built-ins, ``module:attr``, the `kvherd.policies` entry points, YAML.
 
 Contract:
-- ``load_dispatch_policy(spec, **params)`` / ``load_migration_policy(spec, **params)`` return a
-  ready policy object. `spec` is, in order of lookup:
-  1. a built-in name (`DISPATCH_POLICIES` / `MIGRATION_POLICIES`);
+- ``load_dispatch_policy(spec, **params)`` / ``load_migration_policy(spec, **params)`` /
+  ``load_pd_policy(spec, **params)`` return a ready policy object. `spec` is, in order of lookup:
+  1. a built-in name (`DISPATCH_POLICIES` / `MIGRATION_POLICIES` / `PD_POLICIES`);
   2. a path ending in ``.yaml``/``.yml``: a pipeline declaration (see `policies.pipeline`);
      for dispatch only;
   3. ``package.module:attr``;
@@ -11,22 +11,33 @@ Contract:
      e.g. ``[project.entry-points."kvherd.policies"] my_policy = "my_pkg.mod:MyPolicy"``.
   The loaded attribute may be a class or factory (called with `params`) or a ready policy object
   (then `params` must be empty).
-- The result is checked against the protocol (`choose` for dispatch, `plan` for migration); a spec
+- The result is checked against the protocol (`choose` for dispatch, `plan` for migration, `pair`
+  for P/D); a spec
   that names nothing, or the wrong kind, raises `PolicyLoadError` with a message naming the spec.
 - `params` may also come from a mapping spec ``{"name": ..., "parameters": {...}}`` (YAML/CLI).
+- Those two loaders trust their caller (the operator's command line and config file). A spec
+  from elsewhere (the admin API) goes through `PolicyAllowList.load_dispatch_policy`, which loads
+  only built-in names, entry points (code the operator installed), ``module:attr`` of a module
+  on the operator's allow-list (``--policy-module``; ``attr`` one public name defined in, or a
+  policy exported by, that module, never a path through it such as ``mod:os.system``), and YAML
+  files inside the operator's policy directory (``--policy-dir``; symbolic links and ``..``
+  resolved first). Anything else raises `PolicyLoadError` before any module is imported, any
+  file is read or anything is called.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from policies.base import DispatchPolicy, MigrationPolicy
+from policies.base import DispatchPolicy, MigrationPolicy, PDPolicy
 from policies.pipeline import Pipeline, PipelineConfigError
 
 ENTRY_POINT_GROUP = "kvherd.policies"
@@ -48,7 +59,14 @@ MIGRATION_POLICIES: dict[str, str] = {
     "defrag": "policies.migrate_defrag:DefragMigration",
     "drain": "policies.migrate_drain:DrainMigration",
 }
+# Prefill/decode pairing (P/D disaggregation).
+PD_POLICIES: dict[str, str] = {
+    "kvherd": "policies.pd_kvherd:KvherdPD",
+    "llmd": "policies.pd_llmd:LlmdPD",
+    "dynamo": "policies.pd_dynamo:DynamoPD",
+}
 DEFAULT_DISPATCH = "kvherd"
+DEFAULT_PD = "kvherd"
 DEFAULT_MIGRATION = "none"
 
 
@@ -79,7 +97,7 @@ def _entry_point(name: str) -> Any | None:
 
 def _instantiate(obj: Any, params: Mapping[str, Any], spec: str) -> Any:
     if isinstance(obj, type) or (
-        callable(obj) and not hasattr(obj, "choose") and not hasattr(obj, "plan")
+        callable(obj) and not any(hasattr(obj, verb) for verb in ("choose", "plan", "pair"))
     ):
         try:
             return obj(**params)
@@ -112,6 +130,64 @@ def _resolve(spec: Any, params: Mapping[str, Any], builtins: Mapping[str, str], 
     return _instantiate(found, params, spec)
 
 
+_PUBLIC_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyAllowList:
+    """What a policy spec from outside the operator's own command line may name."""
+
+    modules: frozenset[str] = frozenset()
+    policy_dir: Path | None = None
+
+    @classmethod
+    def of(
+        cls, modules: Iterable[str] = (), policy_dir: str | Path | None = None
+    ) -> PolicyAllowList:
+        return cls(frozenset(modules), None if policy_dir is None else Path(policy_dir).resolve())
+
+    def load_dispatch_policy(self, spec: Any, params: Mapping[str, Any]) -> DispatchPolicy:
+        """`load_dispatch_policy`, for a spec this allow-list admits (else `PolicyLoadError`)."""
+        if isinstance(spec, Mapping):
+            params = {**(spec.get("parameters") or {}), **params}
+            spec = spec.get("name")
+        if not isinstance(spec, str) or not spec:
+            raise PolicyLoadError(
+                f"a dispatch policy spec must be a non-empty name, got {spec!r:.80}"
+            )
+        if spec in DISPATCH_POLICIES:
+            return load_dispatch_policy(spec, **params)
+        if spec.endswith((".yaml", ".yml")):
+            return load_dispatch_policy(str(self._pipeline_path(spec)), **params)
+        if ":" in spec:
+            self._check_module_attr(spec)
+        return load_dispatch_policy(spec, **params)  # module:attr checked, an entry point, unknown
+
+    def _pipeline_path(self, spec: str) -> Path:
+        if self.policy_dir is None:
+            raise PolicyLoadError(
+                f"policy file {spec!r:.200} refused: no --policy-dir was given at start-up"
+            )
+        path = (self.policy_dir / spec).resolve()
+        if not path.is_relative_to(self.policy_dir):
+            raise PolicyLoadError(f"policy file {spec!r:.200} is outside the policy directory")
+        return path
+
+    def _check_module_attr(self, spec: str) -> None:
+        module_name, _, attr = spec.partition(":")
+        if module_name not in self.modules:
+            raise PolicyLoadError(
+                f"module {module_name!r:.200} is not on the policy allow-list (--policy-module)"
+            )
+        if not _PUBLIC_NAME.fullmatch(attr):
+            raise PolicyLoadError(f"{spec!r:.200}: the attribute must be one public name")
+        obj = _import_attr(spec)
+        is_policy = hasattr(obj, "choose") or hasattr(obj, "plan")
+        if not is_policy and getattr(obj, "__module__", None) != module_name:
+            # A name the module merely imported (``mod:system`` after ``from os import system``).
+            raise PolicyLoadError(f"{spec!r:.200} is neither a policy nor defined in {module_name}")
+
+
 def load_pipeline_file(path: str | Path) -> Pipeline:
     """A `Pipeline` from a YAML declaration file."""
     try:
@@ -135,4 +211,11 @@ def load_migration_policy(spec: Any = DEFAULT_MIGRATION, **params: Any) -> Migra
     policy = _resolve(spec, params, MIGRATION_POLICIES, "migration")
     if not isinstance(policy, MigrationPolicy):
         raise PolicyLoadError(f"{spec!r} is not a migration policy (needs name and plan())")
+    return policy
+
+
+def load_pd_policy(spec: Any = DEFAULT_PD, **params: Any) -> PDPolicy:
+    policy = _resolve(spec, params, PD_POLICIES, "pd")
+    if not isinstance(policy, PDPolicy):
+        raise PolicyLoadError(f"{spec!r} is not a P/D policy (needs name and pair())")
     return policy
