@@ -7,11 +7,12 @@ with both):
   Sequence numbers are the engine's: consecutive, so a subscriber detects a gap. As vLLM's
   publisher does, a batch without a data-parallel rank is stamped with the publisher's (0), so the
   EventBatch is always ``[ts, events, dp_rank]``.
-- ROUTER replay socket: a client (REQ, or DEALER sending an empty delimiter frame first) sends one
-  frame, the 8-byte big-endian sequence number to start from. The reply is one message
-  ``[seq, payload]`` per buffered batch with ``seq >= start`` in order, then the end marker
-  ``[(-1).to_bytes(8, "big", signed=True), b""]``. A start older than the buffer gets what is still
-  buffered (the client sees the gap and must resync from `/kvherd/v1/state`).
+- ROUTER replay socket, framed exactly as vLLM 0.32's: a client (DEALER sending an empty delimiter
+  frame first, or REQ) sends one frame, the 8-byte big-endian sequence number to start from. The
+  reply is one message ``[b"", topic, seq, payload]`` per buffered batch with ``seq >= start`` in
+  order, then the end marker ``[b"", b"", (-1).to_bytes(8, "big", signed=True), b""]``. A DEALER
+  that omits the delimiter gets the same frames without it. A start older than the buffer gets
+  what is still buffered (the client sees the gap and must resync).
 - The replay buffer keeps the last `buffer_steps` batches (bounded memory).
 - Both sockets bind (a fleet's scheduler connects to its agents). ``tcp://host:*`` binds an ephemeral
   port; `endpoint` / `replay_endpoint` report the address actually bound.
@@ -104,7 +105,7 @@ class KVEventPublisher:
             router.close(linger=0)
 
     def _answer(self, router: zmq.Socket, frames: list[bytes]) -> None:
-        # REQ clients send [identity, b"", start]; DEALER clients may omit the delimiter.
+        # vLLM's clients send [identity, b"", start]; a DEALER may omit the delimiter.
         if len(frames) == 3 and frames[1] == b"":
             envelope = [frames[0], b""]
         elif len(frames) == 2:
@@ -115,12 +116,13 @@ class KVEventPublisher:
         start_bytes = frames[-1]
         if len(start_bytes) != 8:
             log.warning("ignoring KV event replay request with a %d-byte start", len(start_bytes))
-            router.send_multipart([*envelope, END_SEQ, b""])
+            router.send_multipart([*envelope, b"", END_SEQ, b""])
             return
         start = int.from_bytes(start_bytes, "big", signed=True)
+        topic = self._topic
         for seq, payload in self.buffered(start):
-            router.send_multipart([*envelope, seq.to_bytes(8, "big"), payload])
-        router.send_multipart([*envelope, END_SEQ, b""])
+            router.send_multipart([*envelope, topic, seq.to_bytes(8, "big"), payload])
+        router.send_multipart([*envelope, b"", END_SEQ, b""])
 
     def close(self) -> None:
         with self._lock:

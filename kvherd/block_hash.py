@@ -5,7 +5,8 @@ Contract:
 - It is chained: ``hash_block(parent, tokens, extra)`` folds in the parent block's hash, so equal hashes
   mean equal whole prefixes, not just equal blocks.
 - Extra keys (e.g. a tenant's cache salt) are folded into the *first* block only; since every later block
-  chains on it, a salt changes every hash of the chain.
+  chains on it, a salt changes every hash of the chain. A LoRA adapter's name is folded into *every*
+  block (as vLLM does), ahead of the salt: `block_extra_keys` gives one block's keys.
 - Hashes are 64-bit unsigned ints, stable across processes, machines and Python versions (xxh3-64 by
   default, sha256 truncated to 64 bits when selected). Python's ``hash()`` is never used.
 
@@ -71,6 +72,17 @@ def hash_block(
     return digest(payload)
 
 
+def block_extra_keys(
+    first_block: bool, cache_salt: str | None = None, lora_name: str | None = None
+) -> tuple[str, ...] | None:
+    """The extra keys one block's hash folds in: ``("lora", name)`` on every block of a LoRA
+    request, then the cache salt on the first block of a prompt; None when there are none."""
+    keys: tuple[str, ...] = ("lora", lora_name) if lora_name is not None else ()
+    if first_block and cache_salt:
+        keys += (cache_salt,)
+    return keys or None
+
+
 def block_hash_chain(
     token_ids: Sequence[int],
     block_size: int,
@@ -78,11 +90,12 @@ def block_hash_chain(
     algo: HashAlgo = "xxh3_64",
     start: int = 0,
     parent_hash: BlockHash | None = None,
+    lora_name: str | None = None,
 ) -> list[BlockHash]:
     """Hashes of every full block of `token_ids`, from block index `start` on.
 
     `parent_hash` must be the hash of block `start - 1` when `start > 0` (incremental hashing as a
-    request grows). The salt only enters block 0.
+    request grows). The salt only enters block 0; `lora_name` enters every block.
     """
     if block_size <= 0:
         raise ValueError("block_size must be positive")
@@ -92,6 +105,15 @@ def block_hash_chain(
     num_blocks = len(token_ids) // block_size
     if start >= num_blocks:
         return []
+    if lora_name is not None:
+        previous = parent_hash
+        chain: list[BlockHash] = []
+        for index in range(start, num_blocks):
+            block = token_ids[index * block_size : (index + 1) * block_size]
+            extra = block_extra_keys(index == 0, cache_salt, lora_name)
+            previous = hash_block(previous, block, extra, algo)
+            chain.append(previous)
+        return chain
     # One conversion of every covered token, then one C call per block to cut it into block
     # payloads (iter_unpack) and one to prefix the parent (pack): a long prompt's thousands of
     # blocks cost a single tight loop with no slicing arithmetic.

@@ -31,13 +31,14 @@ from itertools import accumulate, compress, count, islice, repeat
 from operator import and_, ne, not_, or_
 from typing import cast
 
-from kvherd.block_hash import HashAlgo, block_hash_chain
+from kvherd.block_hash import HashAlgo, block_extra_keys, block_hash_chain, hash_block
 from kvherd.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEvent,
     KVEventBatch,
+    salt_and_extras,
 )
 
 _GPU_MEDIA = (None, "GPU", "gpu", "cuda")
@@ -422,12 +423,17 @@ class PrefixIndex:
         usable = len(event.token_ids) // self.block_size
         if usable < len(engine_hashes):
             engine_hashes = engine_hashes[:usable]
-        kv_hashes = block_hash_chain(
-            event.token_ids[: len(engine_hashes) * self.block_size],
-            self.block_size,
-            algo=self.hash_algo,
-            parent_hash=parent,
-        )
+        tokens = event.token_ids[: len(engine_hashes) * self.block_size]
+        if event.extra_keys is None or event.extra_keys.count(None) == len(event.extra_keys):
+            kv_hashes = block_hash_chain(
+                tokens,
+                self.block_size,
+                algo=self.hash_algo,
+                parent_hash=parent,
+                lora_name=event.lora_name,
+            )
+        else:
+            kv_hashes = self._keyed_chain(event, tokens, parent)
         # A plain loop: each block costs four dict operations, memory-bound on a large index;
         # C-iterator passes over the run (measured on the simulator's event stream) only add
         # passes over the same dicts.
@@ -446,6 +452,29 @@ class PrefixIndex:
             else:
                 owners[kv_hash] = mask | bit
         self._grew(inst, size - before)
+
+    def _keyed_chain(self, event: BlockStored, tokens: list[int], parent: int | None) -> list[int]:
+        """kvherd hashes of an event's blocks folding in the extra keys vLLM reports per block:
+        the salt on a prompt's first block and the LoRA name as `block_hash_chain` folds them (so
+        a request hashed with the same salt and adapter matches), and any other key (multi-modal,
+        prompt embeddings) after them, so that such a block never matches a text-only request."""
+        assert event.extra_keys is not None
+        if event.parent_block_hash is None and not any(event.extra_keys[1:]):
+            salt, others = salt_and_extras(event.extra_keys[0], event.lora_name, True)
+            if not others:  # the usual salted prompt: only its first block carries a key
+                return block_hash_chain(
+                    tokens, self.block_size, salt, self.hash_algo, lora_name=event.lora_name
+                )
+        size, chain, previous = self.block_size, [], parent
+        for index in range(len(tokens) // size):
+            first = index == 0 and event.parent_block_hash is None
+            salt, others = salt_and_extras(event.extra_keys[index], event.lora_name, first)
+            extra = block_extra_keys(first, salt, event.lora_name) or ()
+            previous = hash_block(
+                previous, tokens[index * size : (index + 1) * size], extra + others, self.hash_algo
+            )
+            chain.append(previous)
+        return chain
 
     def _store_trusted(self, inst: _InstanceBlocks, block_hashes: Sequence[int]) -> None:
         """`_stored` for engine hashes that are kvherd's own: an entry names itself and the

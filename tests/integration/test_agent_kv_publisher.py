@@ -87,10 +87,11 @@ def _replay(endpoint: str, start: int, socket_type: int) -> list[tuple[int, byte
             if socket_type == zmq.DEALER:
                 assert frames[0] == b""
                 frames = frames[1:]
-            seq_bytes, payload = frames
+            topic, seq_bytes, payload = frames  # vLLM 0.32's framing
             if seq_bytes == END_SEQ:
-                assert payload == b""
+                assert (topic, payload) == (b"", b"")
                 return replies
+            assert topic == b"kv-events"
             replies.append((int.from_bytes(seq_bytes, "big"), payload))
             if socket_type == zmq.REQ:
                 return replies  # a REQ socket takes exactly one reply per request
@@ -134,7 +135,7 @@ def test_malformed_replay_request_gets_end_marker(publisher: KVEventPublisher) -
     try:
         sock.send_multipart([b"", b"abc"])  # not an 8-byte sequence number
         assert sock.poll(5000)
-        assert sock.recv_multipart() == [b"", END_SEQ, b""]
+        assert sock.recv_multipart() == [b"", b"", END_SEQ, b""]
     finally:
         sock.close(linger=0)
         ctx.term()

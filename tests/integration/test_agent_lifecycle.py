@@ -53,7 +53,7 @@ def _replay(endpoint: str, start: int) -> list[tuple[int, bytes]]:
         replies: list[tuple[int, bytes]] = []
         while True:
             assert sock.poll(10_000), "replay did not answer"
-            _, seq_bytes, payload = sock.recv_multipart()
+            _, _topic, seq_bytes, payload = sock.recv_multipart()
             if seq_bytes == END_SEQ:
                 return replies
             replies.append((int.from_bytes(seq_bytes, "big"), payload))
