@@ -6,18 +6,22 @@ Contract:
   vLLM/SGLang server: from then on its ``GET {url}/metrics`` is scraped (`parse_prometheus`).
 - An instance that serves neither (404 on both) is asked again only every `idle_recheck_s`: a
   poll that can never succeed should not cost the proxy's event loop a request per interval.
-- Each successful poll hands a `LoadReport` to `on_report(instance_id, report)`. A failed or
-  unreadable poll is logged and skipped: the scheduler keeps its last report plus its own
-  accounting, and health is the health checker's business, not the poller's.
+- Each successful poll hands a `LoadReport` to `on_report(instance_id, report)`. A failed,
+  unreadable or timed-out poll is skipped (the scheduler keeps its last report plus its own
+  accounting; health is the health checker's business, not the poller's), counted per instance
+  (`failures_total`, and `on_failure(instance_id)` for the proxy's metric), and logged at WARNING
+  once `warn_after` polls in a row have failed (then every `warn_after` more), at debug before;
+  the first success after a warned run says so at INFO.
 - Instances are read from `targets()` at every round, so registration and removal need no calls here.
-  Polls of one round run concurrently, each bounded by `timeout_s`.
+  Polls of one round run concurrently, each bounded by `timeout_s`, and send `headers` (the fleet
+  token: the state route is a control route).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import httpx
 
@@ -43,12 +47,20 @@ class LoadPoller:
         interval_s: float = 0.25,
         timeout_s: float = 2.0,
         idle_recheck_s: float = 30.0,
+        headers: Mapping[str, str] | None = None,
+        on_failure: Callable[[str], None] | None = None,
+        warn_after: int = 3,
     ) -> None:
         self._targets = targets  # instance id -> base URL
+        self._on_failure = on_failure
+        self.warn_after = warn_after
+        self.timeout_s = timeout_s
+        self._failing: dict[str, int] = {}  # consecutive failed polls
+        self.failures_total: dict[str, int] = {}
         self._on_report = on_report
         self._block_size = block_size
         self.interval_s = interval_s
-        self._client = httpx.AsyncClient(timeout=timeout_s, trust_env=False)
+        self._client = httpx.AsyncClient(timeout=timeout_s, trust_env=False, headers=headers)
         self._scrape_only: set[str] = set()  # instances without the agent state endpoint
         self._no_source_until: dict[str, float] = {}  # instances with no load endpoint at all
         self.idle_recheck_s = idle_recheck_s
@@ -77,13 +89,38 @@ class LoadPoller:
                 response.raise_for_status()
                 report = parse_prometheus(response.text, self._block_size())
         except (httpx.HTTPError, LoadReportError, ValueError) as exc:
-            log.debug("load poll of %s failed: %s", instance_id, exc)
+            self._failed(instance_id, base, exc)
             return None
+        if self._failing.pop(instance_id, 0) >= self.warn_after:
+            log.info("load poll of %s succeeds again", instance_id)
         self._on_report(instance_id, report)
         return report
 
+    def _failed(self, instance_id: str, base: str, exc: Exception) -> None:
+        run = self._failing[instance_id] = self._failing.get(instance_id, 0) + 1
+        self.failures_total[instance_id] = self.failures_total.get(instance_id, 0) + 1
+        if self._on_failure is not None:
+            self._on_failure(instance_id)
+        if isinstance(exc, httpx.TimeoutException):
+            why = f"no answer within {self.timeout_s:g} s ({type(exc).__name__})"
+        else:
+            why = str(exc) or type(exc).__name__
+        if run % self.warn_after == 0:
+            log.warning(
+                "load poll of %s (%s) failed %d times in a row: %s; routing uses the last report "
+                "and the proxy's own accounting",
+                instance_id,
+                base,
+                run,
+                why,
+            )
+        else:
+            log.debug("load poll of %s failed: %s", instance_id, why)
+
     def forget(self, instance_id: str) -> None:
         self._scrape_only.discard(instance_id)
+        self._failing.pop(instance_id, None)
+        self.failures_total.pop(instance_id, None)
         self._no_source_until.pop(instance_id, None)
 
     async def poll_all(self) -> None:

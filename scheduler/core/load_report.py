@@ -18,7 +18,8 @@ Contract:
 - `parse_prometheus(text, block_size)` reads vLLM (v1 and older) and SGLang metric names:
   ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
   (old: ``vllm:gpu_cache_usage_perc``), ``vllm:num_preemptions_total``,
-  ``vllm:cache_config_info{num_gpu_blocks=...}``; ``sglang:num_running_reqs``,
+  ``vllm:cache_config_info{num_gpu_blocks=...,block_size=...}`` (the engine's block size becomes
+  the report's ``block_size``); ``sglang:num_running_reqs``,
   ``sglang:num_queue_reqs``, ``sglang:token_usage``, ``sglang:max_total_num_tokens``. Samples of
   one metric with several label sets (models, engines) are summed (usage: averaged).
 - Malformed input raises `LoadReportError` (a ValueError) with a message naming the field.
@@ -177,14 +178,18 @@ def parse_prometheus(text: str, block_size: int = 16) -> LoadReport:
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     total_blocks: int | None = None
+    fields: dict[str, Any] = {}
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 name = sample.name
-                if name == "vllm:cache_config_info" and "num_gpu_blocks" in sample.labels:
-                    gpu_blocks = sample.labels["num_gpu_blocks"]
+                if name == "vllm:cache_config_info":
+                    gpu_blocks = sample.labels.get("num_gpu_blocks", "")
                     if gpu_blocks.isdigit():
                         total_blocks = int(gpu_blocks)
+                    engine_block_size = sample.labels.get("block_size", "")
+                    if engine_block_size.isdigit() and int(engine_block_size) > 0:
+                        fields["block_size"] = int(engine_block_size)
                 elif name == "sglang:max_total_num_tokens":
                     total_blocks = int(sample.value) // block_size
                 elif math.isfinite(sample.value):
@@ -192,7 +197,6 @@ def parse_prometheus(text: str, block_size: int = 16) -> LoadReport:
                     counts[name] = counts.get(name, 0) + 1
     except ValueError as exc:  # the parser raises ValueError (and subclasses) on bad text
         raise LoadReportError(f"not Prometheus text format: {exc}") from exc
-    fields: dict[str, Any] = {}
     for sample_name, field_name in _PROM_FIELDS:
         if field_name in fields or sample_name not in sums:
             continue
