@@ -9,6 +9,11 @@ Contract:
   deregisters on shutdown; the bearer token comes from ``$KVHERD_ADMIN_TOKEN``.
 - Live migration (``/kvherd/v1/migrate`` and the destination endpoints, see `migration_routes`) is
   always mounted; KV bytes move over gloo from ``--advertise-host``.
+- The control routes (``/kvherd/v1/*``: migration, stream follow and resume, the state with its
+  block hashes) require ``Authorization: Bearer FLEET_TOKEN`` when a fleet token is given
+  (``--fleet-token`` or ``$KVHERD_FLEET_TOKEN``); this agent sends it to other agents too. Without
+  one they are open, which is allowed only on a loopback bind: an agent bound to any other address
+  without a token refuses to start unless ``--no-fleet-token`` says the network is trusted.
 - SIGTERM drains: new requests get 503, open requests finish (aborted after ``--drain-timeout``
   seconds), then the process exits 0. With ``--scheduler``, the scheduler hears "draining" at once
   and migrates the running requests to other instances, so the drain takes a migration, not the
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import ipaddress
 import logging
 import re
 import socket
@@ -43,6 +49,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-events-buffer", type=int, default=10_000, help="batches kept for replay"
     )
     parser.add_argument("--scheduler", default=None, help="scheduler base URL to register with")
+    parser.add_argument(
+        "--fleet-token",
+        default=None,
+        help="token the /kvherd/v1/* control routes require (default: $KVHERD_FLEET_TOKEN)",
+    )
+    parser.add_argument(
+        "--no-fleet-token",
+        action="store_true",
+        help="serve the control routes without a token on a non-loopback bind (trusted networks)",
+    )
     parser.add_argument("--heartbeat-interval", type=float, default=2.0)
     parser.add_argument("--drain-timeout", type=float, default=600.0)
     engine = parser.add_argument_group("engine")
@@ -77,6 +93,15 @@ def _advertised(endpoint: str | None, host: str) -> str | None:
     return re.sub(r"^tcp://(\*|0\.0\.0\.0|\[::\]|::)(?=:)", f"tcp://{host}", endpoint)
 
 
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
     import zmq
@@ -88,10 +113,20 @@ def run(args: argparse.Namespace) -> int:
     from instance_agent.migration_routes import MigrationService, create_migration_router
     from instance_agent.registration import Registrar
     from instance_agent.server import Agent, DrainingServer, create_app
+    from kvherd.fleet_token import FLEET_TOKEN_ENV, resolve
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    fleet_token = resolve(args.fleet_token)
+    if fleet_token is None and not _is_loopback(args.host) and not args.no_fleet_token:
+        log.error(
+            "refusing to serve the control routes on %s without a fleet token: give "
+            "--fleet-token or $%s (or --no-fleet-token on a trusted network)",
+            args.host,
+            FLEET_TOKEN_ENV,
+        )
+        return 2
     wildcard = args.host in ("0.0.0.0", "::", "")
     advertise_host = args.advertise_host or (socket.gethostname() if wildcard else args.host)
     instance_id = args.instance_id or f"{socket.gethostname()}:{args.port}"
@@ -191,8 +226,8 @@ def run(args: argparse.Namespace) -> int:
             heartbeat_s=args.heartbeat_interval,
         )
 
-    migration = MigrationService(engine_loop, instance_id, advertise_host)
-    app = create_app(agent, routers=[create_migration_router(migration)])
+    migration = MigrationService(engine_loop, instance_id, advertise_host, fleet_token=fleet_token)
+    app = create_app(agent, routers=[create_migration_router(migration)], fleet_token=fleet_token)
     uv_config = uvicorn.Config(
         app,
         host=args.host,

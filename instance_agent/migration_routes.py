@@ -4,7 +4,8 @@ Contract:
 - `EngineMigrationAdapter` makes an `LLMEngine` a `migration.core.protocol.MigratableEngine`. Its
   methods run on the engine thread only (through `EngineLoop.call`).
 - `MigrationService` owns this agent's transport hub, its incoming-reservation table and the
-  outgoing-migration limit (one in and one out at a time by default, like Llumnix).
+  outgoing-migration limit (one in and one out at a time by default, like Llumnix). Its calls to
+  other agents (migration stages, stream relay) carry the fleet token when there is one.
 - Client streams: on the destination the engine loop runs the adopted request without a client
   and buffers its outputs for a follower (`EngineLoop.attach`); on the source, right after a
   commit, the request's open client stream is handed off (`EngineLoop.hand_off`) to
@@ -36,6 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from instance_agent import relay
 from instance_agent.engine.core.request import RequestStatus
+from kvherd.fleet_token import auth_headers
 from kvherd.wire import OpenAIError, bad_request
 from migration.core.protocol import (
     AbortReason,
@@ -186,6 +188,7 @@ class MigrationService:
         transport_host: str = "127.0.0.1",
         settings: MigrationSettings | None = None,
         on_released: Callable[[str, str, int], None] | None = None,
+        fleet_token: str | None = None,
     ) -> None:
         """`on_released(request_id, dst_url, next_token_index)` runs on the engine thread as a
         committed request leaves (an observer: the client stream is handed off after it)."""
@@ -204,7 +207,9 @@ class MigrationService:
             self.adapter.kv_bytes_per_block(),
         )
         self._outgoing: set[str] = set()
-        self._http = httpx.AsyncClient(timeout=self.settings.control_timeout_s)
+        self._http = httpx.AsyncClient(
+            timeout=self.settings.control_timeout_s, headers=auth_headers(fleet_token)
+        )
         self.outcomes: dict[str, int] = {}  # "committed" or an abort reason -> count
         self.metrics = (
             MigrationMetrics(engine_loop.metrics.registry) if engine_loop.metrics else None

@@ -16,6 +16,8 @@ Contract (`create_app(agent)` returns the FastAPI app):
   ``?block_hashes=true`` adds the cached block hashes; ``?check_integrity=true`` adds
   ``"integrity": "ok"`` or the block manager's failed invariant, a debugging aid for tests).
 - ``GET /kvherd/v1/requests/{id}/stream``: follow a request migrated in (see `relay`).
+- With a fleet token (``create_app(..., fleet_token=...)``) every ``/kvherd/v1/*`` route answers
+  401 without ``Authorization: Bearer FLEET_TOKEN`` (`control_auth`).
 - Proxy reattachment: a streamed request sent with ``X-Kvherd-Reattach: 1`` that migrates away
   ends its SSE (without ``[DONE]``) with the notice ``data: {"kvherd": {"migrated_to": URL,
   "request_id": ID, "resume": {...}}}``; ``POST URL/kvherd/v1/requests/{id}/resume`` with the
@@ -51,6 +53,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from instance_agent import protocol, relay
+from instance_agent.control_auth import FleetTokenMiddleware
 from instance_agent.engine.core.request import InvalidRequestError, SamplingParams
 from instance_agent.engine_loop import (
     EngineDeadError,
@@ -210,8 +213,11 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-def create_app(agent: Agent, routers: Sequence[APIRouter] = ()) -> FastAPI:
-    """The agent's app; `routers` add endpoints (e.g. migration) that share `app.state.agent`."""
+def create_app(
+    agent: Agent, routers: Sequence[APIRouter] = (), fleet_token: str | None = None
+) -> FastAPI:
+    """The agent's app; `routers` add endpoints (e.g. migration) that share `app.state.agent`;
+    `fleet_token` guards ``/kvherd/v1/*``."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -288,6 +294,8 @@ def create_app(agent: Agent, routers: Sequence[APIRouter] = ()) -> FastAPI:
         return _error_response(OpenAIError(500, f"internal error: {exc!r}", type="server_error"))
 
     app.add_middleware(BodyLimitMiddleware, limit=protocol.MAX_BODY_BYTES)
+    if fleet_token:
+        app.add_middleware(FleetTokenMiddleware, token=fleet_token)
 
     @app.get("/health")
     async def health() -> JSONResponse:

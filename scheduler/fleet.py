@@ -9,6 +9,12 @@ Contract:
   that stop heartbeating for `heartbeat_timeout_s` are removed; static ones are not.
 - Block size: one per fleet (hashes only match between equal block sizes). Unless pinned, the first
   instance that reports one sets it; an instance with another block size is refused.
+- Request ids: `new_key(client_request_id)` gives each request the fleet's own id, unique among
+  every proxy process's requests (a random per-process prefix and a counter); it is the router's
+  key and the id the agents see, so a client's ``X-Request-Id`` can neither collide with another
+  request's (another tenant's) nor tell whether one is in flight. `request_key(id)` maps a client's
+  id of a request in flight back to its key (the first holder of a reused id keeps it), for
+  operators who know only the client's id; the alias table is bounded.
 - Request path (synchronous, no I/O): `dispatch` -> (instance, matched blocks), then exactly one of
   `request_finished` / `request_failed` per dispatch, with `first_token` in between for streams.
   An instance is saturated while `max_inflight_per_instance` requests are in flight on it;
@@ -20,21 +26,27 @@ Contract:
 - Health: `failure_threshold` consecutive failures eject an instance (not dispatchable, counted in
   ``kvherd_ejections_total``); after the ejection time the next active probe is its half-open
   trial. A comeback after ejection resubscribes its KV events (it may have restarted).
-- Policies: `set_policy(spec, params)` switches the dispatch policy at run time; a spec that does
-  not load raises `FleetError(400)` and the old policy stays.
+- Policies: `set_policy(spec, params)` switches the dispatch policy at run time, loading only what
+  the operator's `PolicyAllowList` admits (built-in names, entry points, allow-listed modules, the
+  policy directory); a spec that is refused or does not load raises `FleetError(400)` and the old
+  policy stays. The start-up `policy_spec` is the operator's own and loads unrestricted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
+import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from policies.registry import PolicyLoadError, load_dispatch_policy
+from kvherd.fleet_token import auth_headers
+from policies.registry import PolicyAllowList, PolicyLoadError, load_dispatch_policy
 from policies.views import NoInstanceError
 from scheduler.core.cluster_state import ClusterState
 from scheduler.core.load_report import LoadReport
@@ -49,6 +61,9 @@ if TYPE_CHECKING:
     from scheduler.migration_driver import MigrationDriver
 
 log = logging.getLogger("kvherd.fleet")
+
+# Client request ids remembered for `Fleet.request_key` (the oldest are forgotten first).
+MAX_REQUEST_ALIASES = 65_536
 
 
 class FleetError(Exception):
@@ -105,6 +120,7 @@ class FleetSettings:
     kv_events: bool = True  # subscribe to instances' KV events when they offer them
     approx_ttl_s: float = 120.0
     replay_timeout_s: float = 2.0
+    fleet_token: str | None = None  # sent to the agents' control routes (the state snapshot)
 
 
 class Fleet:
@@ -115,8 +131,10 @@ class Fleet:
         metrics: ProxyMetrics,
         policy_params: dict[str, Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        policy_allow: PolicyAllowList | None = None,
     ) -> None:
         self.settings = settings
+        self.policy_allow = policy_allow or PolicyAllowList()
         self.metrics = metrics
         self.clock = clock
         self.block_size_pinned = settings.block_size is not None
@@ -137,13 +155,19 @@ class Fleet:
         self.on_capacity: Callable[[], None] = lambda: None
         self.subscriber = KVEventSubscriber(self.cluster, settings.replay_timeout_s)
         self.poller = LoadPoller(
-            self._urls, self._on_report, lambda: self.cluster.block_size, settings.load_interval_s
+            self._urls,
+            self._on_report,
+            lambda: self.cluster.block_size,
+            settings.load_interval_s,
+            headers=auth_headers(settings.fleet_token),
         )
         self.prober = ActiveProber(
             self._urls, self._on_probe, settings.health_interval_s, settings.health_timeout_s
         )
         self._reaper: asyncio.Task[None] | None = None
-        self._keys = 0
+        self._key_prefix = os.urandom(6).hex()
+        self._key_counter = itertools.count(1)
+        self._aliases: OrderedDict[str, str] = OrderedDict()  # client request id -> key
         self._saturated: set[str] = set()  # instances at max_inflight_per_instance
         # Live migration (``--migration-policy``); None when the policy is "none".
         self.migration: MigrationDriver | None = None
@@ -266,7 +290,7 @@ class Fleet:
 
     def set_policy(self, spec: str, params: dict[str, Any]) -> None:
         try:
-            policy = load_dispatch_policy(spec, **params)
+            policy = self.policy_allow.load_dispatch_policy(spec, params)
         except (PolicyLoadError, TypeError, ValueError) as exc:
             raise FleetError(400, f"cannot load policy {spec!r}: {exc}", "policy") from exc
         self.router.set_policy(policy)
@@ -307,12 +331,23 @@ class Fleet:
             self.on_capacity()
 
     # -- request path ------------------------------------------------------------------------
-    def new_key(self, request_id: str) -> str:
-        """A routing key unique among requests in flight (clients may reuse X-Request-Id)."""
-        if self.router.instance_of(request_id) is None:
+    def new_key(self, client_request_id: str) -> str:
+        """The fleet's own id for a new request (see the module contract)."""
+        key = f"{self._key_prefix}-{next(self._key_counter):x}"
+        aliases = self._aliases
+        held = aliases.get(client_request_id)
+        if held is None or self.router.instance_of(held) is None:
+            aliases[client_request_id] = key
+            aliases.move_to_end(client_request_id)
+            if len(aliases) > MAX_REQUEST_ALIASES:
+                aliases.popitem(last=False)
+        return key
+
+    def request_key(self, request_id: str) -> str:
+        """The key of a request in flight named by its key or by its client's X-Request-Id."""
+        if self.router.instance_of(request_id) is not None:
             return request_id
-        self._keys += 1
-        return f"{request_id}#{self._keys}"
+        return self._aliases.get(request_id, request_id)
 
     def dispatch(
         self,

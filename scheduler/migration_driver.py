@@ -16,7 +16,7 @@ Contract:
   migration notice and the proxy reattaches at the destination; a non-streamed one is relayed by
   its source.
 - Request ids in orders are the agents' own, which are the ``X-Request-Id`` the proxy forwarded
-  (the router's key for the request).
+  (the router's key for the request). Orders carry the fleet token when there is one.
 - Metrics on the proxy's registry: ``kvherd_migrations_started_total``,
   ``kvherd_migrations_total{outcome}`` (``committed``, an abort reason, or ``failed`` when the
   source could not be asked), ``kvherd_migration_bytes_total{kind}`` (``sent``, ``skipped``:
@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from kvherd.fleet_token import auth_headers
 from kvherd.wire import OpenAIError
 from migration.core.protocol import MigrationOutcome, MigrationStatus
 from migration.executor import MigrationExecutor
@@ -144,10 +145,13 @@ class MigrationDriver:
         interval_s: float = 1.0,
         max_in_flight: int = 4,
         order_timeout_s: float = 120.0,
+        fleet_token: str | None = None,
     ) -> None:
         self.fleet = fleet
         self.metrics = MigrationMetrics(fleet.metrics.registry)
-        self._client = httpx.AsyncClient(timeout=order_timeout_s, trust_env=False)
+        self._client = httpx.AsyncClient(
+            timeout=order_timeout_s, trust_env=False, headers=auth_headers(fleet_token)
+        )
         self.executor = MigrationExecutor(self._client, self._url_of, self._on_done)
         self.loop = MigrationLoop(
             WithDrain(policy),

@@ -11,7 +11,10 @@ Without ``kv_events`` the instance is routed with the approximate prefix index.
 ``api_keys`` (``KEY[=TENANT]`` strings) and ``allow_register`` (patterns); command-line flags
 win. A file holding an llm-d style pipeline (``schedulingProfiles`` or ``scorers``) is the policy.
 
-The admin API always requires a token: ``--admin-token`` or ``KVHERD_ADMIN_TOKEN``.
+The admin API always requires a token: ``--admin-token`` or ``KVHERD_ADMIN_TOKEN``. Agents started
+with a fleet token (``kvherd agent --fleet-token``) guard their ``/kvherd/v1/*`` control routes with
+it: give the proxy the same one (``--fleet-token`` or ``KVHERD_FLEET_TOKEN``) and it sends it to
+them (state polls, migration orders, stream resumes).
 """
 
 from __future__ import annotations
@@ -39,6 +42,20 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared by ``kvherd serve`` and ``kvherd up``."""
     parser.add_argument("--policy", default=None, help="dispatch policy: name, module:attr or YAML")
     parser.add_argument(
+        "--policy-module",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="a module whose policies the admin API may load as MODULE:NAME; repeatable "
+        "(the admin API loads built-in names and kvherd.policies entry points regardless)",
+    )
+    parser.add_argument(
+        "--policy-dir",
+        default=None,
+        metavar="DIR",
+        help="the directory whose YAML pipelines the admin API may load (default: none)",
+    )
+    parser.add_argument(
         "--policy-param",
         action="append",
         default=[],
@@ -58,6 +75,11 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admin-host", default="127.0.0.1")
     parser.add_argument("--admin-port", type=int, default=8001)
     parser.add_argument("--admin-token", default=None, help=f"default: ${ADMIN_TOKEN_ENV}")
+    parser.add_argument(
+        "--fleet-token",
+        default=None,
+        help="token of the agents' /kvherd/v1/* control routes (default: $KVHERD_FLEET_TOKEN)",
+    )
     parser.add_argument(
         "--allow-register",
         action="append",
@@ -151,10 +173,13 @@ def _policy_params(items: list[str]) -> dict[str, Any]:
     return params
 
 
-async def probe_instance(raw: dict[str, Any], kv_events: bool) -> InstanceSpec:
+async def probe_instance(
+    raw: dict[str, Any], kv_events: bool, fleet_token: str | None = None
+) -> InstanceSpec:
     """Learn a static instance's id, model and block size from its state snapshot or model list."""
     import httpx
 
+    from kvherd.fleet_token import auth_headers
     from scheduler.fleet import InstanceSpec
 
     url = raw["url"]
@@ -165,7 +190,8 @@ async def probe_instance(raw: dict[str, Any], kv_events: bool) -> InstanceSpec:
         replay_endpoint=raw.get("replay_endpoint"),
         kvherd_agent=False,
     )
-    async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
+    headers = auth_headers(fleet_token)
+    async with httpx.AsyncClient(timeout=5.0, trust_env=False, headers=headers) as client:
         try:
             state = await client.get(url + "/kvherd/v1/state")
             if state.status_code == 200:
@@ -220,7 +246,9 @@ async def serve_fleet(
     `on_ready` runs once both servers listen; `before_shutdown` runs after the stop request while
     both still serve (``kvherd up`` stops its agents there, so they can deregister).
     """
+    from kvherd.fleet_token import resolve
     from kvherd.tokenizer import load_tokenizer
+    from policies.registry import PolicyAllowList
     from scheduler.core.tenancy import build_registry
     from scheduler.fleet import Fleet, FleetError, FleetSettings
     from scheduler.proxy.admin import LOOPBACK_PATTERNS, RegistrationPolicy, build_admin_app
@@ -245,6 +273,7 @@ async def serve_fleet(
             file=sys.stderr,
         )
         return 2
+    fleet_token = resolve(args.fleet_token)
     tenants = build_registry(list(config.get("api_keys") or []) + args.api_key, args.api_keys_file)
     allow = RegistrationPolicy(
         args.allow_register or config.get("allow_register") or LOOPBACK_PATTERNS
@@ -259,9 +288,16 @@ async def serve_fleet(
         load_interval_s=args.load_interval,
         heartbeat_timeout_s=args.heartbeat_timeout,
         kv_events=not args.no_kv_events,
+        fleet_token=fleet_token,
     )
     try:
-        fleet = Fleet(policy, settings, metrics, params)
+        fleet = Fleet(
+            policy,
+            settings,
+            metrics,
+            params,
+            policy_allow=PolicyAllowList.of(args.policy_module, args.policy_dir),
+        )
     except FleetError as exc:
         print(f"kvherd serve: {exc.message}", file=sys.stderr)
         return 2
@@ -274,7 +310,9 @@ async def serve_fleet(
         print(f"kvherd serve: {exc}", file=sys.stderr)
         return 2
     # Always driven, even with "none": drains and operators' orders migrate too.
-    fleet.migration = MigrationDriver(fleet, migration_policy, args.migration_interval)
+    fleet.migration = MigrationDriver(
+        fleet, migration_policy, args.migration_interval, fleet_token=fleet_token
+    )
     fleet.migration_spec = args.migration_policy
     proxy = Proxy(
         fleet,
@@ -288,6 +326,7 @@ async def serve_fleet(
             request_timeout_s=args.request_timeout,
             stream_idle_timeout_s=args.stream_idle_timeout,
             expose_instance=args.expose_instance,
+            fleet_token=fleet_token,
         ),
         metrics,
     )
@@ -316,7 +355,8 @@ async def serve_fleet(
             if "url" not in entry:
                 raise ValueError(f"config instance {raw!r} has no url")
             try:
-                await fleet.add_instance(await probe_instance(entry, not args.no_kv_events))
+                spec = await probe_instance(entry, not args.no_kv_events, fleet_token)
+                await fleet.add_instance(spec)
             except FleetError as exc:
                 print(f"kvherd serve: instance {entry['url']}: {exc.message}", file=sys.stderr)
                 return 2

@@ -8,7 +8,10 @@ and deregister), any still alive after ``--stop-timeout`` seconds get SIGKILL, t
 Agents also die with this process if it is killed outright (Linux parent-death signal), so no agent
 is ever orphaned.
 
-The admin token is ``--admin-token``, else ``$KVHERD_ADMIN_TOKEN``, else a fresh random one.
+The admin token is ``--admin-token``, else ``$KVHERD_ADMIN_TOKEN``, else a fresh random one. The
+fleet token that guards the agents' ``/kvherd/v1/*`` control routes is ``--fleet-token``, else
+``$KVHERD_FLEET_TOKEN``, else a fresh random one; the agents get it by their environment, the proxy
+sends it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import tempfile
 import time
 from typing import TYPE_CHECKING
 
+from kvherd.fleet_token import FLEET_TOKEN_ENV, resolve
 from scheduler.serve_cli import ADMIN_TOKEN_ENV, add_proxy_arguments
 
 if TYPE_CHECKING:
@@ -67,16 +71,19 @@ def _die_with_parent() -> None:
 class AgentGroup:
     """The child agents: start, watch, stop."""
 
-    def __init__(self, args: argparse.Namespace, token: str, log_dir: str) -> None:
+    def __init__(
+        self, args: argparse.Namespace, token: str, fleet_token: str, log_dir: str
+    ) -> None:
         self.args = args
         self.token = token
+        self.fleet_token = fleet_token
         self.log_dir = log_dir
         self.procs: list[subprocess.Popen[bytes]] = []
         self.log_paths: list[str] = []
 
     def start(self) -> None:
         scheduler_url = f"http://{self._admin_host()}:{self.args.admin_port}"
-        env = {**os.environ, ADMIN_TOKEN_ENV: self.token}
+        env = {**os.environ, ADMIN_TOKEN_ENV: self.token, FLEET_TOKEN_ENV: self.fleet_token}
         for index in range(self.args.num_instances):
             port = _free_port()
             cmd = [
@@ -125,17 +132,19 @@ class AgentGroup:
 
 
 async def _up(args: argparse.Namespace) -> int:
+    from kvherd.tokenizer import tokenizer_spec_for_model
     from scheduler.serve_cli import serve_fleet
 
     # The proxy tokenizes like the agents: the checkpoint's tokenizer, or the byte tokenizer.
-    args.tokenizer = args.tokenizer or args.model
+    args.tokenizer = args.tokenizer or tokenizer_spec_for_model(args.model)
     token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV)
     generated = not token
     token = token or secrets.token_urlsafe(24)
     args.admin_token = token
+    args.fleet_token = resolve(args.fleet_token) or secrets.token_urlsafe(24)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="kvherd-up-")
     os.makedirs(log_dir, exist_ok=True)
-    agents = AgentGroup(args, token, log_dir)
+    agents = AgentGroup(args, token, args.fleet_token, log_dir)
     stop = asyncio.Event()
     failure: list[str] = []
 

@@ -20,13 +20,17 @@ object; bodies are JSON; errors are ``{"error": {"message", "type", "param", "co
   resume) routing new requests there; its running requests are live-migrated to other instances
   (the `drain` migration policy, whatever ``--migration-policy`` says); those that fit nowhere
   finish where they are.
-- ``POST /admin/v1/migrate`` ``{"request_id", "to"}``: live-migrate a request in flight to
+- ``POST /admin/v1/migrate`` ``{"request_id", "to"}`` (the fleet's id of the request, or the
+  client's ``X-Request-Id`` of it, see `Fleet.request_key`): live-migrate a request in flight to
   instance ``to`` and return the source agent's outcome (200 whether it committed or aborted; the
   body says which and why); 404 for an unknown request or instance, 409 if it is already
   migrating, 502 if the source agent could not be asked.
 - ``GET /admin/v1/policy`` / ``PUT /admin/v1/policy`` ``{"policy": spec, "parameters": {...}}``:
-  show or switch the dispatch policy (a registry name, ``module:attr``, an entry point or a YAML
-  pipeline file) without restarting; a spec that does not load is a 400 and the old policy stays.
+  show or switch the dispatch policy without restarting: a registry name, a ``kvherd.policies``
+  entry point, ``module:attr`` of a module the operator allow-listed (``--policy-module``) or a
+  YAML pipeline inside the operator's ``--policy-dir`` (`policies.registry.PolicyAllowList`). A
+  spec that is refused (``os:system``, ``../../etc/passwd.yaml``) or does not load is a 400,
+  nothing of it runs, and the old policy stays.
 """
 
 from __future__ import annotations
@@ -225,7 +229,7 @@ def build_admin_app(fleet: Fleet, token: str, allow: RegistrationPolicy) -> Fast
             raise FleetError(400, "'to' must be an instance id", "to")
         if fleet.migration is None:
             raise FleetError(503, "live migration is not running on this scheduler")
-        outcome = await fleet.migration.migrate(request_id, dst)
+        outcome = await fleet.migration.migrate(fleet.request_key(request_id), dst)
         if outcome is None:
             raise FleetError(502, f"the agent running {request_id!r} could not be asked")
         return _json(outcome.to_json())

@@ -9,7 +9,8 @@ Contract:
   tokenize with the fleet tokenizer, hash full blocks with the tenant's salt, ask the scheduler core
   for an instance, forward the body unchanged except ``cache_salt`` (set to the tenant's salt when
   tenancy is on), and relay the response: JSON in one piece, SSE chunk by chunk as it arrives.
-- ``X-Request-Id`` is taken from the client (or generated) and sent to the instance and back.
+- ``X-Request-Id`` is taken from the client (or generated) and echoed back; instances get the
+  fleet's own id for the request (`Fleet.new_key`), which is also its routing key.
   Which instance served is never revealed (the upstream ``server`` header is dropped) unless
   ``expose_instance`` is set, which adds ``X-Kvherd-Instance``.
 - Failures: a connect error, a broken connection before the response head, a head timeout, a 5xx
@@ -107,6 +108,7 @@ class ProxyConfig:
     stream_idle_timeout_s: float = 300.0  # between streamed chunks
     expose_instance: bool = False
     max_body_bytes: int = MAX_BODY_BYTES
+    fleet_token: str | None = None  # the agents' control routes (resume) require it
 
 
 def _error_json(exc: OpenAIError) -> bytes:
@@ -257,7 +259,7 @@ class Proxy:
         self.metrics.prompt_blocks.observe(len(block_hashes))
         rid = request_id.decode("latin-1")
         key = self.fleet.new_key(rid)
-        headers.append((b"x-request-id", request_id))
+        headers.append((b"x-request-id", key.encode()))
         if body.get("stream") is True:
             headers.append((b"x-kvherd-reattach", b"1"))
         tried: set[str] = set()
@@ -466,6 +468,8 @@ class Proxy:
             (b"x-request-id", request_id),
             (b"x-kvherd-reattach", b"1"),
         ]
+        if self.config.fleet_token:
+            headers.append((b"authorization", b"Bearer " + self.config.fleet_token.encode()))
         path = f"/kvherd/v1/requests/{quote(rid, safe='')}/resume".encode()
         response = await self.pool.send(dst, b"POST", path, headers, resume)
         if response.status != 200 or not response.streaming:

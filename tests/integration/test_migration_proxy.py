@@ -111,11 +111,12 @@ async def running_on(proxy: RunningProxy, request_id: str, min_tokens: int) -> s
 
     def generated() -> bool:
         nonlocal instance_id
-        instance_id = fleet.router.instance_of(request_id)
+        key = fleet.request_key(request_id)  # the agents know the request by the fleet's id
+        instance_id = fleet.router.instance_of(key)
         if instance_id is None:
             return False
         state = httpx.get(f"{fleet.instances[instance_id].url}/kvherd/v1/state").json()
-        mine = [r for r in state["running"] if r["request_id"] == request_id]
+        mine = [r for r in state["running"] if r["request_id"] == key]
         return bool(mine) and mine[0]["num_output_tokens"] >= min_tokens
 
     await wait_for(generated, timeout=60, interval=0.005)

@@ -521,9 +521,17 @@ async def test_fleet_saturation_exclusion_and_reregistration() -> None:
     again, _ = fleet.dispatch("r2", 32, [])
     fleet.request_failed("r2", again)
     assert fleet.instances["a"].failures == 1 and fleet.instances["a"].inflight == 0
-    assert fleet.new_key("r3") == "r3"
-    fleet.dispatch("r3", 8, [])
-    assert fleet.new_key("r3") != "r3"  # a client reusing an X-Request-Id in flight
+    # Keys are the fleet's own: a client reusing an X-Request-Id in flight gets a fresh one, and
+    # the client's id names the first holder for operators.
+    first = fleet.new_key("r3")
+    fleet.dispatch(first, 8, [])
+    second = fleet.new_key("r3")
+    assert len({first, second, "r3"}) == 3
+    assert fleet.request_key("r3") == first and fleet.request_key(first) == first
+    fleet.request_finished(first, fleet.instances["a"])
+    third = fleet.new_key("r3")  # the id is free again: it names the new request
+    fleet.dispatch(third, 8, [])
+    assert fleet.request_key("r3") == third
     await fleet.stop()
 
 
