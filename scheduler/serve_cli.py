@@ -96,6 +96,12 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--api-keys-file", default=None, help="file of KEY[=TENANT] lines")
     parser.add_argument(
+        "--tenant-salt-secret",
+        default=None,
+        help="secret the tenants' cache salts are keyed with; router replicas of one fleet must "
+        "share it (default: $KVHERD_TENANT_SALT_SECRET, else generated at start-up)",
+    )
+    parser.add_argument(
         "--expose-instance", action="store_true", help="add X-Kvherd-Instance to responses"
     )
     parser.add_argument(
@@ -249,7 +255,7 @@ async def serve_fleet(
     from kvherd.fleet_token import resolve
     from kvherd.tokenizer import load_tokenizer
     from policies.registry import PolicyAllowList
-    from scheduler.core.tenancy import build_registry
+    from scheduler.core.tenancy import SALT_SECRET_ENV, build_registry
     from scheduler.fleet import Fleet, FleetError, FleetSettings
     from scheduler.proxy.admin import LOOPBACK_PATTERNS, RegistrationPolicy, build_admin_app
     from scheduler.proxy.metrics import ProxyMetrics
@@ -274,7 +280,18 @@ async def serve_fleet(
         )
         return 2
     fleet_token = resolve(args.fleet_token)
-    tenants = build_registry(list(config.get("api_keys") or []) + args.api_key, args.api_keys_file)
+    tenants = build_registry(
+        list(config.get("api_keys") or []) + args.api_key,
+        args.api_keys_file,
+        args.tenant_salt_secret,
+    )
+    if tenants.enabled and tenants.salt_secret_generated:
+        log.warning(
+            "tenant cache salts use a secret generated at start-up: router replicas of this "
+            "fleet must share one (--tenant-salt-secret or $%s), and a restart changes every "
+            "tenant's salt",
+            SALT_SECRET_ENV,
+        )
     allow = RegistrationPolicy(
         args.allow_register or config.get("allow_register") or LOOPBACK_PATTERNS
     )

@@ -6,10 +6,13 @@ Contract:
 - With keys configured (``--api-key KEY[=TENANT]`` repeated, and/or a keys file of ``KEY[=TENANT]``
   or ``KEY TENANT`` lines, ``#`` comments), every request must carry ``Authorization: Bearer KEY`` for a
   known key, else 401. A key without a tenant name is its own tenant.
-- Each tenant has a cache salt derived from its name, identical in every proxy of a fleet (so two
-  proxies route a tenant's requests to the same cached blocks) and unguessable from outside without
-  the fleet's salt secret when one is set. The proxy overrides the request body's ``cache_salt`` with
-  it, so a client can neither choose another tenant's salt nor opt out of its own: tenants never share
+- Each tenant has a cache salt ``HMAC-SHA256(secret, tenant name)``: unguessable without the
+  fleet's salt secret (``--tenant-salt-secret`` or `SALT_SECRET_ENV`), and identical in every proxy
+  that shares the secret (so router replicas route a tenant's requests to the same cached blocks).
+  With no secret given, a random one is generated (`TenantRegistry.salt_secret_generated`): salts
+  are then private to this process, and change when it restarts (tenants' cached prefixes are
+  computed again). The proxy overrides the request body's ``cache_salt`` with the tenant's salt, so
+  a client can neither choose another tenant's salt nor opt out of its own: tenants never share
   prefix blocks and never observe each other's cache hits.
 """
 
@@ -18,8 +21,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+SALT_SECRET_ENV = "KVHERD_TENANT_SALT_SECRET"
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,8 +37,9 @@ class Tenant:
 class TenantRegistry:
     """Maps bearer keys to tenants (see the module contract)."""
 
-    def __init__(self, keys: dict[str, str] | None = None, salt_secret: str = "") -> None:
-        self._salt_secret = salt_secret.encode()
+    def __init__(self, keys: dict[str, str] | None = None, salt_secret: str | None = None) -> None:
+        self.salt_secret_generated = not salt_secret
+        self._salt_secret = (salt_secret or secrets.token_hex(32)).encode()
         self._by_key: dict[bytes, Tenant] = {}
         for key, tenant in (keys or {}).items():
             self.add_key(key, tenant)
@@ -42,7 +49,7 @@ class TenantRegistry:
         return bool(self._by_key)
 
     def salt_for(self, tenant: str) -> str:
-        digest = hmac.new(self._salt_secret or b"kvherd", tenant.encode(), hashlib.sha256)
+        digest = hmac.new(self._salt_secret, tenant.encode(), hashlib.sha256)
         return "kvherd-tenant-" + digest.hexdigest()[:32]
 
     def add_key(self, key: str, tenant: str | None = None) -> None:
@@ -89,12 +96,12 @@ def read_keys_file(path: str) -> list[tuple[str, str | None]]:
 def build_registry(
     api_keys: Iterable[str] = (), keys_file: str | None = None, salt_secret: str | None = None
 ) -> TenantRegistry:
-    """The registry for ``--api-key`` specs plus an optional keys file."""
+    """The registry for ``--api-key`` specs plus an optional keys file; the salt secret is
+    `salt_secret`, else `SALT_SECRET_ENV`, else generated."""
     specs = [parse_key_spec(s) for s in api_keys]
     if keys_file:
         specs += read_keys_file(keys_file)
-    secret = salt_secret if salt_secret is not None else os.environ.get("KVHERD_SALT_SECRET", "")
-    registry = TenantRegistry(salt_secret=secret)
+    registry = TenantRegistry(salt_secret=salt_secret or os.environ.get(SALT_SECRET_ENV))
     for key, tenant in specs:
         registry.add_key(key, tenant)
     return registry

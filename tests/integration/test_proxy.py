@@ -243,7 +243,13 @@ async def test_killed_instance_requests_retried_elsewhere(
 async def test_tenants_never_share_blocks(fleet_agents: list[AgentProcess]) -> None:
     async with (
         running_proxy(
-            fleet_agents, "--api-key", "key-alice=alice", "--api-key", "key-bob=bob"
+            fleet_agents,
+            "--api-key",
+            "key-alice=alice",
+            "--api-key",
+            "key-bob=bob",
+            "--tenant-salt-secret",
+            "salt secret",
         ) as proxy,
         httpx.AsyncClient(timeout=60) as client,
     ):
@@ -259,7 +265,7 @@ async def test_tenants_never_share_blocks(fleet_agents: list[AgentProcess]) -> N
         again = await complete(client, proxy.url, prompt, headers=alice)
         assert cached_tokens(again) > 0
         # Bob, even when he sends Alice's salt himself, never hits Alice's blocks.
-        alice_salt = TenantRegistry().salt_for("alice")  # no salt secret set in this test
+        alice_salt = TenantRegistry(salt_secret="salt secret").salt_for("alice")
         variants: list[dict[str, Any]] = [{}, {"cache_salt": alice_salt}, {"cache_salt": None}]
         for i, body in enumerate(variants):
             shared = f"variant {i}: {prompt}"

@@ -266,8 +266,8 @@ def test_tenancy_keys_and_salts(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     keys.write_text("# team keys\nk3 carol\nk4=dave  # comment\n\nk5\n")
     assert read_keys_file(str(keys)) == [("k3", "carol"), ("k4", "dave"), ("k5", None)]
-    registry = build_registry(["k1=alice", "k2"], str(keys), salt_secret="")
-    assert registry.enabled and not build_registry([], None, salt_secret="").enabled
+    registry = build_registry(["k1=alice", "k2"], str(keys), salt_secret="fleet secret")
+    assert registry.enabled and not build_registry([], None).enabled
     alice = registry.authenticate(b"Bearer k1")
     assert alice is not None and alice.name == "alice"
     assert registry.authenticate(b"bearer  k1 ") == alice
@@ -278,8 +278,28 @@ def test_tenancy_keys_and_salts(tmp_path: Path) -> None:
     salts = {t.cache_salt for t in (alice, k2)}
     assert len(salts) == 2
     # Stable across processes with the same secret, different with another.
-    assert build_registry(["x=alice"], salt_secret="").salt_for("alice") == alice.cache_salt
+    assert build_registry(["x=alice"], salt_secret="fleet secret").salt_for("alice") == (
+        alice.cache_salt
+    )
     assert build_registry(["x=alice"], salt_secret="s").salt_for("alice") != alice.cache_salt
+    assert not registry.salt_secret_generated
+
+
+def test_tenant_salts_are_never_keyed_by_a_public_constant(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hashlib
+    import hmac
+
+    monkeypatch.delenv("KVHERD_TENANT_SALT_SECRET", raising=False)
+    public = "kvherd-tenant-" + hmac.new(b"kvherd", b"alice", hashlib.sha256).hexdigest()[:32]
+    one, two = build_registry(["k=alice"]), build_registry(["k=alice"])
+    assert one.salt_secret_generated and two.salt_secret_generated
+    assert len({one.salt_for("alice"), two.salt_for("alice"), public}) == 3
+    monkeypatch.setenv("KVHERD_TENANT_SALT_SECRET", "from the environment")
+    shared = build_registry(["k=alice"])
+    assert not shared.salt_secret_generated
+    assert shared.salt_for("alice") == build_registry(
+        [], salt_secret="from the environment"
+    ).salt_for("alice")
 
 
 def test_registration_patterns() -> None:
@@ -301,9 +321,7 @@ def test_prompt_token_ids_for_routing() -> None:
     assert prompt_token_ids({"prompt": ["ab", "cd"]}, False, tok) == [97, 98]  # batch: first
     assert prompt_token_ids({"prompt": [[7], [8]]}, False, tok) == [7]
     chat = {"messages": [{"role": "user", "content": "hi"}]}
-    assert prompt_token_ids(chat, True, tok) == tok.encode(
-        tok.apply_chat_template(chat["messages"])
-    )
+    assert prompt_token_ids(chat, True, tok) == tok.encode("<|user|>\nhi<|end|>\n<|assistant|>\n")
     bad_bodies: list[dict[str, Any]] = [
         {},
         {"prompt": 3},
