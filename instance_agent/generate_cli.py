@@ -68,7 +68,11 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         if args.chat and isinstance(prompt, str):
-            prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            from kvherd.chat_render import parse_chat
+            from kvherd.tokenizer import chat_token_ids
+
+            chat = parse_chat({"messages": [{"role": "user", "content": prompt}]})
+            prompt = chat_token_ids(engine.tokenizer, chat)
         params = SamplingParams(
             max_tokens=args.max_tokens,
             temperature=args.temperature,

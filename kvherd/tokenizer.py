@@ -1,18 +1,31 @@
 """Tokenizers for the engine and the proxy (torch-free: the proxy imports this module).
 
 Contract:
-- Every tokenizer offers ``encode(text) -> list[int]``, ``decode(ids) -> str``,
-  ``apply_chat_template(messages) -> str``, ``eos_token_id`` and ``vocab_size``.
+- Every tokenizer offers ``encode(text, add_special_tokens=True) -> list[int]``, ``decode(ids) ->
+  str``, ``render_chat(prompt) -> str`` (a `kvherd.chat_render.ChatPrompt`: the chat template's
+  inputs as vLLM builds them), ``eos_token_id`` and ``vocab_size``. `chat_token_ids` is a chat
+  request's prompt ids as vLLM computes them: the rendered text encoded with the request's
+  ``add_special_tokens`` (false by default: the template emits BOS itself, so BOS appears once).
 - `ByteTokenizer` is the default and needs no files: ids 0-255 are the UTF-8 bytes of the text, then
   the special tokens ``<|bos|> <|eos|> <|pad|> <|system|> <|user|> <|assistant|> <|end|>`` (256-262).
-  A special token's text inside a prompt encodes to its id (as HF tokenizers do). Decoding skips
-  special ids and ids past the tokenizer's vocabulary (a random model may emit them); invalid UTF-8
-  decodes to U+FFFD.
-- Chat template of `ByteTokenizer`: each message renders as ``<|{role}|>\\n{content}<|end|>\\n`` for
-  roles system, user, assistant (and tool); a generation prompt ``<|assistant|>\\n`` follows. Content is
-  a string or a list of OpenAI parts ``{"type": "text", "text": ...}``. Other shapes raise `ValueError`.
-- `HFTokenizer` wraps ``transformers.AutoTokenizer`` for checkpoint directories that carry tokenizer
-  files, loaded with ``local_files_only`` (never the network); transformers is imported lazily.
+  A special token's text inside a prompt encodes to its id (as HF tokenizers do); it adds no special
+  tokens of its own. Decoding skips special ids and ids past the tokenizer's vocabulary (a random
+  model may emit them); invalid UTF-8 decodes to U+FFFD.
+- Chat template of `ByteTokenizer`: each message renders as ``<|{role}|>\\n{content}<|end|>\\n`` (any
+  role; content in vLLM's string format; developer messages become system ones, as vLLM does for a
+  template that does not name that role); a generation prompt ``<|assistant|>\\n`` follows when asked
+  for, and with ``continue_final_message`` the last message stays open (no ``<|end|>``).
+- `HFTokenizer` wraps ``transformers.AutoTokenizer`` for directories that carry tokenizer files,
+  loaded with ``local_files_only`` (never the network); transformers and jinja2 are imported lazily
+  and, when missing, fail at load time with `TokenizerUnavailable` naming the ``tokenizer`` extra.
+  Its chat template is parsed at load time; `template_facts` reads off what vLLM reads (content
+  format: "openai" when a loop iterates over a message's content, else "string"; whether the
+  developer role is named; the template's variables, which filter the extra template kwargs). A
+  checkpoint without a chat template renders in the byte tokenizer's format.
+- `load_tokenizer(spec, strict=)`: ``None``/``"byte"`` is the byte tokenizer, a directory with
+  tokenizer files its HF tokenizer; anything else is the byte tokenizer, or `TokenizerUnavailable`
+  when strict. `tokenizer_spec_for_model` maps an agent's ``--model`` to the spec that tokenizes
+  like it.
 - `IncrementalDetokenizer` turns a growing list of output ids into text deltas for streaming; a
   character cut in the middle of its UTF-8 bytes is held back until complete (or until `flush`), so the
   concatenated deltas equal ``decode(all ids)``.
@@ -21,10 +34,14 @@ Contract:
 from __future__ import annotations
 
 import codecs
+import functools
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
+
+from kvherd.chat_render import ChatPrompt, ChatRenderError, ContentFormat
 
 BYTE_SPECIAL_TOKENS: tuple[str, ...] = (
     "<|bos|>",
@@ -40,7 +57,7 @@ BYTE_EOS_ID = 257
 BYTE_PAD_ID = 258
 BYTE_VOCAB_SIZE = 256 + len(BYTE_SPECIAL_TOKENS)
 
-_CHAT_ROLES = ("system", "user", "assistant", "tool")
+BYTE_TOKENIZER = "byte"  # the spec naming the byte tokenizer
 
 
 class Tokenizer(Protocol):
@@ -50,36 +67,16 @@ class Tokenizer(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> str: ...
+    def render_chat(self, prompt: ChatPrompt) -> str: ...
 
 
-def message_text(message: Mapping[str, Any]) -> tuple[str, str]:
-    """(role, text) of one chat message; raises `ValueError` for a malformed message."""
-    if not isinstance(message, Mapping):
-        raise ValueError("each message must be an object with 'role' and 'content'")
-    role = message.get("role")
-    if role not in _CHAT_ROLES:
-        raise ValueError(f"unsupported message role {role!r} (expected one of {_CHAT_ROLES})")
-    content = message.get("content")
-    if content is None:
-        return role, ""
-    if isinstance(content, str):
-        return role, content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, Mapping) or part.get("type") != "text":
-                raise ValueError("only text content parts are supported")
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise ValueError("a text content part needs a string 'text'")
-            texts.append(text)
-        return role, "".join(texts)
-    raise ValueError("message content must be a string or a list of text parts")
+def chat_token_ids(tokenizer: Tokenizer, prompt: ChatPrompt) -> list[int]:
+    """The prompt ids of a chat request, as vLLM computes them: render, then encode."""
+    return tokenizer.encode(tokenizer.render_chat(prompt), prompt.add_special_tokens)
 
 
 class ByteTokenizer:
@@ -100,7 +97,7 @@ class ByteTokenizer:
     def vocab_size(self) -> int:
         return BYTE_VOCAB_SIZE
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids: list[int] = []
         pos = 0
         for match in self._special_re.finditer(text):
@@ -113,30 +110,138 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> str:
-        if isinstance(messages, str | bytes) or not isinstance(messages, Sequence) or not messages:
-            raise ValueError("messages must be a non-empty list")
-        parts = []
-        for message in messages:
-            role, text = message_text(message)
-            parts.append(f"<|{role}|>\n{text}<|end|>\n")
-        parts.append("<|assistant|>\n")
+    def render_chat(self, prompt: ChatPrompt) -> str:
+        # The byte template names no developer role: developer messages become system ones.
+        conversation = prompt.conversation("string", developer_role=False)
+        parts = [f"<|{m['role']}|>\n{m['content']}<|end|>\n" for m in conversation]
+        if prompt.continue_final_message:
+            parts[-1] = parts[-1].removesuffix("<|end|>\n")
+        elif prompt.add_generation_prompt:
+            parts.append("<|assistant|>\n")
         return "".join(parts)
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+# Template inputs transformers' apply_chat_template takes as its own arguments.
+_HF_TEMPLATE_ARGS = frozenset({"add_generation_prompt", "continue_final_message", "documents"})
+TOKENIZER_EXTRA_HINT = "pip install 'kvherd[tokenizer]'"
+
+
+class TokenizerUnavailable(ValueError):
+    """A tokenizer that cannot be used: missing packages, files or a broken chat template."""
+
+
+@dataclass(frozen=True)
+class TemplateFacts:
+    """What vLLM reads off a chat template before rendering it."""
+
+    content_format: ContentFormat  # "openai" when the template loops over message content
+    developer_role: bool  # the template names the developer role
+    variables: frozenset[str]  # its undeclared variables (the kwargs it can read)
+
+
+@functools.lru_cache(maxsize=32)
+def template_facts(template: str) -> TemplateFacts:
+    """Parse a chat template (jinja2, with transformers' extensions) and read off its facts."""
+    import jinja2.meta
+    import jinja2.nodes
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        ast = _compile_jinja_template(template).environment.parse(template)
+    except jinja2.TemplateError as exc:
+        raise TokenizerUnavailable(f"the chat template does not parse: {exc}") from exc
+    return TemplateFacts(
+        content_format="openai" if _loops_over_content(ast) else "string",
+        developer_role='"developer"' in template or "'developer'" in template,
+        variables=frozenset(jinja2.meta.find_undeclared_variables(ast)),
+    )
+
+
+def _loops_over_content(ast: Any) -> bool:
+    """vLLM's content-format rule: some loop iterates over a message's ``content``."""
+    from jinja2 import nodes
+
+    def access(node: Any, names: set[str], key: str | None = None) -> bool:
+        while True:  # filters, tests and slices of an access are the access
+            if (isinstance(node, nodes.Filter | nodes.Test) and node.node is not None) or (
+                isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice)
+            ):
+                node = node.node
+            else:
+                break
+        if key is None:
+            return isinstance(node, nodes.Name) and node.ctx == "load" and node.name in names
+        if isinstance(node, nodes.Getitem):
+            keyed = isinstance(node.arg, nodes.Const) and node.arg.value == key
+        elif isinstance(node, nodes.Getattr):
+            keyed = node.attr == key
+        else:
+            return False
+        return keyed and access(node.node, names)
+
+    lists = {"messages"}  # names bound to the message list (or a filtered/sliced copy)
+    grew = True
+    while grew:
+        grew = False
+        for assign in ast.find_all(nodes.Assign):
+            target = assign.target
+            named = isinstance(target, nodes.Name) and target.name not in lists
+            if named and access(assign.node, lists):
+                lists.add(target.name)
+                grew = True
+    loops = list(ast.find_all(nodes.For))
+    items = {
+        loop.target.name
+        for loop in loops
+        if isinstance(loop.target, nodes.Name) and access(loop.iter, lists)
+    }
+    if any(access(loop.iter, items, "content") for loop in loops):
+        return True
+    in_macros: set[int] = set()
+    for macro in ast.find_all(nodes.Macro):
+        params = {arg.name for arg in macro.args}
+        bound: set[str] = set()
+        for call in ast.find_all(nodes.Call):
+            if not (isinstance(call.node, nodes.Name) and call.node.name == macro.name):
+                continue
+            for i, arg in enumerate(call.args):
+                if i < len(macro.args) and access(arg, items, "content"):
+                    bound.add(macro.args[i].name)
+            for kw in call.kwargs:
+                if kw.key in params and access(kw.value, items, "content"):
+                    bound.add(kw.key)
+        for loop in macro.find_all(nodes.For):
+            in_macros.add(id(loop))
+            if isinstance(loop.iter, nodes.Name) and loop.iter.name in bound:
+                return True
+    return any(
+        id(loop) not in in_macros
+        and isinstance(loop.iter, nodes.Name)
+        and loop.iter.name == "content"
+        for loop in loops
+    )
 
 
 class HFTokenizer:
     """A checkpoint's own tokenizer through transformers (local files only)."""
 
     def __init__(self, path: str) -> None:
-        from transformers import AutoTokenizer  # lazy: heavy, and only checkpoints need it
-
+        try:  # lazy: heavy, and only checkpoints need them
+            import jinja2  # noqa: F401  (chat templates render with it)
+            from transformers import AutoTokenizer
+        except ModuleNotFoundError as exc:
+            raise TokenizerUnavailable(
+                f"the tokenizer in {path!r} needs the package {exc.name!r}: {TOKENIZER_EXTRA_HINT}"
+            ) from exc
         try:
             self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except Exception as exc:  # transformers raises many types for broken files
-            raise ValueError(f"cannot load the tokenizer in {path!r}: {exc}") from exc
+            raise TokenizerUnavailable(f"cannot load the tokenizer in {path!r}: {exc}") from exc
+        self._template: str | None = None
+        if getattr(self._tok, "chat_template", None):
+            self._template = self._tok.get_chat_template()
+            template_facts(self._template)  # a broken template fails here, not per request
 
     @property
     def eos_token_id(self) -> int | None:
@@ -147,31 +252,65 @@ class HFTokenizer:
     def vocab_size(self) -> int:
         return len(self._tok)
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=True))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> str:
-        plain = [dict(zip(("role", "content"), message_text(m), strict=True)) for m in messages]
-        if getattr(self._tok, "chat_template", None):
-            return str(
-                self._tok.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+    def render_chat(self, prompt: ChatPrompt) -> str:
+        """The template rendered as vLLM renders it; template errors raise `ChatRenderError`."""
+        template = prompt.chat_template or self._template
+        if template is None:
+            # No template shipped with the checkpoint: the byte tokenizer's documented format.
+            return ByteTokenizer().render_chat(prompt)
+        try:
+            facts = template_facts(template)
+        except TokenizerUnavailable as exc:
+            raise ChatRenderError(str(exc), param="chat_template") from exc
+        conversation = prompt.conversation(facts.content_format, facts.developer_role)
+        kwargs = {
+            k: v
+            for k, v in prompt.template_kwargs.items()
+            if k in facts.variables or k in _HF_TEMPLATE_ARGS
+        }
+        tools: list[Any] | None = prompt.tools
+        try:
+            text = self._tok.apply_chat_template(
+                conversation, tools=tools, chat_template=template, tokenize=False, **kwargs
             )
-        # No template shipped with the checkpoint: the byte tokenizer's documented format.
-        return ByteTokenizer().apply_chat_template(plain)
+        except Exception as exc:  # a template may raise any error type for any input
+            raise ChatRenderError(f"the chat template rejected the request: {exc}") from exc
+        return str(text)
 
 
 def has_tokenizer_files(path: str) -> bool:
     return any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES)
 
 
-def load_tokenizer(path: str | None = None) -> Tokenizer:
-    """The checkpoint's tokenizer when `path` holds tokenizer files, else the byte tokenizer."""
-    if path is not None and os.path.isdir(path) and has_tokenizer_files(path):
-        return HFTokenizer(path)
+def load_tokenizer(spec: str | None = None, *, strict: bool = False) -> Tokenizer:
+    """The tokenizer `spec` names.
+
+    ``None`` or ``"byte"``: the byte tokenizer. A directory holding tokenizer files (an HF
+    checkpoint or a saved tokenizer): its HF tokenizer. Anything else is the byte tokenizer, or,
+    when `strict` (a user's ``--tokenizer``), raises `TokenizerUnavailable`.
+    """
+    if spec is None or spec == BYTE_TOKENIZER:
+        return ByteTokenizer()
+    if os.path.isdir(spec) and has_tokenizer_files(spec):
+        return HFTokenizer(spec)
+    if strict:
+        where = "a directory without tokenizer files" if os.path.isdir(spec) else "not a directory"
+        raise TokenizerUnavailable(
+            f"tokenizer {spec!r} is {where}: give a model or tokenizer directory holding "
+            f"{', '.join(_TOKENIZER_FILES[:2])} (or {BYTE_TOKENIZER!r} for the byte tokenizer)"
+        )
     return ByteTokenizer()
+
+
+def tokenizer_spec_for_model(model: str) -> str:
+    """The `load_tokenizer` spec that tokenizes like an agent serving `model` (preset or dir)."""
+    return model if os.path.isdir(model) and has_tokenizer_files(model) else BYTE_TOKENIZER
 
 
 class IncrementalDetokenizer:

@@ -17,6 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from instance_agent.engine.core.request import SamplingParams
 from instance_agent.engine.llm_engine import EngineConfig, LLMEngine
+from kvherd.chat_render import parse_chat
+from kvherd.tokenizer import chat_token_ids
 
 NUM_BLOCKS = 512
 
@@ -98,7 +100,7 @@ def test_openai_client_matches_engine_in_process(agent: AgentProcess, engine: LL
 
     messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hi there"}]
     chat_expected = engine.generate(
-        [engine.tokenizer.apply_chat_template([{"role": "user", "content": "Hi there"}])],
+        [chat_token_ids(engine.tokenizer, parse_chat({"messages": messages}))],
         SamplingParams(max_tokens=10, temperature=0.7, seed=11, ignore_eos=True),
     )[0]
     chat = client.chat.completions.create(
@@ -401,7 +403,7 @@ BAD_INPUTS: list[tuple[str, str, Any, int, str | None]] = [
     ("logprobs", "/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
     ("temperature < 0", "/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
     ("top_p = 0", "/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
-    ("bad role", "/v1/chat/completions", {"messages": [{"role": "x"}]}, 400, "messages.0.role"),
+    ("bad role", "/v1/chat/completions", {"messages": [{"role": 3}]}, 400, "messages.0.role"),
     ("chat n > 1", "/v1/chat/completions", {"messages": [USER_MSG], "n": 2}, 400, "n"),
     (
         "stream_options without stream",

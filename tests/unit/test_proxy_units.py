@@ -340,7 +340,7 @@ def test_prompt_token_ids_for_routing() -> None:
         {},
         {"messages": []},
         {"messages": "hi"},
-        {"messages": [{"role": "x"}]},
+        {"messages": [{"content": "a message without a role"}]},
     ]
     for bad_chat in bad_chats:
         with pytest.raises(OpenAIError):

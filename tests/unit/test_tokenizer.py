@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from kvherd.chat_render import parse_chat
 from kvherd.tokenizer import (
     BYTE_EOS_ID,
     BYTE_VOCAB_SIZE,
     ByteTokenizer,
     HFTokenizer,
     IncrementalDetokenizer,
+    chat_token_ids,
     load_tokenizer,
 )
 
@@ -35,33 +37,22 @@ def test_byte_round_trip_and_specials() -> None:
 
 def test_byte_chat_template() -> None:
     tok = ByteTokenizer()
-    text = tok.apply_chat_template(
-        [
-            {"role": "system", "content": "Be brief."},
-            {
-                "role": "user",
-                "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}],
-            },
-        ]
+    prompt = parse_chat(
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}],
+                },
+            ]
+        }
     )
-    assert text == "<|system|>\nBe brief.<|end|>\n<|user|>\nHi!<|end|>\n<|assistant|>\n"
-    ids = tok.encode(text)
+    text = tok.render_chat(prompt)
+    assert text == "<|system|>\nBe brief.<|end|>\n<|user|>\nHi\n!<|end|>\n<|assistant|>\n"
+    ids = chat_token_ids(tok, prompt)
+    assert ids == tok.encode(text)
     assert ids[0] == 256 + 3 and ids.count(256 + 6) == 2 and ids[-2:] == [256 + 5, 10]
-
-
-@pytest.mark.parametrize(
-    "messages",
-    [
-        [],
-        [{"role": "wizard", "content": "x"}],
-        [{"role": "user", "content": 3}],
-        [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}],
-        ["not a message"],
-    ],
-)
-def test_bad_chat_messages_raise(messages) -> None:
-    with pytest.raises(ValueError):
-        ByteTokenizer().apply_chat_template(messages)
 
 
 def test_incremental_byte_detokenizer_holds_split_characters() -> None:
@@ -106,7 +97,8 @@ def test_hf_tokenizer_wrapper(hf_tokenizer_dir: Path) -> None:
     assert tok.decode(ids) == TEXT
     assert tok.eos_token_id == 1 and tok.vocab_size <= 320
     # No chat template shipped: the byte tokenizer's documented format.
-    assert tok.apply_chat_template([{"role": "user", "content": "x"}]).startswith("<|user|>\nx")
+    chat = parse_chat({"messages": [{"role": "user", "content": "x"}]})
+    assert tok.render_chat(chat).startswith("<|user|>\nx")
     detok = IncrementalDetokenizer(tok)
     streamed = "".join(detok.push([i]) for i in ids) + detok.flush()
     assert streamed == TEXT
