@@ -9,6 +9,8 @@ Contract:
   block (as vLLM does), ahead of the salt: `block_extra_keys` gives one block's keys.
 - Hashes are 64-bit unsigned ints, stable across processes, machines and Python versions (xxh3-64 by
   default, sha256 truncated to 64 bits when selected). Python's ``hash()`` is never used.
+- Token ids are hashed as uint32: ids outside ``[0, MAX_TOKEN_ID]`` raise `OverflowError`, so
+  callers holding untrusted ids (the proxy) check them against `MAX_TOKEN_ID` first.
 
 The engine, the proxy, the scheduler's prefix index and the simulator all call this module, so a block
 hashed by any of them names the same KV block.
@@ -30,6 +32,7 @@ HashAlgo = Literal["xxh3_64", "sha256"]
 
 # The parent of the first block. A fixed constant (not random) keeps hashes stable across processes.
 ROOT_PARENT_HASH: BlockHash = 0
+MAX_TOKEN_ID = 2**32 - 1
 _U64 = struct.Struct("<Q")
 
 
