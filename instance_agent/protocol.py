@@ -9,9 +9,7 @@ Contract:
   ``logprobs``, ``echo``, ``suffix``, penalties, ``logit_bias``, tools, structured output), so a client
   never silently gets something other than what it asked for.
 - `resolve_prompt` turns a completions prompt (text, token ids, or a one-element batch of either) into
-  text or validated token ids (each id in ``[0, vocab_size)``); `chat_prompt` checks chat messages and
-  collects the chat template's inputs with `kvherd.chat_render` (as the proxy and vLLM do: any role,
-  every message field, ``add_generation_prompt``, ``chat_template_kwargs``, ...).
+  text or validated token ids (each id in ``[0, vocab_size)``); `chat_messages` checks chat messages.
 - `error_from_validation` turns pydantic/FastAPI validation errors into a 400 (`kvherd.wire.OpenAIError`)
   naming the first offending field.
 - The chunk and response builders produce exactly the JSON shapes of OpenAI/vLLM: ``text_completion``
@@ -19,18 +17,20 @@ Contract:
   With ``return_token_ids`` (vLLM's flag) each choice also carries ``token_ids`` and each streamed chunk
   a ``kvherd`` field ``{"token_ids": [...], "index": i}`` (index of the chunk's first output token in
   the whole output), which lets a relay resume a stream exactly once.
+- ``kvherd_continuation`` (a kvherd extension, `Continuation`) continues a streamed request whose
+  instance was lost: the body is the original one, plus the tokens and text the client already has,
+  the sampling seed, and the migration notice's ``resume`` object (stream id, created, ``from``).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from instance_agent.engine.core.request import InvalidRequestError, SamplingParams
-from kvherd.chat_render import ChatPrompt, ChatRenderError, parse_chat
 from kvherd.wire import OpenAIError, bad_request
 
 # Bodies above this size are refused before parsing: a prompt this long cannot fit any model the agent
@@ -76,6 +76,16 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: StrictBool | None = False
 
 
+class Continuation(BaseModel):
+    """What a request had produced when its instance was lost (``kvherd_continuation``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    output_token_ids: list[StrictInt]
+    emitted_text: StrictStr = ""
+    sampling_seed: StrictInt | None = None
+    resume: dict[str, Any]
+
+
 class _GenerationFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
@@ -101,6 +111,7 @@ class _GenerationFields(BaseModel):
     cache_salt: StrictStr | None = None
     priority: StrictInt = 0
     return_token_ids: StrictBool | None = False
+    kvherd_continuation: Continuation | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -113,15 +124,19 @@ class CompletionRequest(_GenerationFields):
     logprobs: StrictInt | None = None
     echo: StrictBool | None = False
     suffix: StrictStr | None = None
-    add_special_tokens: StrictBool = True
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text"]
+    text: StrictStr
 
 
 class ChatMessage(BaseModel):
-    """One message; its parts and other fields are checked by `kvherd.chat_render`."""
-
     model_config = ConfigDict(extra="allow")
-    role: StrictStr
-    content: StrictStr | list[StrictStr | dict[str, Any]] | None = None
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
 
 
 class ChatCompletionRequest(_GenerationFields):
@@ -223,12 +238,20 @@ def resolve_prompt(
     return token_ids
 
 
-def chat_prompt(body: ChatCompletionRequest) -> ChatPrompt:
-    """The chat template's inputs for `body`, built exactly as the proxy builds its routing tokens."""
-    try:
-        return parse_chat(body.model_dump(exclude_unset=True))
-    except ChatRenderError as exc:
-        raise bad_request(str(exc), param=exc.param) from exc
+def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Plain message dicts for the chat template ('developer' is OpenAI's new name for 'system')."""
+    messages = []
+    for message in body.messages:
+        role = "system" if message.role == "developer" else message.role
+        content: str | list[dict[str, str]]
+        if message.content is None:
+            content = ""
+        elif isinstance(message.content, str):
+            content = message.content
+        else:
+            content = [{"type": "text", "text": part.text} for part in message.content]
+        messages.append({"role": role, "content": content})
+    return messages
 
 
 # -- responses -------------------------------------------------------------------------------------

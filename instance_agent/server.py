@@ -25,6 +25,12 @@ Contract (`create_app(agent)` returns the FastAPI app):
   (``resume.from``; ``?wait=`` seconds for the request to arrive, default 5, else 404), and may
   end with a notice again. Clients without the header are relayed by
   the source instead.
+- Token ledger (``X-Kvherd-Token-Ids: 1``, `kvherd.wire`): streamed frames carry comment lines
+  with their token ids and the first one the continuation state (resume object, sampling seed).
+- Continuation of a request whose instance was lost: the original streamed body plus
+  ``kvherd_continuation`` (`protocol.Continuation`) recomputes prompt + output here and streams
+  the rest of the very same OpenAI stream (same id, token index, usage), bit-identical for greedy
+  and seeded sampling (`LLMEngine.continue_request`).
 - `Agent` holds what the routes share: the engine loop, metrics, identity, and the draining flag.
   `Agent.drain` stops accepting work and waits for open requests to finish (or aborts them after
   a timeout).
@@ -70,8 +76,6 @@ from instance_agent.protocol import (
 from instance_agent.registration import Registrar
 from instance_agent.state import snapshot
 from kvherd import __version__, wire
-from kvherd.chat_render import ChatRenderError
-from kvherd.tokenizer import chat_token_ids
 from kvherd.wire import OpenAIError, bad_request
 
 if TYPE_CHECKING:
@@ -352,11 +356,11 @@ def create_app(
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise bad_request(f"request body is not valid JSON: {exc}") from None
-        meta, fmt, start = _resumed(body)
+        meta, fmt = _resumed(body, _wants_ledger(request))
         stream = await _follow(agent, request_id, wait)
         stream.reattach = request.headers.get("x-kvherd-reattach") == "1"
         return StreamingResponse(
-            _sse(stream, meta, fmt, start),
+            _sse(stream, meta, fmt),
             media_type="text/event-stream",
             headers={"X-Request-Id": request_id},
         )
@@ -382,12 +386,18 @@ def _request_id(request: Request) -> str:
     return given
 
 
+def _wants_ledger(request: Request) -> bool:
+    return request.headers.get(wire.TOKEN_IDS_HEADER) == "1"
+
+
 async def _generate(
     agent: Agent, body: CompletionRequest | ChatCompletionRequest, request: Request
 ) -> Response:
     request_id = _request_id(request)
     headers = {"X-Request-Id": request_id}
     try:
+        if body.kvherd_continuation is not None and not body.stream:
+            raise bad_request("only a streamed request can be continued", "kvherd_continuation")
         stream, meta = await _submit(agent, body, request_id)
     except OpenAIError as exc:
         return _error_response(exc, headers)
@@ -397,8 +407,9 @@ async def _generate(
         return _error_response(OpenAIError(500, str(exc), type="server_error"), headers)
     if body.stream:
         stream.reattach = request.headers.get("x-kvherd-reattach") == "1"
+        fmt = _Format.of(body, _wants_ledger(request))
         return StreamingResponse(
-            _sse(stream, meta, _Format.of(body)), media_type="text/event-stream", headers=headers
+            _sse(stream, meta, fmt), media_type="text/event-stream", headers=headers
         )
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     collector = asyncio.ensure_future(_collect(stream))
@@ -434,11 +445,12 @@ class _Format:
     want_ids: bool
     continuous_usage: bool
     include_usage: bool
+    ledger: bool = False  # token-ledger comment lines for the proxy (`kvherd.wire`)
 
     @classmethod
-    def of(cls, body: CompletionRequest | ChatCompletionRequest) -> _Format:
+    def of(cls, body: CompletionRequest | ChatCompletionRequest, ledger: bool) -> _Format:
         continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
-        return cls(bool(body.return_token_ids), continuous, bool(body.include_usage))
+        return cls(bool(body.return_token_ids), continuous, bool(body.include_usage), ledger)
 
 
 @dataclass(slots=True)
@@ -449,6 +461,9 @@ class _Meta:
     chat: bool
     prompt_len: int
     prompt_ids: list[int]
+    start: int = 0  # output tokens the client already has (a resumed or continued stream)
+    opening: bool = True  # the stream starts here (a chat stream's role chunk goes out here)
+    sampling_seed: int | None = None  # known when the request started here
 
 
 async def _submit(
@@ -471,32 +486,54 @@ async def _submit(
     max_model_len: int = engine.max_model_len
     chat = isinstance(body, ChatCompletionRequest)
     if isinstance(body, ChatCompletionRequest):
-        try:  # the proxy's routing tokens are these very ids (`kvherd.chat_render`)
-            prompt_ids = chat_token_ids(tokenizer, protocol.chat_prompt(body))
-        except ChatRenderError as exc:
-            raise bad_request(str(exc), param=exc.param) from exc
+        try:
+            text = tokenizer.apply_chat_template(protocol.chat_messages(body))
+        except Exception as exc:  # a checkpoint's Jinja template may raise any error type
+            raise bad_request(f"cannot apply the chat template: {exc}", param="messages") from exc
+        prompt_ids = tokenizer.encode(text)
         default_max_tokens = max(1, max_model_len - len(prompt_ids))
     else:
         prompt = protocol.resolve_prompt(body.prompt, engine.model_config.vocab_size)
-        prompt_ids = (
-            tokenizer.encode(prompt, body.add_special_tokens) if isinstance(prompt, str) else prompt
-        )
+        prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         default_max_tokens = 16
     if not prompt_ids:
         raise bad_request("the prompt encodes to no tokens", param="prompt")
     params: SamplingParams = protocol.to_sampling_params(body, default_max_tokens)
-    stream = await agent.engine_loop.add(
-        request_id, prompt_ids, params, priority=body.priority, cache_salt=body.cache_salt
-    )
-    prefix = "chatcmpl-" if chat else "cmpl-"
-    meta = _Meta(
-        response_id=prefix + request_id,
-        created=protocol.now(),
-        model=agent.served_model_name,
-        chat=chat,
-        prompt_len=len(prompt_ids),
-        prompt_ids=prompt_ids,
-    )
+    continuation = body.kvherd_continuation
+    seeds: list[int] = []
+
+    def start(engine: LLMEngine) -> None:
+        if continuation is None:
+            request = engine.add_request(
+                request_id, prompt_ids, params, priority=body.priority, cache_salt=body.cache_salt
+            )
+        else:
+            request = engine.continue_request(
+                request_id,
+                prompt_ids,
+                continuation.output_token_ids,
+                params,
+                sampling_seed=continuation.sampling_seed,
+                emitted_text=continuation.emitted_text,
+                priority=body.priority,
+                cache_salt=body.cache_salt,
+            )
+        seeds.append(request.sampling_seed)
+
+    if continuation is None:
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        meta = _Meta(prefix + request_id, protocol.now(), agent.served_model_name, chat,
+                     len(prompt_ids), prompt_ids)  # fmt: skip
+    else:
+        meta, _ = _resumed(continuation.resume, False)
+        if meta.start != len(continuation.output_token_ids) or meta.chat != chat:
+            raise bad_request(
+                "resume.from must count output_token_ids and resume.chat match the route",
+                "kvherd_continuation",
+            )
+        meta.prompt_len, meta.model = len(prompt_ids), agent.served_model_name
+    stream = await agent.engine_loop.open(request_id, start)
+    meta.sampling_seed = seeds[0]
     return stream, meta
 
 
@@ -514,23 +551,47 @@ async def _collect(stream: RequestStream) -> tuple[str, list[int], str | None, i
     return "".join(parts), token_ids, finish_reason, cached
 
 
-async def _sse(
-    stream: RequestStream, meta: _Meta, fmt: _Format, index: int = 0
-) -> AsyncIterator[bytes]:
-    """The OpenAI stream of `stream`'s outputs; `index`: output tokens the client already has."""
+def _resume_object(meta: _Meta, fmt: _Format, index: int) -> dict[str, Any]:
+    """How to continue `meta`'s stream from output token `index` (the migration notice's)."""
+    return {
+        "from": index,
+        "id": meta.response_id,
+        "created": meta.created,
+        "model": meta.model,
+        "chat": meta.chat,
+        "prompt_tokens": meta.prompt_len,
+        "return_token_ids": fmt.want_ids,
+        "continuous_usage_stats": fmt.continuous_usage,
+        "include_usage": fmt.include_usage,
+    }
+
+
+async def _sse(stream: RequestStream, meta: _Meta, fmt: _Format) -> AsyncIterator[bytes]:
+    """The OpenAI stream of `stream`'s outputs from output token `meta.start` on."""
     want_ids, continuous_usage = fmt.want_ids, fmt.continuous_usage
     cached = 0
     rid, created, model = meta.response_id, meta.created, meta.model
+    index = meta.start
+    ledger = fmt.ledger
+    # The ledger's first line: how to continue this stream if this instance is lost.
+    preamble = b""
+    if ledger and meta.sampling_seed is not None:
+        continuation = {
+            "resume": _resume_object(meta, fmt, index),
+            "sampling_seed": meta.sampling_seed,
+        }
+        preamble = wire.ledger_line(continuation)
     done = True
     try:
-        if meta.chat and index == 0:
+        if meta.chat and meta.opening:
             first = protocol.chat_chunk(
                 rid, created, model, {"role": "assistant", "content": ""}, None,
                 [] if want_ids else None, 0,
             )  # fmt: skip
             if want_ids:
                 first["choices"][0]["prompt_token_ids"] = meta.prompt_ids
-            yield wire.sse(first)
+            yield preamble + wire.sse(first)
+            preamble = b""
         # Outputs that queued up while this stream waited for the event loop go out in one write.
         async for outputs in stream.batches():
             frames = []
@@ -556,27 +617,20 @@ async def _sse(
                         chunk["usage"] = protocol.usage(
                             meta.prompt_len, index + len(new_ids), output.num_cached_tokens
                         )
+                    if ledger and new_ids:
+                        frames.append(wire.ledger_line({"index": index, "token_ids": new_ids}))
                     frames.append(wire.sse(chunk))
                 index += len(new_ids)
             if frames:
-                yield b"".join(frames)
+                yield preamble + b"".join(frames)
+                preamble = b""
         if fmt.include_usage:
             usage = protocol.usage(meta.prompt_len, index, cached)
             yield wire.sse(protocol.usage_chunk(rid, created, model, meta.chat, usage))
     except RequestMigrated as moved:
         # The client (the proxy) continues this very stream at the destination: no [DONE].
         done = False
-        resume = {
-            "from": index,
-            "id": rid,
-            "created": created,
-            "model": model,
-            "chat": meta.chat,
-            "prompt_tokens": meta.prompt_len,
-            "return_token_ids": want_ids,
-            "continuous_usage_stats": continuous_usage,
-            "include_usage": fmt.include_usage,
-        }
+        resume = _resume_object(meta, fmt, index)
         yield wire.migration_notice(moved.dst_url, stream.request_id, resume)
     except (RequestAborted, EngineDeadError) as exc:
         kind = "server_error"
@@ -606,7 +660,7 @@ async def _follow(agent: Agent, request_id: str, wait: float) -> RequestStream:
     return stream
 
 
-def _resumed(body: Any) -> tuple[_Meta, _Format, int]:
+def _resumed(body: Any, ledger: bool) -> tuple[_Meta, _Format]:
     """The stream to continue, from a migration notice's ``resume`` object (400 if malformed)."""
     if not isinstance(body, dict):
         raise bad_request("body must be a migration notice's resume object")
@@ -627,13 +681,16 @@ def _resumed(body: Any) -> tuple[_Meta, _Format, int]:
         chat=field("chat", bool),
         prompt_len=field("prompt_tokens", int),
         prompt_ids=[],  # only the first chunk carries them, and it went out at the source
+        start=start,
+        opening=False,
     )
     fmt = _Format(
         field("return_token_ids", bool),
         field("continuous_usage_stats", bool),
         field("include_usage", bool),
+        ledger,
     )
-    return meta, fmt, start
+    return meta, fmt
 
 
 class DrainingServer(uvicorn.Server):

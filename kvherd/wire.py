@@ -10,6 +10,12 @@ Contract:
   starts, byte for byte, so a relay can find it in a byte stream without parsing every frame, and
   `parse_migration_notice` reads one back (`ValueError` when malformed). The notice is consumed by
   the proxy or relay; clients never see it.
+- Token ledger: a streamed request sent with ``X-Kvherd-Token-Ids: 1`` (`TOKEN_IDS_HEADER`) gets
+  SSE comment lines ``: kvherd {json}`` (`ledger_line`, starting with `LEDGER_PREFIX`) before its
+  data lines: the first data frame's says how to continue the stream elsewhere
+  (``{"resume": {...}, "sampling_seed": S}``, the notice's ``resume`` object), every frame with
+  tokens says which (``{"index": i, "token_ids": [...]}``). A relay keeps them to continue a
+  stream whose instance was lost and strips them; SSE clients would ignore them anyway.
 """
 
 from __future__ import annotations
@@ -60,6 +66,14 @@ def sse(payload: dict[str, Any]) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 NOTICE_PREFIX = b'data: {"kvherd":{"migrated_to":'
+
+TOKEN_IDS_HEADER = "x-kvherd-token-ids"
+LEDGER_PREFIX = b": kvherd "
+
+
+def ledger_line(payload: dict[str, Any]) -> bytes:
+    """One token-ledger comment line (see the module contract)."""
+    return LEDGER_PREFIX + json.dumps(payload, separators=(",", ":")).encode() + b"\n"
 
 
 def migration_notice(dst_url: str, request_id: str, resume: dict[str, Any]) -> bytes:

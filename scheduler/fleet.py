@@ -26,6 +26,8 @@ Contract:
 - Health: `failure_threshold` consecutive failures eject an instance (not dispatchable, counted in
   ``kvherd_ejections_total``); after the ejection time the next active probe is its half-open
   trial. A comeback after ejection resubscribes its KV events (it may have restarted).
+  `on_lost(instance_id, url)` is called when an instance is ejected or removed (the proxy fails
+  over the requests in flight there at once).
 - Policies: `set_policy(spec, params)` switches the dispatch policy at run time, loading only what
   the operator's `PolicyAllowList` admits (built-in names, entry points, allow-listed modules, the
   policy directory); a spec that is refused or does not load raises `FleetError(400)` and the old
@@ -153,6 +155,7 @@ class Fleet:
             settings.failure_threshold, settings.base_ejection_s, settings.max_ejection_s
         )
         self.on_capacity: Callable[[], None] = lambda: None
+        self.on_lost: Callable[[str, str], None] = lambda instance_id, url: None
         self.subscriber = KVEventSubscriber(self.cluster, settings.replay_timeout_s)
         self.poller = LoadPoller(
             self._urls,
@@ -270,6 +273,7 @@ class Fleet:
         self.poller.forget(instance_id)
         self.metrics.forget_instance(instance_id)
         log.info("instance %s removed", instance_id)
+        self.on_lost(instance_id, inst.url)
         return True
 
     def heartbeat(self, instance_id: str, leaving: bool = False) -> bool:
@@ -318,6 +322,7 @@ class Fleet:
             log.warning("instance %s ejected after repeated failures", instance_id)
             self.metrics.ejected(instance_id)
             self.cluster.set_healthy(instance_id, False)
+            self.on_lost(instance_id, self.instances[instance_id].url)
         elif change is Health.HEALTHY:
             log.info("instance %s is healthy again", instance_id)
             self.cluster.set_healthy(instance_id, True)

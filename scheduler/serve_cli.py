@@ -107,8 +107,7 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tokenizer",
         default=None,
-        help="the fleet's tokenizer: the model's (or an HF tokenizer's) directory, or 'byte'; "
-        "needs the 'tokenizer' extra. Required in front of engines that are not kvherd agents",
+        help="fleet tokenizer: a checkpoint directory with tokenizer files (default: byte level)",
     )
     parser.add_argument("--block-size", type=int, default=None, help="default: the agents' own")
     parser.add_argument("--no-kv-events", action="store_true", help="use the approximate index")
@@ -121,7 +120,34 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         "--request-timeout", type=float, default=600.0, help="seconds until the response head"
     )
     parser.add_argument("--stream-idle-timeout", type=float, default=300.0)
-    parser.add_argument("--health-interval", type=float, default=2.0)
+    parser.add_argument("--health-interval", type=float, default=1.0)
+    parser.add_argument(
+        "--health-timeout", type=float, default=1.0, help="seconds an active probe may take"
+    )
+    parser.add_argument(
+        "--max-continuations",
+        type=int,
+        default=2,
+        help="attempts to continue a stream elsewhere after its instance was lost",
+    )
+    parser.add_argument(
+        "--first-byte-deadline",
+        type=float,
+        nargs=2,
+        default=[10.0, 120.0],
+        metavar=("FLOOR", "CAP"),
+        help="seconds a stream may wait for its first chunk: derived from the instance's queue "
+        "and step time, within [FLOOR, CAP]",
+    )
+    parser.add_argument(
+        "--inter-chunk-deadline",
+        type=float,
+        nargs=2,
+        default=[2.0, 30.0],
+        metavar=("FLOOR", "CAP"),
+        help="seconds between a stream's chunks: derived from the instance's step time, "
+        "within [FLOOR, CAP]; past it the stream continues on another instance",
+    )
     parser.add_argument("--eject-after", type=int, default=3, help="consecutive failures")
     parser.add_argument("--ejection-time", type=float, default=5.0, help="first ejection, seconds")
     parser.add_argument("--load-interval", type=float, default=0.25)
@@ -215,31 +241,6 @@ async def probe_instance(
     return spec
 
 
-def foreign_without_tokenizer(spec: InstanceSpec) -> str | None:
-    """Why the proxy must not route `spec` with the byte tokenizer (no ``--tokenizer`` given).
-
-    An engine that answered ``/v1/models`` but is no kvherd agent (vLLM, SGLang) tokenizes with
-    its model's tokenizer: byte-level routing tokens never match its blocks, so the proxy refuses
-    to start. An instance that described itself not at all only gets a warning.
-    """
-    if spec.kvherd_agent:
-        return None
-    if spec.model is None:
-        log.warning(
-            "instance %s is not a kvherd agent as far as the proxy can tell, and no --tokenizer "
-            "was given: if it is a vLLM/SGLang server, prefix-aware routing will never match "
-            "(pass --tokenizer MODEL_DIR)",
-            spec.url,
-        )
-        return None
-    return (
-        f"instance {spec.url} serves {spec.model!r} and is not a kvherd agent: kvherd routes by "
-        "the engine's own token ids, so give the model's tokenizer with --tokenizer DIR (its "
-        "checkpoint or HF tokenizer directory; pip install 'kvherd[tokenizer]'), or "
-        "--tokenizer byte to route with the byte tokenizer anyway"
-    )
-
-
 class _QuietServer:
     """uvicorn.Server without its own signal handling (the caller owns the signals)."""
 
@@ -281,6 +282,7 @@ async def serve_fleet(
     from kvherd.fleet_token import resolve
     from kvherd.tokenizer import load_tokenizer
     from policies.registry import PolicyAllowList
+    from scheduler.core.deadlines import DeadlineSettings
     from scheduler.core.tenancy import SALT_SECRET_ENV, build_registry
     from scheduler.fleet import Fleet, FleetError, FleetSettings
     from scheduler.proxy.admin import LOOPBACK_PATTERNS, RegistrationPolicy, build_admin_app
@@ -321,11 +323,6 @@ async def serve_fleet(
     allow = RegistrationPolicy(
         args.allow_register or config.get("allow_register") or LOOPBACK_PATTERNS
     )
-    try:  # missing packages or files fail here, never per request
-        tokenizer = load_tokenizer(args.tokenizer, strict=True)
-    except ValueError as exc:
-        print(f"kvherd serve: --tokenizer: {exc}", file=sys.stderr)
-        return 2
     metrics = ProxyMetrics()
     settings = FleetSettings(
         block_size=args.block_size,
@@ -333,6 +330,7 @@ async def serve_fleet(
         failure_threshold=args.eject_after,
         base_ejection_s=args.ejection_time,
         health_interval_s=args.health_interval,
+        health_timeout_s=args.health_timeout,
         load_interval_s=args.load_interval,
         heartbeat_timeout_s=args.heartbeat_timeout,
         kv_events=not args.no_kv_events,
@@ -364,7 +362,7 @@ async def serve_fleet(
     fleet.migration_spec = args.migration_policy
     proxy = Proxy(
         fleet,
-        tokenizer,
+        load_tokenizer(args.tokenizer),
         tenants,
         ProxyConfig(
             max_attempts=args.max_attempts,
@@ -375,6 +373,13 @@ async def serve_fleet(
             stream_idle_timeout_s=args.stream_idle_timeout,
             expose_instance=args.expose_instance,
             fleet_token=fleet_token,
+            max_continuations=args.max_continuations,
+            deadlines=DeadlineSettings(
+                first_byte_floor_s=args.first_byte_deadline[0],
+                first_byte_cap_s=args.first_byte_deadline[1],
+                inter_chunk_floor_s=args.inter_chunk_deadline[0],
+                inter_chunk_cap_s=args.inter_chunk_deadline[1],
+            ),
         ),
         metrics,
     )
@@ -395,6 +400,7 @@ async def serve_fleet(
     for sig in signals:
         loop.add_signal_handler(sig, on_signal)
     await fleet.start()
+    proxy.lag.start()
     if fleet.migration is not None:
         fleet.migration.start()
     try:
@@ -404,9 +410,6 @@ async def serve_fleet(
                 raise ValueError(f"config instance {raw!r} has no url")
             try:
                 spec = await probe_instance(entry, not args.no_kv_events, fleet_token)
-                if args.tokenizer is None and (refusal := foreign_without_tokenizer(spec)):
-                    print(f"kvherd serve: {refusal}", file=sys.stderr)
-                    return 2
                 await fleet.add_instance(spec)
             except FleetError as exc:
                 print(f"kvherd serve: instance {entry['url']}: {exc.message}", file=sys.stderr)
@@ -452,6 +455,7 @@ async def serve_fleet(
         if fleet.migration is not None:
             await fleet.migration.stop()
         await fleet.stop()
+        await proxy.lag.stop()
         await proxy.pool.close()
 
 

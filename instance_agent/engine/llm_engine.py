@@ -194,6 +194,64 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
     ) -> Request:
+        request = self._new_request(request_id, prompt, params, priority, cache_salt, arrival_time)
+        self.scheduler.add_request(request)
+        self._texts[request_id] = self._new_text_state(request.sampling_params)
+        return request
+
+    def continue_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        output_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        sampling_seed: int | None,
+        emitted_text: str,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Continue a request that produced `output_token_ids` on an instance that was lost.
+
+        Its KV is recomputed here (as after a preemption) and the next draw is number
+        ``len(output_token_ids)`` under `sampling_seed`, so what follows is exactly what the lost
+        instance would have produced; `emitted_text` (what the client has seen) resumes the text
+        and stop-string state. Refused with `InvalidRequestError` before anything is allocated.
+        """
+        outputs = list(output_token_ids)
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in outputs):
+            raise InvalidRequestError(
+                "output token ids must be in the vocabulary", "kvherd_continuation"
+            )
+        request = self._new_request(request_id, prompt, params, priority, cache_salt, None)
+        if len(outputs) >= request.sampling_params.max_tokens:
+            raise InvalidRequestError("the request has no token budget left", "kvherd_continuation")
+        text = self._new_text_state(request.sampling_params)
+        text.advance(outputs, finishing=False)
+        if not text.text.startswith(emitted_text):
+            raise InvalidRequestError(
+                "emitted_text does not match the output token ids", "kvherd_continuation"
+            )
+        text.num_emitted = len(emitted_text)
+        if sampling_seed is not None:
+            request.sampling_seed = sampling_seed
+        for token in outputs:
+            request.append_output_token(token)
+        self.scheduler.add_request(request)
+        self._texts[request_id] = text
+        return request
+
+    def _new_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None,
+        priority: int,
+        cache_salt: str | None,
+        arrival_time: float | None,
+    ) -> Request:
+        """A validated `Request` (not yet queued)."""
         params = params if params is not None else SamplingParams()
         params.validate()
         ids = self._prompt_ids(prompt)
@@ -217,8 +275,6 @@ class LLMEngine:
             eos_token_id=self.eos_token_id,
             hash_algo=self.config.hash_algo,
         )
-        self.scheduler.add_request(request)
-        self._texts[request_id] = self._new_text_state(params)
         return request
 
     def _new_text_state(self, params: SamplingParams) -> _TextState:

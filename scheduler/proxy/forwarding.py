@@ -15,8 +15,16 @@ Contract:
 - Timeouts: ``connect_timeout`` for the TCP connect; ``head_timeout`` until the response head and,
   for a Content-Length body, the whole body arrived (queueing, prefill and decode of a non-streamed
   request: the per-request timeout there); ``read_timeout`` between body chunks of a stream.
+  `UpstreamResponse.read_timeout` may be changed between chunks (the proxy's first-byte and
+  inter-chunk deadlines). Time the proxy's own event loop was late (`scheduler.proxy.loop_lag`,
+  given as `lag`) is added to every deadline: a connect, head or chunk wait that expires while the
+  loop owes time is extended by what it owes.
 - `UpstreamResponse.close()` on an unfinished response closes its connection: the instance sees the
   client go away and aborts the request (frees its KV blocks).
+- `UpstreamPool.abort(url)` fails every request in flight to `url` at once (an instance ejected
+  or removed): waits for a head raise `UpstreamConnectError` (retried elsewhere), streams raise
+  `UpstreamError` (continued elsewhere), and the connections are dropped without waiting on the
+  instance.
 
 Why not httpx: on this project's 2-core reference machine one pooled ``httpx.AsyncClient`` request to
 a trivial server costs about 600 µs of CPU and plain ``httpcore`` about 400 µs, against about 60 µs for
@@ -30,10 +38,15 @@ uses httpx.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterable
-from typing import cast
+from typing import TYPE_CHECKING, cast
 from urllib.parse import urlsplit
+
+if TYPE_CHECKING:
+    from scheduler.proxy.loop_lag import LoopLag
 
 # Response headers that describe the hop, not the payload: never relayed.
 HOP_BY_HOP = frozenset(
@@ -74,6 +87,10 @@ class UpstreamConnectError(UpstreamError):
 
 class UpstreamTimeout(UpstreamError):
     """A connect, response-head or between-chunks deadline passed."""
+
+
+class UpstreamConnectTimeout(UpstreamConnectError):
+    """The TCP connect did not complete in time (under a saturated proxy, no fault of the instance)."""
 
 
 def parse_origin(url: str) -> tuple[str, int, bytes]:
@@ -119,6 +136,7 @@ class _Connection(asyncio.Protocol):
         self._chunk_waiter: asyncio.Future[None] | None = None
         self._error: UpstreamError | None = None
         self._paused = False
+        self.busy: set[_Connection] | None = None  # its pool's in-flight set while it serves one
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -289,23 +307,57 @@ class _Connection(asyncio.Protocol):
                 timer.cancel()
                 self._chunk_waiter = None
 
+    async def wait_data(self, timeout: float) -> None:
+        """Wait up to `timeout` for `pending()` (TimeoutError if it stays false)."""
+        if self.pending():
+            return
+        waiter = self._chunk_waiter = self._loop.create_future()
+        timer = self._loop.call_later(timeout, _expire, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._chunk_waiter = None
+
     def complete(self) -> bool:
         """The response was read to its end and the connection may carry another request."""
         return self._state == _DONE and self.keep_alive and not self._buffer
 
+    def pending(self) -> bool:
+        """Data or an error is waiting to be taken (it may arrive in the loop turn a timer fired)."""
+        return bool(self._chunks) or self._error is not None or self._state == _DONE
+
     def reset(self) -> None:
         self._state = _IDLE
+        self._done_serving()
+
+    def _done_serving(self) -> None:
+        busy, self.busy = self.busy, None
+        if busy is not None:
+            busy.discard(self)
 
     def close(self) -> None:
         self.closed = True
+        self._done_serving()
         if self.transport is not None:
             self.transport.close()
+
+    def abort(self, reason: str) -> None:
+        """Fail the request in flight now and drop the connection (see `UpstreamPool.abort`)."""
+        state = self._state
+        if state in (_HEAD, _BODY):
+            self._fail(UpstreamConnectError(f"{self.origin}: {reason}"))
+        elif state in (_CHUNK_SIZE, _CHUNK_DATA, _TRAILERS, _UNTIL_CLOSE):
+            self._fail(UpstreamError(f"{self.origin}: {reason}"))
+        self.close()
+        if self.transport is not None:
+            self.transport.abort()
 
 
 class UpstreamResponse:
     """Status, headers and body of one instance response (see the module contract)."""
 
-    __slots__ = ("_conn", "_origin", "_pool", "_read_timeout", "body", "headers", "status")
+    __slots__ = ("_conn", "_origin", "_pool", "body", "headers", "read_timeout", "status")
 
     def __init__(
         self,
@@ -323,7 +375,7 @@ class UpstreamResponse:
         self._conn = conn
         self._pool = pool
         self._origin = origin
-        self._read_timeout = read_timeout
+        self.read_timeout = read_timeout
 
     @property
     def streaming(self) -> bool:
@@ -342,20 +394,32 @@ class UpstreamResponse:
             if self.body:
                 yield self.body
             return
-        try:
-            while True:
-                chunk = await conn.next_chunk(self._read_timeout)
-                if chunk is None:
-                    break
-                yield chunk
-        except TimeoutError as exc:
-            self.close()
-            raise UpstreamTimeout(
-                f"{self._origin}: no stream data for {self._read_timeout}s"
-            ) from exc
-        except UpstreamError:
-            self.close()
-            raise
+        lag = self._pool.lag
+        while True:
+            timeout = self.read_timeout
+            since = time.monotonic()
+            try:
+                chunk = await conn.next_chunk(timeout)
+            except TimeoutError as exc:
+                owed = 0.0 if lag is None else lag.owed(since)
+                while not conn.pending() and owed > 0.01:  # the proxy's lag, not the instance's
+                    since = time.monotonic()
+                    with contextlib.suppress(TimeoutError):
+                        await conn.wait_data(owed)
+                    owed = lag.owed(since) if lag is not None else 0.0
+                if conn.pending():
+                    continue
+                self.close()
+                raise UpstreamTimeout(f"{self._origin}: no stream data for {timeout:.3g}s") from exc
+            except UpstreamError:
+                self.close()
+                raise
+            except BaseException:
+                self.close()
+                raise
+            if chunk is None:
+                break
+            yield chunk
         self._conn = None
         self._pool.release(self._origin, conn)
 
@@ -375,7 +439,10 @@ class UpstreamPool:
         head_timeout: float = 600.0,
         read_timeout: float = 300.0,
         max_idle_per_origin: int = 512,
+        lag: LoopLag | None = None,
     ) -> None:
+        self.lag = lag
+        self._busy: dict[str, set[_Connection]] = {}
         self.connect_timeout = connect_timeout
         self.head_timeout = head_timeout
         self.read_timeout = read_timeout
@@ -393,14 +460,29 @@ class UpstreamPool:
 
     async def _connect(self, url: str, host: str, port: int) -> _Connection:
         loop = asyncio.get_running_loop()
-        try:
-            async with asyncio.timeout(self.connect_timeout):
-                _, conn = await loop.create_connection(lambda: _Connection(url), host, port)
-        except TimeoutError as exc:
-            raise UpstreamConnectError(f"{url}: connect timed out") from exc
-        except OSError as exc:
-            raise UpstreamConnectError(f"{url}: connect failed: {exc}") from exc
-        return conn
+        timeout = self.connect_timeout
+        for _ in range(4):
+            since = time.monotonic()
+            try:
+                async with asyncio.timeout(timeout):
+                    _, conn = await loop.create_connection(lambda: _Connection(url), host, port)
+                return conn
+            except TimeoutError as exc:
+                owed = 0.0 if self.lag is None else self.lag.owed(since)
+                if owed <= 0.01:
+                    raise UpstreamConnectTimeout(f"{url}: connect timed out") from exc
+                timeout = owed  # the proxy's own lag: try again for as long
+            except OSError as exc:
+                raise UpstreamConnectError(f"{url}: connect failed: {exc}") from exc
+        raise UpstreamConnectTimeout(f"{url}: connect timed out (the proxy's loop is saturated)")
+
+    def abort(self, url: str, reason: str) -> int:
+        """Fail every request in flight to `url` now; returns how many."""
+        busy = self._busy.pop(url, set())
+        for conn in list(busy):
+            conn.abort(reason)
+        self.forget(url)
+        return len(busy)
 
     def release(self, url: str, conn: _Connection) -> None:
         """Keep `conn` for the next request to `url` if its response was read to the end."""
@@ -451,6 +533,11 @@ class UpstreamPool:
                 candidate.close()
             if conn is None:
                 conn = await self._connect(url, host, port)
+            busy = self._busy.get(url)
+            if busy is None:
+                busy = self._busy[url] = set()
+            busy.add(conn)
+            conn.busy = busy
             try:
                 await conn.exchange(payload, timeout)
             except UpstreamConnectError:

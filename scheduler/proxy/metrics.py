@@ -11,6 +11,9 @@ Contract (what ``GET /metrics`` on the proxy exposes):
 - ``kvherd_ejections_total{instance}``: passive or active ejections.
 - ``kvherd_admission_queue_depth``: requests waiting for a non-saturated instance;
   ``kvherd_rejected_total{reason}``: requests refused by admission (``queue_full``, ``queue_timeout``).
+  ``kvherd_continuations_total{outcome}``: streams whose instance was lost after their first byte
+  (``continued`` on another instance, ``finished`` locally: only the end was missing, ``failed``
+  attempts, ``unsupported``: not continuable exactly, ``gave_up``: the client got an error frame).
 - ``kvherd_instances{state}``: instance counts per health state.
 
 The per-request metrics (requests, the three histograms, in-flight) are plain Python numbers that a
@@ -117,6 +120,12 @@ class ProxyMetrics:
         self._rejected = Counter(
             "kvherd_rejected", "Requests refused by admission", ["reason"], registry=r
         )
+        self._continuations = Counter(
+            "kvherd_continuations",
+            "Streams continued after losing their instance",
+            ["outcome"],
+            registry=r,
+        )
         self._instances = Gauge(
             "kvherd_instances", "Registered instances by health state", ["state"], registry=r
         )
@@ -136,6 +145,9 @@ class ProxyMetrics:
 
     def rejected(self, reason: str) -> None:
         self._rejected.labels(reason=reason).inc()
+
+    def continuation(self, outcome: str) -> None:
+        self._continuations.labels(outcome=outcome).inc()
 
     def set_instance_states(self, counts: dict[str, int]) -> None:
         for state, count in counts.items():

@@ -17,7 +17,24 @@ Contract:
   from the instance, or a stream that breaks before its first chunk is retried on another instance
   (never one already tried) while nothing has been sent to the client (the response head is held
   back until the first chunk), up to ``max_attempts`` in all; then the client gets a 502/504 error
-  object. After the first byte is relayed, an upstream failure ends the client's stream.
+  object.
+- Continuation: after the first byte, a stream whose instance dies, hangs (no chunk within the
+  inter-chunk deadline), resets or sends an error frame goes on elsewhere
+  (`scheduler.proxy.continuation`): streamed requests go out with ``X-Kvherd-Token-Ids: 1`` (the
+  agents' token ledger, stripped before relaying), and the proxy sends the original body plus
+  ``kvherd_continuation`` (tokens and text the client has, sampling seed, resume object) to another
+  kvherd agent, which recomputes and streams the rest of the same stream: no token lost or
+  repeated, usage counting the original prompt and every generated token, bit-identical for
+  greedy and seeded sampling. At most ``max_continuations`` attempts; then the client gets an
+  OpenAI error frame and ``[DONE]``. Streams from instances without the ledger (vLLM) cannot be
+  continued exactly and end with the error frame. Outcomes are counted in
+  ``kvherd_continuations_total``.
+- Deadlines (`scheduler.core.deadlines`): a streamed request's response head and first chunk must
+  come within the instance's first-byte deadline, later chunks within its inter-chunk deadline;
+  time the proxy's own loop was late is never counted (`scheduler.proxy.loop_lag`), and a connect
+  timeout while that loop is saturated is no evidence against the instance. When an instance is
+  ejected or removed, every request in flight there fails over at once (`UpstreamPool.abort`):
+  retried when it had not started, continued when it had.
 - Live migration: streamed requests go out with ``X-Kvherd-Reattach: 1``. When one migrates, its
   agent ends the stream with a notice frame ``data: {"kvherd": {"migrated_to": URL, "request_id",
   "resume"}}`` (never relayed); the proxy then POSTs ``resume`` to
@@ -55,15 +72,19 @@ from kvherd import wire
 from kvherd.block_hash import block_hash_chain
 from kvherd.tokenizer import Tokenizer
 from kvherd.wire import OpenAIError
+from scheduler.core.deadlines import Deadlines, DeadlineSettings
 from scheduler.core.tenancy import Tenant, TenantRegistry
 from scheduler.fleet import Fleet, FleetInstance, NoCapacityError
+from scheduler.proxy.continuation import StreamLedger, error_frame
 from scheduler.proxy.forwarding import (
+    UpstreamConnectTimeout,
     UpstreamError,
     UpstreamPool,
     UpstreamResponse,
     UpstreamTimeout,
 )
 from scheduler.proxy.http_front import Exchange, FrontServer
+from scheduler.proxy.loop_lag import LoopLag
 from scheduler.proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from scheduler.proxy.metrics import ProxyMetrics
 from scheduler.proxy.routing_tokens import prompt_token_ids
@@ -108,6 +129,8 @@ class ProxyConfig:
     stream_idle_timeout_s: float = 300.0  # between streamed chunks
     expose_instance: bool = False
     max_body_bytes: int = MAX_BODY_BYTES
+    max_continuations: int = 2  # attempts to continue one stream whose instance was lost
+    deadlines: DeadlineSettings = field(default_factory=DeadlineSettings)
     fleet_token: str | None = None  # the agents' control routes (resume) require it
 
 
@@ -146,16 +169,33 @@ class Proxy:
         self.tenants = tenants
         self.config = config
         self.metrics = metrics
+        self.lag = LoopLag()
+        self.deadlines = Deadlines(config.deadlines)
         self.pool = UpstreamPool(
             connect_timeout=config.connect_timeout_s,
             head_timeout=config.request_timeout_s,
             read_timeout=config.stream_idle_timeout_s,
+            lag=self.lag,
         )
         self._admission = _Admission()
         # Generated request ids: a random per-process prefix and a counter (cheaper than uuid4).
         self._id_prefix = os.urandom(6).hex().encode()
         self._id_counter = itertools.count(1)
         fleet.on_capacity = self._admission.wake_one
+        fleet.on_lost = self._instance_lost
+
+    def _instance_lost(self, instance_id: str, url: str) -> None:
+        failed = self.pool.abort(url, f"instance {instance_id} was ejected or removed")
+        self.deadlines.forget(instance_id)
+        if failed:
+            log.warning("instance %s lost: failing over %d requests", instance_id, failed)
+
+    def _failed(self, key: str, instance: FleetInstance, exc: UpstreamError) -> None:
+        """Count a failed attempt against `instance`, unless the proxy's own lag caused it."""
+        if isinstance(exc, UpstreamConnectTimeout) and self.lag.saturated():
+            self.fleet.request_finished(key, instance, ok=False)
+        else:
+            self.fleet.request_failed(key, instance)
 
     # -- endpoints (`scheduler.proxy.http_front` handlers) --------------------------------------------
     async def completions(self, exchange: Exchange) -> None:
@@ -260,8 +300,10 @@ class Proxy:
         rid = request_id.decode("latin-1")
         key = self.fleet.new_key(rid)
         headers.append((b"x-request-id", key.encode()))
-        if body.get("stream") is True:
+        streamed = body.get("stream") is True
+        if streamed:
             headers.append((b"x-kvherd-reattach", b"1"))
+            headers.append((b"x-kvherd-token-ids", b"1"))
         tried: set[str] = set()
         last_error: UpstreamError | None = None
         last_status: UpstreamResponse | None = None
@@ -274,10 +316,13 @@ class Proxy:
             if attempt:
                 self.metrics.retries.inc()
             tried.add(instance.instance_id)
+            first_byte = self._first_byte_deadline(instance) if streamed else None
             try:
-                response = await self.pool.send(instance.url, b"POST", path, headers, raw)
+                response = await self.pool.send(
+                    instance.url, b"POST", path, headers, raw, head_timeout=first_byte
+                )
             except UpstreamError as exc:
-                self.fleet.request_failed(key, instance)
+                self._failed(key, instance, exc)
                 last_error = exc
                 log.warning("request %s: %s", rid, exc)
                 continue
@@ -294,6 +339,8 @@ class Proxy:
             if response.streaming:
                 # Nothing reaches the client before the first chunk: an instance that dies during
                 # prefill (after sending its stream headers) is still retried elsewhere.
+                if first_byte is not None:
+                    response.read_timeout = first_byte
                 chunks = response.iter_body()
                 try:
                     first = await anext(chunks, b"")
@@ -306,6 +353,12 @@ class Proxy:
                     response.close()
                     self.fleet.request_finished(key, instance)
                     raise
+                if response.status == 200:
+                    job = _Job(path, headers, body, len(token_ids), block_hashes, tenant,
+                               max_tokens, tried, started)  # fmt: skip
+                    return await self._relay_stream(
+                        exchange, response, instance, key, request_id, chunks, first, job
+                    )
             return await self._relay(exchange, response, instance, key, request_id, chunks, first)
         if last_status is not None and last_status.body is not None:
             exchange.respond(last_status.status, _json_headers(request_id), last_status.body)
@@ -418,6 +471,135 @@ class Proxy:
         self.fleet.request_finished(key, instance, ok=ok)
         return response.status
 
+    def _first_byte_deadline(self, instance: FleetInstance) -> float:
+        waiting = self.fleet.cluster.get(instance.instance_id).report.num_waiting
+        return self.deadlines.first_byte(instance.instance_id, waiting or 0)
+
+    async def _relay_stream(
+        self,
+        exchange: Exchange,
+        response: UpstreamResponse,
+        instance: FleetInstance,
+        key: str,
+        request_id: bytes,
+        chunks: AsyncIterator[bytes],
+        first: bytes,
+        job: _Job,
+    ) -> int | str:
+        """Relay a stream, continuing it on other instances while its instance is lost."""
+        headers = [h for h in response.headers if h[0] != b"x-request-id"]
+        headers.append((b"x-request-id", request_id))
+        if self.config.expose_instance:
+            headers.append((b"x-kvherd-instance", instance.instance_id.encode()))
+        self.fleet.first_token(key)
+        ledger = StreamLedger()
+        exchange.start_stream(response.status, headers)
+        attempts = 0
+        while True:
+            stream = self._follow_migrations(first, chunks, request_id)
+            try:
+                await self._pump(stream, ledger, exchange, response, instance.instance_id)
+            except UpstreamError as exc:
+                response.close()
+                await stream.aclose()
+                log.warning("request %s: stream from %s broke: %s", key, instance.instance_id, exc)
+                self._failed(key, instance, exc)
+            except BaseException:
+                response.close()
+                await stream.aclose()  # closes a resumed upstream too: the instance aborts
+                self.fleet.request_finished(key, instance)
+                raise
+            else:
+                self.fleet.request_finished(key, instance)
+                exchange.end_stream()
+                return response.status
+            if ledger.finished:  # only the end was lost
+                self.metrics.continuation("finished")
+                await exchange.write_chunk(ledger.closing_frames())
+                exchange.end_stream()
+                return response.status
+            opened = None
+            while opened is None and attempts < self.config.max_continuations:
+                attempts += 1
+                opened = await self._continue(ledger, job, key)
+            if opened is None:
+                self.metrics.continuation("gave_up")
+                await exchange.write_chunk(error_frame("the instance serving this stream was lost"))
+                exchange.end_stream()
+                return "upstream_broke"
+            self.metrics.continuation("continued")
+            instance, response, chunks, first = opened
+
+    async def _pump(
+        self,
+        stream: AsyncIterator[bytes],
+        ledger: StreamLedger,
+        exchange: Exchange,
+        response: UpstreamResponse,
+        instance_id: str,
+    ) -> None:
+        """Relay `stream` to the client through `ledger`; raises `UpstreamError` if it breaks."""
+        deadlines = self.deadlines
+        last = 0.0
+        async for data in stream:
+            out = ledger.feed(data)
+            if out:
+                await exchange.write_chunk(out)
+            now = time.monotonic()
+            if last:
+                deadlines.observe_gap(instance_id, now - last)
+            last = now
+            response.read_timeout = deadlines.inter_chunk(instance_id)
+        if not ledger.complete():
+            raise UpstreamError("the stream ended before its [DONE]")
+
+    async def _continue(
+        self, ledger: StreamLedger, job: _Job, key: str
+    ) -> tuple[FleetInstance, UpstreamResponse, AsyncIterator[bytes], bytes] | None:
+        """One attempt to open the rest of the stream on another kvherd agent."""
+        body = ledger.continuation_body(job.body)
+        if body is None:
+            self.metrics.continuation("unsupported")
+            return None
+        done = len(body["kvherd_continuation"]["output_token_ids"])
+        exclude = job.tried | {
+            i for i, inst in self.fleet.instances.items() if not inst.spec.kvherd_agent
+        }
+        max_tokens = job.max_tokens - done if isinstance(job.max_tokens, int) else None
+        try:
+            instance = await self._admit(
+                key, job.num_tokens + done, job.block_hashes, job.tenant, max_tokens, exclude,
+                job.started,
+            )  # fmt: skip
+        except OpenAIError:
+            instance = None
+        if instance is None:
+            self.metrics.continuation("failed")
+            return None
+        job.tried.add(instance.instance_id)
+        first_byte = self._first_byte_deadline(instance)
+        try:
+            response = await self.pool.send(
+                instance.url, b"POST", job.path, job.headers, orjson.dumps(body), first_byte
+            )
+            if response.status != 200 or not response.streaming:
+                response.close()
+                raise UpstreamError(f"continuation refused: HTTP {response.status}")
+            response.read_timeout = first_byte
+            chunks = response.iter_body()
+            first = await anext(chunks, b"")
+        except UpstreamError as exc:
+            log.warning("request %s: continuation on %s failed: %s", key, instance.instance_id, exc)
+            self._failed(key, instance, exc)
+            self.metrics.continuation("failed")
+            return None
+        except BaseException:
+            self.fleet.request_finished(key, instance)
+            raise
+        log.info("request %s continues on %s after %d tokens", key, instance.instance_id, done)
+        self.fleet.first_token(key)
+        return instance, response, chunks, first
+
     async def _follow_migrations(
         self, first: bytes, chunks: AsyncIterator[bytes], request_id: bytes
     ) -> AsyncGenerator[bytes, None]:
@@ -476,6 +658,29 @@ class Proxy:
             response.close()
             raise UpstreamError(f"{dst} did not resume {rid}: HTTP {response.status}")
         return response
+
+
+@dataclass(slots=True)
+class _Job:
+    """What continuing a stream elsewhere needs of its original request."""
+
+    path: bytes
+    headers: list[tuple[bytes, bytes]]
+    body: dict[str, Any]
+    num_tokens: int
+    block_hashes: list[int]
+    tenant: Tenant | None
+    max_tokens: Any
+    tried: set[str]
+    started: float
+
+
+def _is_json_media_type(content_type: bytes) -> bool:
+    """``application/json`` or ``application/*+json``, parameters aside (FastAPI's rule)."""
+    media = content_type.split(b";", 1)[0].strip().lower()
+    return media == b"application/json" or (
+        media.startswith(b"application/") and media.endswith(b"+json")
+    )
 
 
 def _json_headers(request_id: bytes) -> list[tuple[bytes, bytes]]:
