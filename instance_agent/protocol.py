@@ -9,7 +9,9 @@ Contract:
   ``logprobs``, ``echo``, ``suffix``, penalties, ``logit_bias``, tools, structured output), so a client
   never silently gets something other than what it asked for.
 - `resolve_prompt` turns a completions prompt (text, token ids, or a one-element batch of either) into
-  text or validated token ids (each id in ``[0, vocab_size)``); `chat_messages` checks chat messages.
+  text or validated token ids (each id in ``[0, vocab_size)``); `chat_prompt` checks chat messages and
+  collects the chat template's inputs with `kvherd.chat_render` (as the proxy and vLLM do: any role,
+  every message field, ``add_generation_prompt``, ``chat_template_kwargs``, ...).
 - `error_from_validation` turns pydantic/FastAPI validation errors into a 400 (`kvherd.wire.OpenAIError`)
   naming the first offending field.
 - The chunk and response builders produce exactly the JSON shapes of OpenAI/vLLM: ``text_completion``
@@ -26,11 +28,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from instance_agent.engine.core.request import InvalidRequestError, SamplingParams
+from kvherd.chat_render import ChatPrompt, ChatRenderError, parse_chat
 from kvherd.wire import OpenAIError, bad_request
 
 # Bodies above this size are refused before parsing: a prompt this long cannot fit any model the agent
@@ -124,19 +127,15 @@ class CompletionRequest(_GenerationFields):
     logprobs: StrictInt | None = None
     echo: StrictBool | None = False
     suffix: StrictStr | None = None
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: Literal["text"]
-    text: StrictStr
+    add_special_tokens: StrictBool = True
 
 
 class ChatMessage(BaseModel):
+    """One message; its parts and other fields are checked by `kvherd.chat_render`."""
+
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
-    name: StrictStr | None = None
+    role: StrictStr
+    content: StrictStr | list[StrictStr | dict[str, Any]] | None = None
 
 
 class ChatCompletionRequest(_GenerationFields):
@@ -238,20 +237,12 @@ def resolve_prompt(
     return token_ids
 
 
-def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """Plain message dicts for the chat template ('developer' is OpenAI's new name for 'system')."""
-    messages = []
-    for message in body.messages:
-        role = "system" if message.role == "developer" else message.role
-        content: str | list[dict[str, str]]
-        if message.content is None:
-            content = ""
-        elif isinstance(message.content, str):
-            content = message.content
-        else:
-            content = [{"type": "text", "text": part.text} for part in message.content]
-        messages.append({"role": role, "content": content})
-    return messages
+def chat_prompt(body: ChatCompletionRequest) -> ChatPrompt:
+    """The chat template's inputs for `body`, built exactly as the proxy builds its routing tokens."""
+    try:
+        return parse_chat(body.model_dump(exclude_unset=True))
+    except ChatRenderError as exc:
+        raise bad_request(str(exc), param=exc.param) from exc
 
 
 # -- responses -------------------------------------------------------------------------------------

@@ -76,6 +76,8 @@ from instance_agent.protocol import (
 from instance_agent.registration import Registrar
 from instance_agent.state import snapshot
 from kvherd import __version__, wire
+from kvherd.chat_render import ChatRenderError
+from kvherd.tokenizer import chat_token_ids
 from kvherd.wire import OpenAIError, bad_request
 
 if TYPE_CHECKING:
@@ -486,15 +488,16 @@ async def _submit(
     max_model_len: int = engine.max_model_len
     chat = isinstance(body, ChatCompletionRequest)
     if isinstance(body, ChatCompletionRequest):
-        try:
-            text = tokenizer.apply_chat_template(protocol.chat_messages(body))
-        except Exception as exc:  # a checkpoint's Jinja template may raise any error type
-            raise bad_request(f"cannot apply the chat template: {exc}", param="messages") from exc
-        prompt_ids = tokenizer.encode(text)
+        try:  # the proxy's routing tokens are these very ids (`kvherd.chat_render`)
+            prompt_ids = chat_token_ids(tokenizer, protocol.chat_prompt(body))
+        except ChatRenderError as exc:
+            raise bad_request(str(exc), param=exc.param) from exc
         default_max_tokens = max(1, max_model_len - len(prompt_ids))
     else:
         prompt = protocol.resolve_prompt(body.prompt, engine.model_config.vocab_size)
-        prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        prompt_ids = (
+            tokenizer.encode(prompt, body.add_special_tokens) if isinstance(prompt, str) else prompt
+        )
         default_max_tokens = 16
     if not prompt_ids:
         raise bad_request("the prompt encodes to no tokens", param="prompt")

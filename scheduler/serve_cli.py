@@ -107,7 +107,8 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tokenizer",
         default=None,
-        help="fleet tokenizer: a checkpoint directory with tokenizer files (default: byte level)",
+        help="the fleet's tokenizer: the model's (or an HF tokenizer's) directory, or 'byte'; "
+        "needs the 'tokenizer' extra. Required in front of engines that are not kvherd agents",
     )
     parser.add_argument("--block-size", type=int, default=None, help="default: the agents' own")
     parser.add_argument("--no-kv-events", action="store_true", help="use the approximate index")
@@ -241,6 +242,31 @@ async def probe_instance(
     return spec
 
 
+def foreign_without_tokenizer(spec: InstanceSpec) -> str | None:
+    """Why the proxy must not route `spec` with the byte tokenizer (no ``--tokenizer`` given).
+
+    An engine that answered ``/v1/models`` but is no kvherd agent (vLLM, SGLang) tokenizes with
+    its model's tokenizer: byte-level routing tokens never match its blocks, so the proxy refuses
+    to start. An instance that described itself not at all only gets a warning.
+    """
+    if spec.kvherd_agent:
+        return None
+    if spec.model is None:
+        log.warning(
+            "instance %s is not a kvherd agent as far as the proxy can tell, and no --tokenizer "
+            "was given: if it is a vLLM/SGLang server, prefix-aware routing will never match "
+            "(pass --tokenizer MODEL_DIR)",
+            spec.url,
+        )
+        return None
+    return (
+        f"instance {spec.url} serves {spec.model!r} and is not a kvherd agent: kvherd routes by "
+        "the engine's own token ids, so give the model's tokenizer with --tokenizer DIR (its "
+        "checkpoint or HF tokenizer directory; pip install 'kvherd[tokenizer]'), or "
+        "--tokenizer byte to route with the byte tokenizer anyway"
+    )
+
+
 class _QuietServer:
     """uvicorn.Server without its own signal handling (the caller owns the signals)."""
 
@@ -323,6 +349,11 @@ async def serve_fleet(
     allow = RegistrationPolicy(
         args.allow_register or config.get("allow_register") or LOOPBACK_PATTERNS
     )
+    try:  # missing packages or files fail here, never per request
+        tokenizer = load_tokenizer(args.tokenizer, strict=True)
+    except ValueError as exc:
+        print(f"kvherd serve: --tokenizer: {exc}", file=sys.stderr)
+        return 2
     metrics = ProxyMetrics()
     settings = FleetSettings(
         block_size=args.block_size,
@@ -362,7 +393,7 @@ async def serve_fleet(
     fleet.migration_spec = args.migration_policy
     proxy = Proxy(
         fleet,
-        load_tokenizer(args.tokenizer),
+        tokenizer,
         tenants,
         ProxyConfig(
             max_attempts=args.max_attempts,
@@ -410,6 +441,9 @@ async def serve_fleet(
                 raise ValueError(f"config instance {raw!r} has no url")
             try:
                 spec = await probe_instance(entry, not args.no_kv_events, fleet_token)
+                if args.tokenizer is None and (refusal := foreign_without_tokenizer(spec)):
+                    print(f"kvherd serve: {refusal}", file=sys.stderr)
+                    return 2
                 await fleet.add_instance(spec)
             except FleetError as exc:
                 print(f"kvherd serve: instance {entry['url']}: {exc.message}", file=sys.stderr)
