@@ -7,8 +7,20 @@ Contract:
 - Membership: `add_instance(spec)` (static ``--instance`` or admin registration; re-adding resyncs
   the instance's prefix view), `remove_instance`, `set_draining`, `heartbeat`. Registered instances
   that stop heartbeating for `heartbeat_timeout_s` are removed; static ones are not.
-- Block size: one per fleet (hashes only match between equal block sizes). Unless pinned, the first
-  instance that reports one sets it; an instance with another block size is refused.
+- Block size: one per fleet (hashes only match between equal block sizes; a fleet of mixed block
+  sizes runs one ``kvherd serve`` per size). Unless pinned (``--block-size``), the first block size
+  an instance reports (``block_size=`` on its spec, its registration, its ``/kvherd/v1/state``,
+  vLLM's ``vllm:cache_config_info``, or its KV events' ``block_size``) settles it; the core is
+  rebuilt for it if needed. An instance that declares another block size when it registers is
+  refused (`FleetError` 400, saying both sizes); one found to differ later is reported once (a
+  WARNING, ``kvherd_block_size_mismatch{instance}``, the admin field ``block_size_mismatch``) and
+  routed with the approximate index.
+- KV events: `subscriber` follows each instance's stream (connecting, or binding for an engine
+  that connects its PUB: ``kv_events_bind``; or the shared bound endpoint ``kv_events_bind`` of
+  the settings, attributed by ``kv_topic``). When the stream says part of the instance's history
+  is lost (replay buffer rolled, no replay socket) it is counted (``kvherd_kv_history_lost``) and
+  the instance is routed with the approximate index from then on, until it re-joins. A stream
+  silent for ``kv_silence_warn_s`` after traffic is counted (``kvherd_kv_events_silent``).
 - Request ids: `new_key(client_request_id)` gives each request the fleet's own id, unique among
   every proxy process's requests (a random per-process prefix and a counter); it is the router's
   key and the id the agents see, so a client's ``X-Request-Id`` can neither collide with another
@@ -46,6 +58,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import zmq
 
 from kvherd.fleet_token import auth_headers
 from policies.registry import PolicyAllowList, PolicyLoadError, load_dispatch_policy
@@ -93,6 +107,8 @@ class InstanceSpec:
     model: str | None = None
     block_size: int | None = None
     registered: bool = False  # through the admin API (heartbeats expected) vs static
+    kv_events_bind: bool = False  # bind kv_events_endpoint (the engine connects its PUB)
+    kv_topic: str | None = None  # its messages on the shared bound endpoint carry this topic
     kvherd_agent: bool = True  # hashes blocks exactly like kvherd (engine hashes are trusted)
 
 
@@ -106,6 +122,9 @@ class FleetInstance:
     served: int = 0
     failures: int = 0
     keys: set[str] = field(default_factory=set)  # routing keys in flight here
+    block_size: int | None = None  # the instance's own, once known
+    block_size_mismatch: dict[str, Any] | None = None
+    kv_fallback: str | None = None  # why it is routed with the approximate index despite events
 
 
 @dataclass(slots=True)
@@ -122,6 +141,8 @@ class FleetSettings:
     kv_events: bool = True  # subscribe to instances' KV events when they offer them
     approx_ttl_s: float = 120.0
     replay_timeout_s: float = 2.0
+    kv_events_bind: str | None = None  # a SUB endpoint engines connect to (attributed by topic)
+    kv_silence_warn_s: float = 30.0
     fleet_token: str | None = None  # sent to the agents' control routes (the state snapshot)
 
 
@@ -156,13 +177,20 @@ class Fleet:
         )
         self.on_capacity: Callable[[], None] = lambda: None
         self.on_lost: Callable[[str, str], None] = lambda instance_id, url: None
-        self.subscriber = KVEventSubscriber(self.cluster, settings.replay_timeout_s)
+        self.subscriber = KVEventSubscriber(
+            self.cluster,
+            settings.replay_timeout_s,
+            observer=self,
+            silence_warn_s=settings.kv_silence_warn_s,
+            clock=clock,
+        )
         self.poller = LoadPoller(
             self._urls,
             self._on_report,
             lambda: self.cluster.block_size,
             settings.load_interval_s,
             headers=auth_headers(settings.fleet_token),
+            on_failure=metrics.load_poll_failed,
         )
         self.prober = ActiveProber(
             self._urls, self._on_probe, settings.health_interval_s, settings.health_timeout_s
@@ -182,6 +210,15 @@ class Fleet:
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
+        if self.settings.kv_events_bind is not None:
+            try:
+                bound = await self.subscriber.bind_shared(self.settings.kv_events_bind)
+            except zmq.ZMQError as exc:
+                raise FleetError(
+                    400, f"cannot bind --kv-events-bind {self.settings.kv_events_bind}: {exc}"
+                ) from exc
+            log.info("KV events from connecting engines on %s (attributed by topic)", bound)
+        self.subscriber.start()
         self.poller.start()
         self.prober.start()
         self._reaper = asyncio.create_task(self._reap(), name="kvherd-heartbeat-reaper")
@@ -210,22 +247,71 @@ class Fleet:
 
     async def _adopt_block_size(self, spec: InstanceSpec) -> None:
         if spec.block_size is None or spec.block_size == self.cluster.block_size:
+            if spec.block_size is not None and not self.block_size_pinned:
+                self.block_size_pinned = True
+                log.info("fleet block size %d, from instance %s", spec.block_size, spec.instance_id)
             return
-        if self.block_size_pinned or self.instances:
+        if self.block_size_pinned:
             raise FleetError(
                 400,
-                f"instance block size {spec.block_size} differs from the fleet's "
-                f"{self.cluster.block_size}",
+                f"instance {spec.instance_id} has block size {spec.block_size} but the fleet "
+                f"hashes with {self.cluster.block_size}: kvherd routes one block size per fleet "
+                f"(start the engine with --block-size {self.cluster.block_size}, or run a kvherd "
+                "serve per block size)",
                 "block_size",
             )
-        # No instance yet: rebuild the (empty) core for this block size.
-        self.cluster = ClusterState(
-            block_size=spec.block_size, approx_ttl_s=self.settings.approx_ttl_s
-        )
-        self.router = Router(self.cluster, self.router.policy)
-        await self.subscriber.close()
-        self.subscriber = KVEventSubscriber(self.cluster, self.settings.replay_timeout_s)
+        await self._settle_block_size(spec.block_size, f"instance {spec.instance_id}")
+
+    async def _settle_block_size(self, block_size: int, source: str) -> None:
+        """Fix the fleet's block size; rebuild the core (indexes empty) when it changes.
+
+        The router's in-flight accounting starts afresh; this happens once, as the fleet learns
+        its first instance's block size."""
         self.block_size_pinned = True
+        log.info("fleet block size %d, from %s", block_size, source)
+        if block_size == self.cluster.block_size:
+            return
+        old = self.cluster
+        self.cluster = ClusterState(block_size=block_size, approx_ttl_s=self.settings.approx_ttl_s)
+        self.router = Router(self.cluster, self.router.policy)
+        self.subscriber.sink = self.cluster
+        for inst in list(self.instances.values()):
+            await self._join_core(inst.spec)
+            if inst.instance_id in old:
+                state = old.get(inst.instance_id)
+                self.cluster.set_healthy(inst.instance_id, state.healthy)
+                self.cluster.set_draining(inst.instance_id, state.draining)
+
+    def _has_events(self, spec: InstanceSpec) -> bool:
+        return self.settings.kv_events and (
+            spec.kv_events_endpoint is not None or spec.kv_topic is not None
+        )
+
+    async def _join_core(self, spec: InstanceSpec) -> bool:
+        """Register `spec` with the cluster core and (re)subscribe its KV events."""
+        has_events = self._has_events(spec)
+        self.cluster.add_instance(
+            spec.instance_id, has_kv_events=has_events, trust_engine_hashes=spec.kvherd_agent
+        )
+        if has_events:
+            await self._subscribe(spec)
+        else:
+            await self.subscriber.remove(spec.instance_id)
+        return has_events
+
+    async def _subscribe(self, spec: InstanceSpec) -> None:
+        try:
+            await self.subscriber.add(
+                spec.instance_id,
+                spec.kv_events_endpoint,
+                spec.replay_endpoint,
+                bind=spec.kv_events_bind,
+                topic=spec.kv_topic,
+            )
+        except (zmq.ZMQError, ValueError) as exc:
+            raise FleetError(
+                400, f"instance {spec.instance_id}: cannot follow its KV events: {exc}"
+            ) from exc
 
     async def add_instance(self, spec: InstanceSpec) -> bool:
         """Add or re-add an instance; True when it is new."""
@@ -233,25 +319,25 @@ class Fleet:
         existing = self.instances.get(spec.instance_id)
         if existing is not None and existing.url != spec.url:
             self.metrics.forget_instance(spec.instance_id)
-        has_events = self.settings.kv_events and spec.kv_events_endpoint is not None
-        self.cluster.add_instance(
-            spec.instance_id, has_kv_events=has_events, trust_engine_hashes=spec.kvherd_agent
+        inst = FleetInstance(
+            spec.instance_id,
+            spec.url,
+            spec,
+            last_heartbeat=self.clock(),
+            block_size=spec.block_size,
         )
-        inst = FleetInstance(spec.instance_id, spec.url, spec, last_heartbeat=self.clock())
         if existing is not None:  # requests in flight there finish on the new record
             inst.inflight, inst.keys = existing.inflight, existing.keys
             inst.served, inst.failures = existing.served, existing.failures
         self.instances[spec.instance_id] = inst
         self.outliers.remove(spec.instance_id)
         self.outliers.add(spec.instance_id)
+        try:
+            has_events = await self._join_core(spec)
+        except FleetError:
+            await self.remove_instance(spec.instance_id)
+            raise
         self.cluster.set_healthy(spec.instance_id, True)
-        if has_events:
-            assert spec.kv_events_endpoint is not None
-            await self.subscriber.add(
-                spec.instance_id, spec.kv_events_endpoint, spec.replay_endpoint
-            )
-        else:
-            await self.subscriber.remove(spec.instance_id)
         log.info(
             "instance %s at %s %s (%s)",
             spec.instance_id,
@@ -305,6 +391,63 @@ class Fleet:
     def _on_report(self, instance_id: str, report: LoadReport) -> None:
         if instance_id in self.cluster:
             self.cluster.apply_report(instance_id, report, self.clock())
+        if report.block_size is not None:
+            self._observe_block_size(instance_id, report.block_size, "its load report")
+
+    # -- what the KV event streams report (the subscriber's observer protocol) --------------
+    def kv_block_size_seen(self, instance_id: str, block_size: int) -> None:
+        self._observe_block_size(instance_id, block_size, "its KV events")
+
+    def kv_history_lost(self, instance_id: str, detail: str) -> None:
+        self.metrics.kv_history_lost(instance_id)
+        self._approximate(instance_id, detail)
+
+    def kv_events_silent(self, instance_id: str, silent_s: float) -> None:
+        self.metrics.kv_events_silent(instance_id)
+
+    def _observe_block_size(self, instance_id: str, block_size: int, source: str) -> None:
+        inst = self.instances.get(instance_id)
+        if inst is None:
+            return
+        if inst.block_size is None:
+            inst.block_size = block_size
+        if not self.block_size_pinned:
+            self.block_size_pinned = True  # settled now; the rebuild follows
+            task = asyncio.get_running_loop().create_task(
+                self._settle_block_size(block_size, f"instance {instance_id} ({source})")
+            )
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            return
+        if block_size == self.cluster.block_size or inst.block_size_mismatch is not None:
+            return
+        inst.block_size_mismatch = {
+            "instance_block_size": block_size,
+            "fleet_block_size": self.cluster.block_size,
+            "source": source,
+        }
+        log.warning(
+            "instance %s has block size %d (%s) but the fleet hashes with %d: its KV events "
+            "cannot be used and it is routed with the approximate index (start it with "
+            "--block-size %d, or run a kvherd serve per block size)",
+            instance_id,
+            block_size,
+            source,
+            self.cluster.block_size,
+            self.cluster.block_size,
+        )
+        self.metrics.block_size_mismatch(instance_id, block_size)
+        self._approximate(instance_id, f"block size {block_size} differs from the fleet's")
+
+    def _approximate(self, instance_id: str, reason: str) -> None:
+        """Route the instance with the approximate index (full chains, full TTL) from now on."""
+        inst = self.instances.get(instance_id)
+        if inst is None or inst.kv_fallback is not None or instance_id not in self.cluster:
+            return
+        inst.kv_fallback = reason
+        state = self.cluster.get(instance_id)
+        state.has_kv_events = False  # routed chains go to the approximate index whole
+        self.cluster.approx_index.add_instance(instance_id)  # with the approximate TTL
+        self.cluster.touch(instance_id)
 
     def _on_probe(self, instance_id: str, ok: bool) -> None:
         if instance_id not in self.instances:
@@ -327,11 +470,9 @@ class Fleet:
             log.info("instance %s is healthy again", instance_id)
             self.cluster.set_healthy(instance_id, True)
             spec = self.instances[instance_id].spec
-            if self.settings.kv_events and spec.kv_events_endpoint is not None:
+            if self._has_events(spec):
                 # It may have restarted with an empty cache: rebuild its prefix view.
-                task = asyncio.get_running_loop().create_task(
-                    self.subscriber.add(instance_id, spec.kv_events_endpoint, spec.replay_endpoint)
-                )
+                task = asyncio.get_running_loop().create_task(self._subscribe(spec))
                 task.add_done_callback(lambda t: t.exception())
             self.on_capacity()
 
@@ -389,6 +530,8 @@ class Fleet:
             )
             raise NoCapacityError(saturated=busy) from None
         inst = self.instances[routed.instance_id]
+        if len(block_hashes) > routed.matched_blocks:  # the engine will store blocks: events due
+            self.subscriber.note_traffic(inst.instance_id)
         inst.inflight += 1
         inst.keys.add(key)
         if inst.inflight >= self.settings.max_inflight_per_instance:
@@ -487,7 +630,10 @@ class Fleet:
         if instance_id in self.cluster.prefix_index:
             kv = {
                 "endpoint": spec.kv_events_endpoint,
+                "bind": spec.kv_events_bind,
+                "topic": spec.kv_topic,
                 "replay_endpoint": spec.replay_endpoint,
+                "fallback": inst.kv_fallback,
                 "indexed_blocks": self.cluster.prefix_index.num_blocks(instance_id),
                 "stream": self.subscriber.stats(instance_id),
             }
@@ -495,7 +641,9 @@ class Fleet:
             "instance_id": instance_id,
             "url": inst.url,
             "model": spec.model,
-            "block_size": self.cluster.block_size,
+            "block_size": inst.block_size,
+            "fleet_block_size": self.cluster.block_size,
+            "block_size_mismatch": inst.block_size_mismatch,
             "registered": spec.registered,
             "health": str(self.outliers.state(instance_id, self.clock())),
             "draining": state.draining,

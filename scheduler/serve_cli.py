@@ -2,9 +2,15 @@
 
 Instances come from ``--instance`` (repeatable), the config file's ``instances`` list, and admin
 registrations. An ``--instance`` value is a base URL, optionally followed by comma-separated
-``key=value`` options: ``kv_events=tcp://H:P``, ``replay=tcp://H:P``, ``id=NAME``, e.g.
+``key=value`` options: ``kv_events=tcp://H:P`` (the engine binds its PUB there: vLLM with
+``tcp://*:P``), ``kv_events_bind=tcp://H:P`` (kvherd binds a SUB there for this one engine, which
+connects its PUB: vLLM with ``tcp://H:P``), ``topic=T`` (its events arrive on the shared
+``--kv-events-bind`` endpoint with vLLM topic T), ``replay=tcp://H:P``, ``block_size=N`` (overrides
+what the instance reports), ``id=NAME``, e.g.
 ``--instance http://10.0.0.5:8000,kv_events=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5558``.
-Without ``kv_events`` the instance is routed with the approximate prefix index.
+Without any of the three the instance is routed with the approximate prefix index. A plain vLLM's
+block size is read from its ``vllm:cache_config_info`` at start-up; one that differs from the
+fleet's stops ``kvherd serve`` with a message naming both.
 
 ``--config FILE`` (YAML) may set ``policy`` (a spec string, or ``{name, parameters}``),
 ``instances`` (URLs or mappings with ``url``, ``id``, ``kv_events_endpoint``, ``replay_endpoint``),
@@ -112,6 +118,20 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--block-size", type=int, default=None, help="default: the agents' own")
     parser.add_argument("--no-kv-events", action="store_true", help="use the approximate index")
+    parser.add_argument(
+        "--kv-events-bind",
+        default=None,
+        metavar="tcp://H:P",
+        help="bind a SUB endpoint for engines that connect their PUB (vLLM with a host in its "
+        "kv-events endpoint); each such instance names its vLLM topic with --instance ...,topic=T",
+    )
+    parser.add_argument(
+        "--kv-silence-warn",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="warn when an instance sends no KV event this long after traffic (default 30)",
+    )
     parser.add_argument("--max-attempts", type=int, default=3)
     parser.add_argument("--max-inflight-per-instance", type=int, default=256)
     parser.add_argument("--queue-size", type=int, default=1024)
@@ -161,7 +181,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--instance",
         action="append",
         default=[],
-        metavar="URL[,kv_events=tcp://H:P,replay=tcp://H:P,id=NAME]",
+        metavar="URL[,kv_events=tcp://H:P|kv_events_bind=tcp://H:P|topic=T,replay=tcp://H:P,"
+        "block_size=N,id=NAME]",
         help="an instance to route to; repeatable",
     )
     add_proxy_arguments(parser)
@@ -172,12 +193,26 @@ def parse_instance_spec(text: str) -> dict[str, Any]:
     if not url.startswith("http://"):
         raise ValueError(f"--instance {text!r}: expected http://host:port[,key=value...]")
     spec: dict[str, Any] = {"url": url.rstrip("/")}
-    names = {"kv_events": "kv_events_endpoint", "replay": "replay_endpoint", "id": "id"}
+    names = {
+        "kv_events": "kv_events_endpoint",
+        "kv_events_bind": "kv_events_bind",
+        "topic": "kv_topic",
+        "replay": "replay_endpoint",
+        "id": "id",
+        "block_size": "block_size",
+    }
     for option in options:
         key, sep, value = option.partition("=")
         if not sep or key not in names:
             raise ValueError(f"--instance {text!r}: unknown option {option!r}")
-        spec[names[key]] = value
+        if key == "block_size":
+            if not value.isdigit() or int(value) <= 0:
+                raise ValueError(f"--instance {text!r}: block_size must be a positive integer")
+            spec["block_size"] = int(value)
+        else:
+            spec[names[key]] = value
+    if "kv_events_bind" in spec and "kv_events_endpoint" in spec:
+        raise ValueError(f"--instance {text!r}: give kv_events or kv_events_bind, not both")
     return spec
 
 
@@ -214,16 +249,21 @@ async def probe_instance(
     import httpx
 
     from kvherd.fleet_token import auth_headers
+    from scheduler.core.load_report import parse_prometheus
     from scheduler.fleet import InstanceSpec
 
     url = raw["url"]
+    bind = raw.get("kv_events_bind")
     spec = InstanceSpec(
         instance_id=raw.get("id") or url.split("://", 1)[1],
         url=url,
-        kv_events_endpoint=raw.get("kv_events_endpoint") if kv_events else None,
+        kv_events_endpoint=(bind or raw.get("kv_events_endpoint")) if kv_events else None,
         replay_endpoint=raw.get("replay_endpoint"),
         kvherd_agent=False,
+        kv_events_bind=bind is not None,
+        kv_topic=raw.get("kv_topic") if kv_events else None,
     )
+    override = raw.get("block_size")
     headers = auth_headers(fleet_token)
     async with httpx.AsyncClient(timeout=5.0, trust_env=False, headers=headers) as client:
         try:
@@ -237,8 +277,14 @@ async def probe_instance(
             else:
                 models = (await client.get(url + "/v1/models")).json()
                 spec.model = models["data"][0]["id"]
+                # vLLM: vllm:cache_config_info{block_size=...} names the engine's block size.
+                metrics = await client.get(url + "/metrics")
+                if metrics.status_code == 200:
+                    spec.block_size = parse_prometheus(metrics.text).block_size
         except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
             log.warning("instance %s did not describe itself (%s); adding it as is", url, exc)
+    if override is not None:  # the operator's word wins; a differing report is still warned of
+        spec.block_size = int(override)
     return spec
 
 
@@ -366,6 +412,8 @@ async def serve_fleet(
         heartbeat_timeout_s=args.heartbeat_timeout,
         kv_events=not args.no_kv_events,
         fleet_token=fleet_token,
+        kv_events_bind=args.kv_events_bind,
+        kv_silence_warn_s=args.kv_silence_warn,
     )
     try:
         fleet = Fleet(

@@ -15,6 +15,13 @@ Contract (what ``GET /metrics`` on the proxy exposes):
   (``continued`` on another instance, ``finished`` locally: only the end was missing, ``failed``
   attempts, ``unsupported``: not continuable exactly, ``gave_up``: the client got an error frame).
 - ``kvherd_instances{state}``: instance counts per health state.
+- ``kvherd_load_poll_failures_total{instance}``: load polls that failed or timed out.
+- ``kvherd_block_size_mismatch{instance}``: the block size of an instance whose block size differs
+  from the fleet's (set once, when found).
+- ``kvherd_kv_history_lost_total{instance}``: resyncs that could not recover the instance's whole
+  KV event history (it is then routed with the approximate index).
+- ``kvherd_kv_events_silent_total{instance}``: times an instance sent no KV event within the
+  silence limit after requests were routed there.
 
 The per-request metrics (requests, the three histograms, in-flight) are plain Python numbers that a
 collector turns into metric families at scrape time: prometheus_client's locked counters and
@@ -129,6 +136,27 @@ class ProxyMetrics:
         self._instances = Gauge(
             "kvherd_instances", "Registered instances by health state", ["state"], registry=r
         )
+        self._load_poll_failures = Counter(
+            "kvherd_load_poll_failures", "Failed or timed-out load polls", ["instance"], registry=r
+        )
+        self._block_size_mismatch = Gauge(
+            "kvherd_block_size_mismatch",
+            "Block size of an instance whose block size differs from the fleet's",
+            ["instance"],
+            registry=r,
+        )
+        self._kv_history_lost = Counter(
+            "kvherd_kv_history_lost",
+            "KV event resyncs that could not recover the instance's whole history",
+            ["instance"],
+            registry=r,
+        )
+        self._kv_events_silent = Counter(
+            "kvherd_kv_events_silent",
+            "No KV event within the silence limit after requests were routed there",
+            ["instance"],
+            registry=r,
+        )
 
     def request_done(self, status: int | str) -> None:
         requests = self._requests
@@ -142,6 +170,18 @@ class ProxyMetrics:
 
     def ejected(self, instance_id: str) -> None:
         self._ejections.labels(instance=instance_id).inc()
+
+    def load_poll_failed(self, instance_id: str) -> None:
+        self._load_poll_failures.labels(instance=instance_id).inc()
+
+    def block_size_mismatch(self, instance_id: str, block_size: int) -> None:
+        self._block_size_mismatch.labels(instance=instance_id).set(block_size)
+
+    def kv_history_lost(self, instance_id: str) -> None:
+        self._kv_history_lost.labels(instance=instance_id).inc()
+
+    def kv_events_silent(self, instance_id: str) -> None:
+        self._kv_events_silent.labels(instance=instance_id).inc()
 
     def rejected(self, reason: str) -> None:
         self._rejected.labels(reason=reason).inc()
