@@ -28,9 +28,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+)
 
 from instance_agent.engine.core.request import InvalidRequestError, SamplingParams
 from kvherd.chat_render import ChatPrompt, ChatRenderError, parse_chat
@@ -41,6 +50,21 @@ from kvherd.wire import OpenAIError, bad_request
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
 Number = StrictFloat | StrictInt
+
+
+def _valid_unicode(text: str) -> str:
+    # JSON may escape a lone UTF-16 surrogate ("\ud800"), which Python decodes into a str that no
+    # tokenizer, hash or UTF-8 writer can encode: refuse it here, naming the field (a 400).
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"not valid Unicode: lone surrogate at {exc.start}") from None
+    return text
+
+
+# Every string of a body: no coercion, and encodable (see `_valid_unicode`).
+StrictStr = Annotated[str, Strict(), AfterValidator(_valid_unicode)]
 
 
 def from_invalid_request(exc: InvalidRequestError) -> OpenAIError:

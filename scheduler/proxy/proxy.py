@@ -45,9 +45,11 @@ Contract:
   request waits in a FIFO admission queue of at most ``queue_size`` entries for up to
   ``queue_timeout_s``; past either bound it gets 429 with an OpenAI error object. With no
   dispatchable instance at all it gets 503.
-- Bad input (not JSON, not an object, missing or mistyped prompt/messages, an oversized body) gets
-  400 with ``{"error": {"message", "type", "param", "code"}}``; nothing a client sends crashes the
-  proxy. Validation beyond what routing needs is the instance's (its 400 is relayed as is).
+- Bad input (not JSON, a Content-Type other than JSON, not an object, missing or mistyped
+  prompt/messages, token ids past 2**32 - 1, an oversized body) gets 400 with ``{"error":
+  {"message", "type", "param", "code"}}``, an unknown route 404 with the same object; nothing a
+  client sends crashes the proxy. Validation beyond what routing needs is the instance's (its 400
+  is relayed as is).
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from urllib.parse import quote
 import orjson
 from fastapi import FastAPI
 from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvherd import wire
 from kvherd.block_hash import block_hash_chain
@@ -208,12 +211,15 @@ class Proxy:
     async def _generate(self, exchange: Exchange, path: bytes, chat: bool) -> None:
         request_id = b""
         auth: bytes | None = None
+        json_body = True  # no Content-Type is read as JSON, as the agent (FastAPI) reads it
         forward: list[tuple[bytes, bytes]] = [(b"content-type", b"application/json")]
         for name, value in exchange.headers:
             if name == b"x-request-id":
                 request_id = value[:128]
             elif name == b"authorization":
                 auth = value
+            elif name == b"content-type":
+                json_body = _is_json_media_type(value)
             elif name in _FORWARD_HEADERS:
                 forward.append((name, value))
         if not request_id:
@@ -228,6 +234,13 @@ class Proxy:
                     400,
                     f"request body exceeds {self.config.max_body_bytes} bytes",
                     code="too_large",
+                )
+            if not json_body:
+                raise OpenAIError(
+                    400,
+                    "the body must be JSON (Content-Type: application/json)",
+                    param="Content-Type",
+                    code="unsupported_media_type",
                 )
             status = await self._serve(exchange, path, chat, request_id, tenant, forward)
         except OpenAIError as exc:
@@ -708,6 +721,18 @@ def build_front(proxy: Proxy) -> FrontServer:
 def build_app(proxy: Proxy) -> FastAPI:
     """The proxy's FastAPI app for the client port's control routes."""
     app = FastAPI(title="kvherd proxy", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Any, exc: StarletteHTTPException) -> Response:
+        # Unknown routes and methods get the OpenAI error object too, not FastAPI's {"detail"}.
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        error = OpenAIError(exc.status_code, str(exc.detail), type=kind)
+        return Response(
+            _error_json(error),
+            status_code=exc.status_code,
+            headers=exc.headers,
+            media_type="application/json",
+        )
 
     @app.get("/v1/models")
     async def models() -> Response:
