@@ -12,6 +12,9 @@ Contract:
   text or validated token ids (each id in ``[0, vocab_size)``); `chat_prompt` checks chat messages and
   collects the chat template's inputs with `kvherd.chat_render` (as the proxy and vLLM do: any role,
   every message field, ``add_generation_prompt``, ``chat_template_kwargs``, ...).
+- `prompt_token_ids` is the one prompt -> engine token ids path (chat template included, BOS once):
+  the generation routes submit these ids and the render/tokenize routes (`compat_routes`) report
+  them. `default_max_tokens` is the ``max_tokens`` a body without one gets.
 - `error_from_validation` turns pydantic/FastAPI validation errors into a 400 (`kvherd.wire.OpenAIError`)
   naming the first offending field.
 - The chunk and response builders produce exactly the JSON shapes of OpenAI/vLLM: ``text_completion``
@@ -43,6 +46,7 @@ from pydantic import (
 
 from instance_agent.engine.core.request import InvalidRequestError, SamplingParams
 from kvherd.chat_render import ChatPrompt, ChatRenderError, parse_chat
+from kvherd.tokenizer import Tokenizer, chat_token_ids
 from kvherd.wire import OpenAIError, bad_request
 
 # Bodies above this size are refused before parsing: a prompt this long cannot fit any model the agent
@@ -267,6 +271,37 @@ def chat_prompt(body: ChatCompletionRequest) -> ChatPrompt:
         return parse_chat(body.model_dump(exclude_unset=True))
     except ChatRenderError as exc:
         raise bad_request(str(exc), param=exc.param) from exc
+
+
+def prompt_token_ids(
+    body: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer, vocab_size: int
+) -> list[int]:
+    """The engine's prompt ids for `body` (400 if invalid or empty): the one path the generation
+    routes and the render/tokenize routes share. Chat: the template rendered and encoded as vLLM
+    does (`kvherd.tokenizer.chat_token_ids`); completions: text encoded (``add_special_tokens``)
+    or token ids as given."""
+    if isinstance(body, ChatCompletionRequest):
+        try:
+            prompt_ids = chat_token_ids(tokenizer, chat_prompt(body))
+        except ChatRenderError as exc:
+            raise bad_request(str(exc), param=exc.param) from exc
+    else:
+        prompt = resolve_prompt(body.prompt, vocab_size)
+        prompt_ids = (
+            tokenizer.encode(prompt, body.add_special_tokens) if isinstance(prompt, str) else prompt
+        )
+    if not prompt_ids:
+        raise bad_request("the prompt encodes to no tokens", param="prompt")
+    return prompt_ids
+
+
+def default_max_tokens(
+    body: CompletionRequest | ChatCompletionRequest, prompt_len: int, max_model_len: int
+) -> int:
+    """``max_tokens`` when the body gives none: the rest of the context for chat, 16 for completions."""
+    if isinstance(body, ChatCompletionRequest):
+        return max(1, max_model_len - prompt_len)
+    return 16
 
 
 # -- responses -------------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ Contract (`create_app(agent)` returns the FastAPI app):
   ``?block_hashes=true`` adds the cached block hashes; ``?check_integrity=true`` adds
   ``"integrity": "ok"`` or the block manager's failed invariant, a debugging aid for tests).
 - ``GET /kvherd/v1/requests/{id}/stream``: follow a request migrated in (see `relay`).
+- What peer routers (sglang-router, vllm-router) and vLLM clients probe: ``/server_info``,
+  ``/model_info``, ``/tokenize``, ``/detokenize``, ``/v1/(chat/)completions/render`` (`compat_routes`).
 - With a fleet token (``create_app(..., fleet_token=...)``) every ``/kvherd/v1/*`` route answers
   401 without ``Authorization: Bearer FLEET_TOKEN`` (`control_auth`).
 - Proxy reattachment: a streamed request sent with ``X-Kvherd-Reattach: 1`` that migrates away
@@ -59,6 +61,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from instance_agent import protocol, relay
+from instance_agent.compat_routes import create_compat_router
 from instance_agent.control_auth import FleetTokenMiddleware
 from instance_agent.engine.core.request import InvalidRequestError, SamplingParams
 from instance_agent.engine_loop import (
@@ -76,8 +79,6 @@ from instance_agent.protocol import (
 from instance_agent.registration import Registrar
 from instance_agent.state import snapshot
 from kvherd import __version__, wire
-from kvherd.chat_render import ChatRenderError
-from kvherd.tokenizer import chat_token_ids
 from kvherd.wire import OpenAIError, bad_request
 
 if TYPE_CHECKING:
@@ -371,6 +372,7 @@ def create_app(
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
+    app.include_router(create_compat_router(agent))
     for router in routers:
         app.include_router(router)
     return app
@@ -487,20 +489,9 @@ async def _submit(
     tokenizer = engine.tokenizer
     max_model_len: int = engine.max_model_len
     chat = isinstance(body, ChatCompletionRequest)
-    if isinstance(body, ChatCompletionRequest):
-        try:  # the proxy's routing tokens are these very ids (`kvherd.chat_render`)
-            prompt_ids = chat_token_ids(tokenizer, protocol.chat_prompt(body))
-        except ChatRenderError as exc:
-            raise bad_request(str(exc), param=exc.param) from exc
-        default_max_tokens = max(1, max_model_len - len(prompt_ids))
-    else:
-        prompt = protocol.resolve_prompt(body.prompt, engine.model_config.vocab_size)
-        prompt_ids = (
-            tokenizer.encode(prompt, body.add_special_tokens) if isinstance(prompt, str) else prompt
-        )
-        default_max_tokens = 16
-    if not prompt_ids:
-        raise bad_request("the prompt encodes to no tokens", param="prompt")
+    # The proxy's routing tokens and /tokenize's answer are these very ids (`kvherd.chat_render`).
+    prompt_ids = protocol.prompt_token_ids(body, tokenizer, engine.model_config.vocab_size)
+    default_max_tokens = protocol.default_max_tokens(body, len(prompt_ids), max_model_len)
     params: SamplingParams = protocol.to_sampling_params(body, default_max_tokens)
     continuation = body.kvherd_continuation
     seeds: list[int] = []
