@@ -6,6 +6,10 @@ Contract:
   ``base_ejection_s`` x 2^(times ejected before, capped at ``max_ejection_s``). Once that time passes it
   is half-open: `admits` lets exactly one request (or probe) through; success makes it healthy again
   and resets the back-off, failure ejects it again for longer.
+- At most ``max_ejection_fraction`` of the instances (at least one) are out of rotation (ejected or
+  half-open) at once, and never the last healthy one (Envoy's ``max_ejection_percent``): a failure
+  past that bound is counted but ejects nothing, so a proxy-side or fleet-wide problem (overload, a
+  network blip) cannot empty the fleet.
 - Every state change is returned to the caller (so the proxy can count ejections and tell the
   scheduler core which instances are dispatchable); `healthy(id)` is what routing uses.
 """
@@ -39,9 +43,13 @@ class OutlierDetector:
         consecutive_failures: int = 3,
         base_ejection_s: float = 5.0,
         max_ejection_s: float = 120.0,
+        max_ejection_fraction: float = 0.5,
     ) -> None:
         if consecutive_failures < 1:
             raise ValueError("consecutive_failures must be >= 1")
+        if not 0 <= max_ejection_fraction <= 1:
+            raise ValueError("max_ejection_fraction must be in [0, 1]")
+        self.max_ejection_fraction = max_ejection_fraction
         self.consecutive_failures = consecutive_failures
         self.base_ejection_s = base_ejection_s
         self.max_ejection_s = max_ejection_s
@@ -103,6 +111,8 @@ class OutlierDetector:
             return None
         record.failures += 1
         if state is Health.HALF_OPEN or record.failures >= self.consecutive_failures:
+            if state is Health.HEALTHY and not self._may_eject(instance_id, now):
+                return None
             duration = min(self.base_ejection_s * 2.0**record.ejections, self.max_ejection_s)
             record.state = Health.EJECTED
             record.ejected_until = now + duration
@@ -111,3 +121,15 @@ class OutlierDetector:
             record.probe_in_flight = False
             return Health.EJECTED
         return None
+
+    def _may_eject(self, instance_id: str, now: float) -> bool:
+        """Would ejecting healthy `instance_id` stay within the ejection bound?"""
+        out = sum(
+            1
+            for other in self._records
+            if other != instance_id and self.state(other, now) is not Health.HEALTHY
+        )
+        total = len(self._records)
+        if total - out - 1 < 1:  # never the last healthy instance
+            return False
+        return out + 1 <= max(1, int(self.max_ejection_fraction * total))

@@ -478,8 +478,8 @@ class UpstreamPool:
 
     def abort(self, url: str, reason: str) -> int:
         """Fail every request in flight to `url` now; returns how many."""
-        busy = self._busy.pop(url, set())
-        for conn in list(busy):
+        busy = list(self._busy.pop(url, ()))
+        for conn in busy:
             conn.abort(reason)
         self.forget(url)
         return len(busy)

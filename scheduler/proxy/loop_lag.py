@@ -50,7 +50,7 @@ class LoopLag:
 
     def record(self, now: float) -> None:
         """One tick ran at `now` (the periodic task calls it; tests call it with made-up times)."""
-        expected = self._expected
+        expected, self._expected = self._expected, None
         if expected is not None and now - expected > 0.001:
             self._ticks.append((now, now - expected))
         cutoff = now - self.window_s

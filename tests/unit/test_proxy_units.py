@@ -235,6 +235,7 @@ async def test_subscriber_repairs_gaps_by_replay_or_resync(buffer_steps: int) ->
 def test_outlier_ejection_backoff_and_half_open() -> None:
     detector = OutlierDetector(consecutive_failures=3, base_ejection_s=5, max_ejection_s=12)
     detector.add("a")
+    detector.add("b")  # the last healthy instance is never ejected
     assert detector.record_failure("a", 0) is None
     assert detector.record_failure("a", 1) is None
     assert detector.record_success("a", 2) is None  # resets the run
