@@ -117,12 +117,16 @@ class FleetInstance:
     instance_id: str
     url: str
     spec: InstanceSpec
-    inflight: int = 0
     last_heartbeat: float = 0.0
     served: int = 0
     failures: int = 0
     keys: set[str] = field(default_factory=set)  # routing keys in flight here
     block_size: int | None = None  # the instance's own, once known
+
+    @property
+    def inflight(self) -> int:
+        """Requests in flight here: the one count, derived from the keys."""
+        return len(self.keys)
     block_size_mismatch: dict[str, Any] | None = None
     kv_fallback: str | None = None  # why it is routed with the approximate index despite events
 
@@ -327,7 +331,7 @@ class Fleet:
             block_size=spec.block_size,
         )
         if existing is not None:  # requests in flight there finish on the new record
-            inst.inflight, inst.keys = existing.inflight, existing.keys
+            inst.keys = existing.keys
             inst.served, inst.failures = existing.served, existing.failures
         self.instances[spec.instance_id] = inst
         self.outliers.remove(spec.instance_id)
@@ -532,12 +536,22 @@ class Fleet:
         inst = self.instances[routed.instance_id]
         if len(block_hashes) > routed.matched_blocks:  # the engine will store blocks: events due
             self.subscriber.note_traffic(inst.instance_id)
-        inst.inflight += 1
+        self._attach(inst, key)
+        return inst, routed.matched_blocks
+
+    def _attach(self, inst: FleetInstance, key: str) -> None:
+        """`key` is in flight on `inst` (saturation and the gauge follow)."""
         inst.keys.add(key)
         if inst.inflight >= self.settings.max_inflight_per_instance:
-            saturated.add(inst.instance_id)
+            self._saturated.add(inst.instance_id)
         self.metrics.set_inflight(inst.instance_id, inst.inflight)
-        return inst, routed.matched_blocks
+
+    def _detach(self, inst: FleetInstance, key: str) -> None:
+        """`key` is no longer in flight on `inst`."""
+        inst.keys.discard(key)
+        if inst.inflight < self.settings.max_inflight_per_instance:
+            self._saturated.discard(inst.instance_id)
+        self.metrics.set_inflight(inst.instance_id, inst.inflight)
 
     def first_token(self, key: str) -> None:
         self.router.on_first_token(key, self.clock())
@@ -549,16 +563,8 @@ class Fleet:
         old, new = self.instances.get(src or ""), self.instances.get(dst)
         if old is None or new is None or key not in old.keys or old is new:
             return
-        old.keys.discard(key)
-        old.inflight -= 1
-        if old.inflight < self.settings.max_inflight_per_instance:
-            self._saturated.discard(old.instance_id)
-        new.keys.add(key)
-        new.inflight += 1
-        if new.inflight >= self.settings.max_inflight_per_instance:
-            self._saturated.add(new.instance_id)
-        self.metrics.set_inflight(old.instance_id, old.inflight)
-        self.metrics.set_inflight(new.instance_id, new.inflight)
+        self._detach(old, key)
+        self._attach(new, key)
         self.on_capacity()
 
     def _release(self, key: str, inst: FleetInstance) -> None:
@@ -569,11 +575,7 @@ class Fleet:
         if current is None or key not in current.keys:
             current = self.instances.get(inst.instance_id)
         if current is not None and key in current.keys:
-            current.keys.discard(key)
-            current.inflight -= 1
-            if current.inflight < self.settings.max_inflight_per_instance:
-                self._saturated.discard(current.instance_id)
-            self.metrics.set_inflight(current.instance_id, current.inflight)
+            self._detach(current, key)
         self.on_capacity()
 
     def request_finished(self, key: str, inst: FleetInstance, ok: bool = True) -> None:
