@@ -36,7 +36,6 @@ from fastapi import APIRouter, FastAPI, Request
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from instance_agent import relay
-from instance_agent.engine.core.request import RequestStatus
 from kvherd.fleet_token import auth_headers
 from kvherd.wire import OpenAIError, bad_request
 from migration.core.protocol import (
@@ -84,17 +83,7 @@ class EngineMigrationAdapter:
     # -- source role -----------------------------------------------------------------------------
     def request_phase(self, request_id: str) -> str | None:
         request = self.engine.scheduler.requests.get(request_id)
-        if request is None:
-            return None
-        if request.status is RequestStatus.SUSPENDED:
-            return "suspended"
-        if request.status is RequestStatus.RUNNING:
-            # Between steps a decoding request lacks KV only for its newest sampled token.
-            decoding = bool(request.output_token_ids) and (
-                request.num_computed_tokens == request.num_tokens - 1
-            )
-            return "decoding" if decoding else "prefilling"
-        return "waiting"
+        return None if request is None else request.migration_phase
 
     def request_blocks(self, request_id: str) -> tuple[list[int], int]:
         return self.engine.request_blocks(request_id)

@@ -1,6 +1,9 @@
 """The destination side of live migration: reserve, receive, commit or abort, and expire.
 
 Contract:
+- The decisions (which hashes to share, the answer, whether a commit fits) are
+  `migration.core.session.DestinationSession`'s, shared with the simulator; this module adds the
+  wire, the engine thread, the transport and the reservation table.
 - `reserve` answers each stage: stage 0 checks the KV geometry, opens a reservation (refused when
   busy), shares the cached leading blocks by reference, reserves the rest and offers a transport
   endpoint; every stage then receives its blocks' KV in the background and writes it into the
@@ -34,7 +37,7 @@ from migration.core.protocol import (
     ReserveResponse,
 )
 from migration.core.reservations import Reservation, ReservationError, ReservationTable
-from migration.core.stages import blocks_for
+from migration.core.session import DestinationSession
 from migration.kv_copy import recv_blocks
 from migration.transport import TransferError, TransportHub
 
@@ -75,7 +78,7 @@ class MigrationDestination:
                 self.table.open(mid, msg.request_id, msg.src, self.clock())
             except ReservationError as e:
                 return ReserveResponse(False, reason=str(e))
-            hashes = msg.block_hashes[: msg.num_blocks]
+            hashes = DestinationSession.hashes_to_share(msg.stage, msg.num_blocks, msg.block_hashes)
             shared: list[int] = []
             if hashes:
                 shared = await self.call(lambda e: e.share_cached_prefix(mid, hashes))
@@ -90,11 +93,10 @@ class MigrationDestination:
             shared = []
         num_new = msg.num_blocks - len(shared)
         reserved = await self.call(lambda e: e.reserve_blocks(mid, num_new))
+        answer = DestinationSession.answer(msg.num_blocks, shared, reserved)
         if reserved is None:
             await self._drop(mid, AbortReason.DST_REFUSED)
-            return ReserveResponse(
-                False, reason=f"no room for {num_new} blocks above the free-block watermark"
-            )
+            return ReserveResponse(False, reason=answer.reason)
         try:
             reservation = self.table.begin_stage(mid, msg.stage, shared, reserved, self.clock())
         except ReservationError as e:
@@ -120,11 +122,13 @@ class MigrationDestination:
             return AckResponse(False, failure)
         state = msg.state
         block_ids = reservation.block_ids
-        if state.request_id != reservation.request_id or blocks_for(
-            state.num_computed_tokens, self.block_size
-        ) != len(block_ids):
+        session = DestinationSession(reservation.request_id, self.block_size)
+        refusal = session.commit_refusal(
+            state.request_id, state.num_computed_tokens, len(block_ids)
+        )
+        if refusal is not None:
             await self._drop(mid, AbortReason.DST_FAILED)
-            return AckResponse(False, "the request state does not match the received blocks")
+            return AckResponse(False, refusal)
         # Popped before adopting: once the engine owns the blocks, an expiry must not free them.
         self.table.pop(mid)
         self._forget(mid)

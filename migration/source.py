@@ -1,7 +1,8 @@
 """The source side of live migration: run one request's multi-stage copy and commit, or abort.
 
 Contract:
-- `migrate_out` drives `StagePlanner` against the engine (through `call`, on the engine thread)
+- `migrate_out` drives a `migration.core.session.SourceSession` (the order of every check and
+  step, shared with the simulator) against the engine (through `call`, on the engine thread)
   and one destination (`DestinationLink` for control, a `TransportHub` channel for KV bytes). Live
   stages copy full blocks while the request keeps decoding; the stop-and-copy stage suspends it,
   copies the rest and commits; only then is the request released here.
@@ -36,31 +37,32 @@ from migration.core.protocol import (
     ReserveRequest,
     TransportEndpoint,
 )
-from migration.core.stages import MigrationAborted, Phase, StageConfig, StagePlanner
+from migration.core.session import (
+    Abort,
+    Commit,
+    Copy,
+    Done,
+    Release,
+    RequestSnapshot,
+    Reserve,
+    Snapshot,
+    SourceSession,
+    Suspend,
+)
+from migration.core.stages import StageConfig, StagePlanner
 from migration.kv_copy import send_blocks
 from migration.transport import PairChannel, TransferError, TransportHub
 
 
 def _snapshot(request_id: str) -> Any:
-    def read(engine: MigratableEngine) -> tuple[str | None, list[int], int, list[int]]:
+    def read(engine: MigratableEngine) -> RequestSnapshot:
         phase = engine.request_phase(request_id)
         if phase is None:
-            return None, [], 0, []
+            return RequestSnapshot(None)
         blocks, num_kv = engine.request_blocks(request_id)
-        return phase, blocks, num_kv, engine.request_block_hashes(request_id)
+        return RequestSnapshot(phase, blocks, num_kv, engine.request_block_hashes(request_id))
 
     return read
-
-
-def _check_live(phase: str | None, planner: StagePlanner) -> None:
-    if phase is None:
-        raise MigrationAborted(AbortReason.REQUEST_FINISHED, "finished or aborted on the source")
-    expected = "suspended" if planner.phase is Phase.SUSPENDED else "decoding"
-    if phase == expected:
-        return
-    if phase in ("waiting", "prefilling") and planner.stages:
-        raise MigrationAborted(AbortReason.REQUEST_PREEMPTED, f"request is {phase} again")
-    raise MigrationAborted(AbortReason.REQUEST_NOT_RUNNING, f"request is {phase}, not decoding")
 
 
 async def migrate_out(
@@ -81,77 +83,88 @@ async def migrate_out(
     block_size, bytes_per_block, views = await call(
         lambda e: (e.block_size, e.kv_bytes_per_block(), e.kv_block_views())
     )
-    planner = StagePlanner(request_id, block_size, config or StageConfig())
+    session = SourceSession(request_id, block_size, config)
     channel: PairChannel | None = None
     endpoint: TransportEndpoint | None = None
     suspended_at: float | None = None
-    reason: AbortReason
-    detail: str
-    try:
-        while True:
-            phase, blocks, num_kv, hashes = await call(_snapshot(request_id))
-            _check_live(phase, planner)
-            if planner.phase is Phase.LIVE and planner.needs_suspend(blocks, num_kv):
-                await call(lambda e: e.suspend(request_id))
-                suspended_at = time.perf_counter()
-                planner.suspended()
-                # The request may have decoded between the snapshot and the suspension.
-                phase, blocks, num_kv, hashes = await call(_snapshot(request_id))
-                _check_live(phase, planner)
-            stage = planner.next_stage(blocks, num_kv, hashes)
-            answer = await link.reserve(
-                ReserveRequest(
-                    migration_id=migration_id,
-                    request_id=request_id,
-                    src=src,
-                    stage=stage.index,
-                    num_blocks=stage.num_blocks,
-                    block_hashes=list(stage.block_hashes),
-                    block_size=block_size,
-                    kv_bytes_per_block=bytes_per_block,
-                )
-            )
-            if not answer.accepted:
-                raise MigrationAborted(AbortReason.DST_REFUSED, answer.reason or "")
-            stage = planner.reserved(stage, answer.num_cached_blocks, len(answer.dst_block_ids))
-            if stage.index == 0:
-                if answer.transport is None:
-                    raise MigrationAborted(AbortReason.DST_FAILED, "no transport endpoint")
-                endpoint = answer.transport
-                channel = await asyncio.to_thread(hub.connect, endpoint)
-            if stage.num_blocks:
-                assert channel is not None and endpoint is not None
-                ids = list(stage.src_block_ids)
-                await asyncio.to_thread(send_blocks, channel, views, ids, endpoint.tag)
-            planner.landed(stage)
-            if stage.final:
-                break
-        state = RequestState.from_json(await call(lambda e: e.export_request_state(request_id)))
-        ack = await link.commit(CommitRequest(migration_id, state))
-        if not ack.ok:
-            raise MigrationAborted(AbortReason.DST_FAILED, ack.reason or "commit refused")
-        await call(_releaser(state, on_released))
-        planner.committed()
-        return _outcome(planner, migration_id, bytes_per_block, started, suspended_at)
-    except MigrationAborted as e:
-        reason, detail = e.reason, e.detail
-    except TransferError as e:
-        reason, detail = AbortReason.TRANSFER_FAILED, str(e)
-        if channel is not None:
-            hub.drop(channel)
-    except DestinationError as e:
-        reason, detail = AbortReason.DST_FAILED, str(e)
-    except (KeyError, ValueError) as e:  # the engine refused: the request changed under us
-        reason, detail = AbortReason.REQUEST_FINISHED, f"engine: {e}"
-
-    if planner.abort(reason):
+    state: RequestState | None = None
+    action = session.start()
+    while not isinstance(action, Done | Abort):
+        try:
+            match action:
+                case Snapshot():
+                    action = session.on_snapshot(await call(_snapshot(request_id)))
+                case Suspend():
+                    await call(lambda e: e.suspend(request_id))
+                    suspended_at = time.perf_counter()
+                    action = session.on_suspended()
+                case Reserve(stage=stage):
+                    answer = await link.reserve(
+                        ReserveRequest(
+                            migration_id=migration_id,
+                            request_id=request_id,
+                            src=src,
+                            stage=stage.index,
+                            num_blocks=stage.num_blocks,
+                            block_hashes=list(stage.block_hashes),
+                            block_size=block_size,
+                            kv_bytes_per_block=bytes_per_block,
+                        )
+                    )
+                    action = session.on_reserved(
+                        answer.accepted,
+                        answer.num_cached_blocks,
+                        len(answer.dst_block_ids),
+                        answer.reason or "",
+                    )
+                    if isinstance(action, Copy) and stage.index == 0:
+                        if answer.transport is None:
+                            action = session.fail(AbortReason.DST_FAILED, "no transport endpoint")
+                        else:
+                            endpoint = answer.transport
+                            channel = await asyncio.to_thread(hub.connect, endpoint)
+                case Copy(stage=stage):
+                    if stage.num_blocks:
+                        assert channel is not None and endpoint is not None
+                        ids = list(stage.src_block_ids)
+                        await asyncio.to_thread(send_blocks, channel, views, ids, endpoint.tag)
+                    action = session.on_landed()
+                case Commit():
+                    state = RequestState.from_json(
+                        await call(lambda e: e.export_request_state(request_id))
+                    )
+                    ack = await link.commit(CommitRequest(migration_id, state))
+                    action = session.on_commit_answer(ack.ok, ack.reason or "")
+                case Release():
+                    assert state is not None
+                    await call(_releaser(state, on_released))
+                    action = session.on_released()
+        except TransferError as e:
+            action = session.fail(AbortReason.TRANSFER_FAILED, str(e))
+            if channel is not None:
+                hub.drop(channel)
+        except DestinationError as e:
+            action = session.fail(AbortReason.DST_FAILED, str(e))
+        except (KeyError, ValueError) as e:  # the engine refused: the request changed under us
+            action = session.fail(AbortReason.REQUEST_FINISHED, f"engine: {e}")
+    if isinstance(action, Done):
+        return _outcome(session.planner, migration_id, bytes_per_block, started, suspended_at)
+    if action.resume:
         await call(_resume_if_suspended(request_id))
-    if reason is not AbortReason.DST_REFUSED or planner.stages:
+    if action.notify_destination:
         # The destination may hold blocks for us; a refusal at stage 0 already freed them.
         # If unreachable, it frees on its own once we stay silent past its timeout.
         with contextlib.suppress(DestinationError):
-            await link.abort(AbortRequest(migration_id, reason.value))
-    return _outcome(planner, migration_id, bytes_per_block, started, suspended_at, reason, detail)
+            await link.abort(AbortRequest(migration_id, action.reason.value))
+    return _outcome(
+        session.planner,
+        migration_id,
+        bytes_per_block,
+        started,
+        suspended_at,
+        action.reason,
+        action.detail,
+    )
 
 
 def _releaser(state: RequestState, on_released: Callable[[RequestState], None] | None) -> Any:

@@ -13,10 +13,12 @@ Contract:
   own dispatches.
 - Migrations (`migration_policy` other than `none`): `scheduler.core.migration_loop.MigrationLoop` asks
   the migration policy every `migration_interval_s`; each accepted order runs Llumnix's multi-stage
-  copy with `migration.core.stages.StagePlanner`, stage
-  transfer time = bytes / `migration_bandwidth` + `migration_stage_latency_s`; the request keeps
-  decoding during live stages and is suspended only for the stop-and-copy stage (between engine steps,
-  never mid-step), then adopted by the destination with its exact state.
+  copy through the agents' own sessions (`migration.core.session`: the same checks in the same
+  order, the destination's share-then-reserve answer, the request state crossing as
+  `Request.to_state()`), stage transfer time = bytes / `migration_bandwidth` +
+  `migration_stage_latency_s`; the request keeps decoding during live stages and is suspended only
+  for the stop-and-copy stage (between engine steps, never mid-step), then adopted by the
+  destination from its serialized state.
 - `request_overhead_s` delays each request between the router's decision and the engine (the HTTP
   path of a real fleet), plus `request_overhead_per_busy_s` for each other instance busy at its
   arrival (instances sharing a host's cores with the proxy and the client slow that path down),
@@ -64,7 +66,21 @@ from instance_agent.engine.core.load import engine_load
 from instance_agent.engine.core.request import InvalidRequestError, Request, RequestStatus
 from kvherd.kv_events import KVEvent
 from migration.core.protocol import AbortReason
-from migration.core.stages import MigrationAborted, Phase, Stage, StageConfig, StagePlanner
+from migration.core.session import (
+    Abort,
+    Commit,
+    Copy,
+    DestinationSession,
+    Done,
+    Release,
+    RequestSnapshot,
+    Reserve,
+    Snapshot,
+    SourceAction,
+    SourceSession,
+    Suspend,
+)
+from migration.core.stages import Stage, StageConfig
 from policies.base import DispatchPolicy, MigrationPolicy
 from policies.views import MigrationOrder, RunningRequestView
 from scheduler.core.cluster_state import ClusterState
@@ -152,8 +168,8 @@ class _Periodic:
 @dataclass(slots=True)
 class _Migration:
     order: MigrationOrder
-    request: Request
-    planner: StagePlanner
+    session: SourceSession
+    destination: DestinationSession
     owner: str  # the destination's reservation owner id
     suspended_at: float = math.nan
 
@@ -524,104 +540,143 @@ class SimCluster:
             self._finish_migration(order.request_id, ok=False)
             return
         block_size = src.block_manager.block_size
-        planner = StagePlanner(request.request_id, block_size, self.config.migration_stages)
-        m = _Migration(order, request, planner, owner=f"migration:{request.request_id}")
-        self._migrating[request.request_id] = m
+        rid = request.request_id
+        m = _Migration(
+            order,
+            SourceSession(rid, block_size, self.config.migration_stages),
+            DestinationSession(rid, dst.block_manager.block_size),
+            owner=f"migration:{rid}",
+        )
+        self._migrating[rid] = m
         self.migration_stats.started += 1
-        self._run_between_steps(src, lambda: self._next_stage(m))
+        self._run_between_steps(src, lambda: self._drive(m, m.session.start()))
 
     def _finish_migration(self, request_id: str, ok: bool) -> None:
         assert self.migration_loop is not None
         self.migration_loop.on_done(request_id, ok, self.loop.now)
 
-    def _alive_on_src(self, m: _Migration) -> bool:
-        src = self.instances[m.order.src]
-        return src.scheduler.requests.get(m.request.request_id) is m.request
-
-    def _next_stage(self, m: _Migration) -> None:
+    def _drive(self, m: _Migration, action: SourceAction) -> None:
+        """Perform the session's actions (source and destination sides at once: no wire) until
+        it waits for a copy to land, or is over. Runs between the source's steps."""
         src = self.instances[m.order.src]
         dst = self.instances[m.order.dst]
-        req = m.request
-        if not self._alive_on_src(m):
-            self._abort(m, AbortReason.REQUEST_FINISHED)
-            return
-        if m.planner.phase is Phase.LIVE and req.status is not RequestStatus.RUNNING:
-            self._abort(m, AbortReason.REQUEST_PREEMPTED)
-            return
-        block_ids = src.block_manager.block_ids(req.request_id)
-        try:
-            if m.planner.phase is Phase.LIVE and m.planner.needs_suspend(
-                block_ids, req.num_computed_tokens
-            ):
-                src.scheduler.suspend(req.request_id)
-                m.planner.suspended()
-                m.suspended_at = self.loop.now
-            stage = m.planner.next_stage(block_ids, req.num_computed_tokens, req.block_hashes)
-            shared: list[int] = []
-            if stage.block_hashes:
-                shared = dst.block_manager.lookup_cached_prefix(stage.block_hashes)
-                shared = shared[: stage.num_blocks]
-            need = stage.num_blocks - len(shared)
-            if need > dst.block_manager.num_free_blocks - dst.block_manager.watermark_blocks:
-                self._abort(m, AbortReason.DST_REFUSED)
-                return
-            if shared:
-                dst.block_manager.share_cached_blocks(m.owner, shared)
-                self.migration_stats.blocks_shared += len(shared)
-            reserved = dst.block_manager.reserve_blocks(m.owner, need)
-            assert reserved is not None  # checked above
-            stage = m.planner.reserved(stage, len(shared), need)
-        except MigrationAborted as exc:
-            self._abort(m, exc.reason)
-            return
-        kv_bytes = self.latency.kv_bytes_per_token or 0.0
-        nbytes = stage.num_blocks * src.block_manager.block_size * kv_bytes
-        self.migration_stats.bytes_sent += nbytes
-        delay = nbytes / self.config.migration_bandwidth + self.config.migration_stage_latency_s
-        self.loop.call_later(delay, self._stage_landed, m, stage)
+        session = m.session
+        rid = session.request_id
+        while True:
+            match action:
+                case Snapshot():
+                    request = src.scheduler.requests.get(rid)
+                    action = session.on_snapshot(
+                        RequestSnapshot(None)
+                        if request is None
+                        else RequestSnapshot(
+                            request.migration_phase,
+                            src.block_manager.block_ids(rid),
+                            request.num_computed_tokens,
+                            request.block_hashes,
+                        )
+                    )
+                case Suspend():
+                    src.scheduler.suspend(rid)
+                    m.suspended_at = self.loop.now
+                    action = session.on_suspended()
+                case Reserve(stage=stage):
+                    action = self._reserve_on_dst(m, dst, stage)
+                case Copy(stage=stage):
+                    kv_bytes = self.latency.kv_bytes_per_token or 0.0
+                    nbytes = stage.num_blocks * src.block_manager.block_size * kv_bytes
+                    self.migration_stats.bytes_sent += nbytes
+                    delay = (
+                        nbytes / self.config.migration_bandwidth
+                        + self.config.migration_stage_latency_s
+                    )
+                    self.loop.call_later(delay, self._stage_landed, m)
+                    return
+                case Commit():
+                    action = self._commit_on_dst(m, src, dst)
+                case Release():
+                    src.scheduler.finish_request(rid, RequestStatus.FINISHED_MIGRATED)
+                    action = session.on_released()
+                case Done():
+                    self._committed(m, dst)
+                    return
+                case Abort():
+                    self._aborted(m, src, dst, action)
+                    return
 
-    def _stage_landed(self, m: _Migration, stage: Stage) -> None:
-        m.planner.landed(stage)
-        src = self.instances[m.order.src]
-        if m.planner.phase is Phase.COMMITTING:
-            self._commit(m)
+    def _reserve_on_dst(self, m: _Migration, dst: SimInstance, stage: Stage) -> SourceAction:
+        """The destination's answer to one stage's reservation (as `migration.destination`)."""
+        bm = dst.block_manager
+        hashes = DestinationSession.hashes_to_share(
+            stage.index, stage.num_blocks, stage.block_hashes
+        )
+        shared = bm.lookup_cached_prefix(hashes) if hashes else []
+        if shared:
+            bm.share_cached_blocks(m.owner, shared)
+        reserved = bm.reserve_blocks(m.owner, stage.num_blocks - len(shared))
+        answer = DestinationSession.answer(stage.num_blocks, shared, reserved)
+        if not answer.accepted:
+            bm.free_owner(m.owner)
         else:
-            self._run_between_steps(src, lambda: self._next_stage(m))
+            self.migration_stats.blocks_shared += len(shared)
+        return m.session.on_reserved(
+            answer.accepted,
+            len(answer.shared_block_ids),
+            len(answer.reserved_block_ids),
+            answer.reason,
+        )
 
-    def _commit(self, m: _Migration) -> None:
-        src = self.instances[m.order.src]
-        dst = self.instances[m.order.dst]
-        req = m.request
-        if not self._alive_on_src(m):
-            self._abort(m, AbortReason.REQUEST_FINISHED)
-            return
-        m.planner.committed()
-        src.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_MIGRATED)
-        dst.block_manager.transfer_owner(m.owner, req.request_id)
-        dst.scheduler.adopt(req)
-        del self._migrating[req.request_id]
-        self._migrations_of[req.request_id] = self._migrations_of.get(req.request_id, 0) + 1
+    def _stage_landed(self, m: _Migration) -> None:
+        action = m.session.on_landed()
+        if isinstance(action, Commit):  # the request is suspended: no step can race the commit
+            self._drive(m, action)
+        else:
+            self._run_between_steps(self.instances[m.order.src], lambda: self._drive(m, action))
+
+    def _commit_on_dst(self, m: _Migration, src: SimInstance, dst: SimInstance) -> SourceAction:
+        """Send the request's state (`Request.to_state`, as the agents do) and adopt it there."""
+        session = m.session
+        request = src.scheduler.requests.get(session.request_id)
+        if request is None:
+            return session.fail(AbortReason.REQUEST_FINISHED, "finished or aborted on the source")
+        state = request.to_state()
+        refusal = m.destination.commit_refusal(
+            state["request_id"],
+            state["num_computed_tokens"],
+            len(dst.block_manager.block_ids(m.owner)),
+        )
+        if refusal is not None:
+            dst.block_manager.free_owner(m.owner)
+            return session.on_commit_answer(False, refusal)
+        adopted = Request.from_state(state, dst.block_manager.block_size)
+        dst.block_manager.transfer_owner(m.owner, adopted.request_id)
+        dst.scheduler.adopt(adopted)
+        return session.on_commit_answer(True)
+
+    def _committed(self, m: _Migration, dst: SimInstance) -> None:
+        rid = m.session.request_id
+        del self._migrating[rid]
+        self._migrations_of[rid] = self._migrations_of.get(rid, 0) + 1
         stats = self.migration_stats
         stats.committed += 1
         stats.downtime_s.append(self.loop.now - m.suspended_at)
-        self.router.on_migrated(req.request_id, m.order.dst, self.loop.now)
-        self._finish_migration(req.request_id, ok=True)
+        self.router.on_migrated(rid, m.order.dst, self.loop.now)
+        self._finish_migration(rid, ok=True)
         if dst.idle:
             self._start_step(dst)
 
-    def _abort(self, m: _Migration, reason: AbortReason) -> None:
-        src = self.instances[m.order.src]
-        dst = self.instances[m.order.dst]
-        if m.planner.phase not in (Phase.COMMITTED, Phase.ABORTED):
-            was_suspended = m.planner.abort(reason)
-            if was_suspended and self._alive_on_src(m):
-                src.scheduler.resume(m.request.request_id)
-                if src.idle:
-                    self._start_step(src)
-        dst.block_manager.free_owner(m.owner)
-        self._migrating.pop(m.request.request_id, None)
-        self._finish_migration(m.request.request_id, ok=False)
-        key = reason.value
+    def _aborted(self, m: _Migration, src: SimInstance, dst: SimInstance, abort: Abort) -> None:
+        rid = m.session.request_id
+        request = src.scheduler.requests.get(rid)
+        if abort.resume and request is not None and request.status is RequestStatus.SUSPENDED:
+            src.scheduler.resume(rid)
+            if src.idle:
+                self._start_step(src)
+        if abort.notify_destination:
+            dst.block_manager.free_owner(m.owner)
+        self._migrating.pop(rid, None)
+        self._finish_migration(rid, ok=False)
+        key = abort.reason.value
         self.migration_stats.aborted[key] = self.migration_stats.aborted.get(key, 0) + 1
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -421,22 +421,8 @@ class LLMEngine:
     def export_request_state(self, request_id: str) -> dict[str, Any]:
         """Everything a destination needs to continue the request exactly (JSON-serialisable)."""
         request = self._request(request_id)
-        state = self._texts[request_id]
-        return {
-            "request_id": request.request_id,
-            "prompt_token_ids": list(request.prompt_token_ids),
-            "output_token_ids": list(request.output_token_ids),
-            "sampling_params": asdict(request.sampling_params),
-            "sampling_seed": request.sampling_seed,
-            "num_computed_tokens": request.num_computed_tokens,
-            "num_cached_tokens": request.num_cached_tokens,
-            "priority": request.priority,
-            "cache_salt": request.cache_salt,
-            "arrival_time": request.arrival_time,
-            "eos_token_id": request.eos_token_id,
-            # Stop-string progress: the text already streamed (the rest is rebuilt from the ids).
-            "emitted_text": state.emitted_text,
-        }
+        # Stop-string progress: the text already streamed (the rest is rebuilt from the ids).
+        return {**request.to_state(), "emitted_text": self._texts[request_id].emitted_text}
 
     def adopt_request(
         self, state: dict[str, Any], block_ids: Sequence[int], reservation_id: str | None = None
@@ -449,26 +435,8 @@ class LLMEngine:
         rid = state["request_id"]
         if rid in self.scheduler.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        params = SamplingParams(**state["sampling_params"])
-        params.validate()
-        request = Request(
-            rid,
-            state["prompt_token_ids"],
-            params,
-            self.config.block_size,
-            arrival_time=state["arrival_time"],
-            priority=state["priority"],
-            cache_salt=state["cache_salt"],
-            eos_token_id=state["eos_token_id"],
-            hash_algo=self.config.hash_algo,
-        )
-        request.sampling_seed = state["sampling_seed"]
-        for token in state["output_token_ids"]:
-            request.append_output_token(token)
-        request.num_computed_tokens = state["num_computed_tokens"]
-        request.num_cached_tokens = state["num_cached_tokens"]
-        if not 0 < request.num_computed_tokens < request.num_tokens:
-            raise ValueError("num_computed_tokens must leave at least one token to compute")
+        request = Request.from_state(state, self.config.block_size, self.config.hash_algo)
+        params = request.sampling_params
         bm = self.block_manager
         owner = reservation_id if reservation_id is not None else rid
         if list(bm.block_ids(owner)) != list(block_ids):

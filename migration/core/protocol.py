@@ -60,7 +60,7 @@ class MigrationStatus(enum.Enum):
 class RequestState:
     """A running request's complete state at the moment it stops on the source.
 
-    The field names are the keys of the engine's `export_request_state` / `adopt_request` dict."""
+    The field names are the keys of `Request.to_state()` (plus the engine's ``emitted_text``)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -69,6 +69,7 @@ class RequestState:
     sampling_seed: int  # counter-based sampling: draw i depends only on (seed, i)
     num_computed_tokens: int  # tokens whose KV is in the transferred blocks
     num_cached_tokens: int = 0
+    num_preemptions: int = 0  # accounting: recomputes the request went through so far
     priority: int = 0
     cache_salt: str | None = None
     arrival_time: float = 0.0

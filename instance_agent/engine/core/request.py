@@ -10,6 +10,12 @@ Contract:
 - Sampling randomness is counter-based: the draw for output token i depends only on (`sampling_seed`, i),
   never on a mutable RNG. A request's sampling state is therefore its seed and its output length, so it
   survives preemption, batching and migration bit-identically.
+- `to_state()` / `from_state(state, block_size)` are the request's one serialized form (JSON-ready
+  `migration.core.protocol.RequestState` fields): what crosses to a migration's destination, in the
+  agents and in the simulator alike. `from_state` rebuilds the tokens and block hashes and refuses
+  (`InvalidRequestError`) bad sampling parameters or a KV length that leaves nothing to compute.
+- `migration_phase` names where a live request stands for a migration ("decoding", "prefilling",
+  "waiting", "suspended").
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ from __future__ import annotations
 import enum
 import random
 from array import array
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from kvherd.block_hash import (
     BlockHash,
@@ -248,6 +255,79 @@ class Request:
         self.output_token_ids.append(token_id)
         if (len(self.block_hashes) + 1) * self.block_size <= len(tokens):  # a block filled up
             self.update_block_hashes()
+
+    @property
+    def migration_phase(self) -> str:
+        """Where a live request stands for a migration: "suspended", "decoding" (between steps
+        only its newest sampled token lacks KV), "prefilling" or "waiting"."""
+        if self.status is RequestStatus.SUSPENDED:
+            return "suspended"
+        if self.status is RequestStatus.RUNNING:
+            decoding = bool(self.output_token_ids) and (
+                self.num_computed_tokens == self.num_tokens - 1
+            )
+            return "decoding" if decoding else "prefilling"
+        return "waiting"
+
+    # -- migration state -----------------------------------------------------------------------
+    def to_state(self) -> dict[str, Any]:
+        """Everything another engine needs to continue this request exactly, as JSON-ready
+        `migration.core.protocol.RequestState` fields (the engine adds ``emitted_text``)."""
+        return {
+            "request_id": self.request_id,
+            "prompt_token_ids": self.prompt_token_ids,
+            "output_token_ids": list(self.output_token_ids),
+            "sampling_params": asdict(self.sampling_params),
+            "sampling_seed": self.sampling_seed,
+            "num_computed_tokens": self.num_computed_tokens,
+            "num_cached_tokens": self.num_cached_tokens,
+            "num_preemptions": self.num_preemptions,
+            "priority": self.priority,
+            "cache_salt": self.cache_salt,
+            "arrival_time": self.arrival_time,
+            "eos_token_id": self.eos_token_id,
+        }
+
+    @classmethod
+    def from_state(
+        cls, state: Mapping[str, Any], block_size: int, hash_algo: HashAlgo = "xxh3_64"
+    ) -> Request:
+        """The request `to_state` described, its KV computed for ``num_computed_tokens`` tokens.
+
+        Raises `InvalidRequestError` (a ValueError) for invalid sampling parameters or a KV
+        length that leaves no token to compute."""
+        params = SamplingParams(**state["sampling_params"])
+        params.validate()
+        request = cls(
+            state["request_id"],
+            state["prompt_token_ids"],
+            params,
+            block_size,
+            arrival_time=state["arrival_time"],
+            priority=state["priority"],
+            cache_salt=state["cache_salt"],
+            eos_token_id=state["eos_token_id"],
+            hash_algo=hash_algo,
+        )
+        request.sampling_seed = state["sampling_seed"]
+        outputs = state["output_token_ids"]
+        try:
+            request.token_ids.fromlist(list(outputs))
+        except (OverflowError, TypeError) as exc:
+            raise InvalidRequestError(
+                "output token ids must be integers in [0, 2**32)", "output_token_ids"
+            ) from exc
+        request.output_token_ids = list(outputs)
+        request.update_block_hashes()
+        request.num_computed_tokens = state["num_computed_tokens"]
+        request.num_cached_tokens = state["num_cached_tokens"]
+        request.num_preemptions = state.get("num_preemptions", 0)
+        if not 0 < request.num_computed_tokens < request.num_tokens:
+            raise InvalidRequestError(
+                "num_computed_tokens must leave at least one token to compute",
+                "num_computed_tokens",
+            )
+        return request
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """Token-level stop conditions (stop strings are the detokenizer's job)."""
