@@ -4,7 +4,7 @@ Usage::
 
     model = build_tiny_llama(tmp / "tiny")                      # checkpoint + tokenizer, offline
     with vllm_servers(python, model, [VllmSpec("a"), VllmSpec("b", kv_bind=False)]) as (a, b):
-        with kvherd_serve(instance_arg(a), instance_arg(b), "--tokenizer", str(model)) as proxy:
+        with kvherd_serve(*fleet_args(a, b, model)) as proxy:
             proxy.admin("/admin/v1/instances")
 
 Contract:
@@ -27,7 +27,14 @@ Contract:
   with msgpack here rather than with kvherd's decoder, so it is an independent oracle.
 - `kvherd_serve(*args)` runs ``python -m kvherd serve`` on free ports with an admin token, waits
   for both ports, and on exit SIGTERMs it (SIGKILL after a timeout); `KvherdServe.log()` is its
-  output for failure messages; `matched_blocks()` reads ``kvherd_matched_prefix_blocks``' sum.
+  output for failure messages; `matched_blocks()` reads ``kvherd_matched_prefix_blocks``' sum
+  (requests are sent one at a time, so its change is one request's match). `fleet_args` gives
+  the ``--instance`` flags of both topologies (``kv_events=`` to connect; ``topic=`` on the
+  shared ``--kv-events-bind`` SUB or ``kv_events_bind=`` for a SUB of its own to bind).
+- `assert_index_matches` polls until kvherd's admin API reports, per instance, as many indexed
+  blocks as `held_blocks()`; `Prompts` makes long prompts of a test's own; `complete`/`chat` send
+  one-token greedy requests with the ``openai`` client and return the instance kvherd chose
+  (``X-Kvherd-Instance``) and vLLM's ``prompt_tokens``/``cached_tokens``.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -78,14 +85,13 @@ def build_tiny_llama(path: str | Path, seed: int = 0) -> Path:
         head_dim=32,
         max_position_embeddings=4096,
         rms_norm_eps=1e-6,
-        rope_theta=10000.0,
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model = LlamaForCausalLM(config).eval()  # float32: torch's default dtype
     model.save_pretrained(str(out), safe_serialization=True)
     return out
 
@@ -139,8 +145,7 @@ class VllmServer:
         import msgpack
         import zmq
 
-        ctx = zmq.Context.instance()
-        dealer = ctx.socket(zmq.DEALER)
+        dealer: Any = zmq.Context.instance().socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(self.replay_endpoint)
         try:
@@ -318,7 +323,9 @@ def vllm_servers(
             stop_vllm(server)
 
 
-def instance_arg(server: VllmServer, shared_bind: bool = True, **options: object) -> str:
+def instance_arg(
+    server: VllmServer, options: Mapping[str, object] | None = None, shared_bind: bool = True
+) -> str:
     """``--instance`` value for `server`. A binding PUB: ``kv_events`` (kvherd connects). A
     connecting PUB: ``topic`` (its events arrive on kvherd's shared ``--kv-events-bind`` socket)
     or, with ``shared_bind=False``, ``kv_events_bind`` (a SUB kvherd binds for it alone)."""
@@ -330,7 +337,7 @@ def instance_arg(server: VllmServer, shared_bind: bool = True, **options: object
     else:
         parts.append(f"kv_events_bind={server.kv_endpoint}")
     parts.append(f"replay={server.replay_endpoint}")
-    parts += [f"{key}={value}" for key, value in options.items()]
+    parts += [f"{key}={value}" for key, value in (options or {}).items()]
     return ",".join(parts)
 
 
@@ -452,6 +459,10 @@ def _wait_serving(serve: KvherdServe, timeout_s: float) -> None:
     raise TimeoutError(f"kvherd serve not serving after {timeout_s}s:\n{serve.log()}")
 
 
+# `kvherd_fleet` fixture of tests/vllm: ``with kvherd_fleet(*args, **options) as proxy``.
+KvherdFactory = Callable[..., contextlib.AbstractContextManager[KvherdServe]]
+
+
 def poll_until(check: Callable[[], T], timeout_s: float = 30.0, interval_s: float = 0.2) -> T:
     """Call `check()` until it returns a truthy value (returned) or `timeout_s` passes (the last
     value is returned, falsy, for the caller's assertion message)."""
@@ -509,8 +520,8 @@ def fleet_args(
 ) -> list[str]:
     """``kvherd serve`` arguments for the pair: ``a``'s PUB binds (kvherd connects), ``b``'s
     connects to a SUB kvherd binds (the shared ``--kv-events-bind`` one, or its own)."""
-    args = ["--instance", instance_arg(a, **(a_options or {}))]
-    args += ["--instance", instance_arg(b, shared_bind)]
+    args = ["--instance", instance_arg(a, a_options)]
+    args += ["--instance", instance_arg(b, shared_bind=shared_bind)]
     if shared_bind:
         args += ["--kv-events-bind", b.kv_endpoint]
     return [*args, "--tokenizer", str(tokenizer_dir), "--expose-instance"]

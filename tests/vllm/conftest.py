@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ import pytest
 from vllm_fleet import (
     REQUIRE_VLLM_ENV,
     VLLM_PYTHON_ENV,
+    KvherdFactory,
     KvherdServe,
     Prompts,
     VllmServer,
@@ -90,9 +91,6 @@ def tokenizer(tiny_model: Path) -> Any:
 @pytest.fixture(scope="session")
 def prompts(tokenizer: Any) -> Prompts:
     return Prompts(tokenizer)
-
-
-KvherdFactory = Callable[..., contextlib.AbstractContextManager[KvherdServe]]
 
 
 @pytest.fixture

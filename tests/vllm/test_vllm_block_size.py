@@ -15,6 +15,7 @@ from pathlib import Path
 from agent_process import free_port
 from vllm_fleet import (
     VLLM_BLOCK_SIZE,
+    KvherdFactory,
     KvherdServe,
     Prompts,
     VllmServer,
@@ -28,7 +29,7 @@ from vllm_fleet import (
 
 
 def test_default_block_size_128_is_discovered(
-    vllm_pair: tuple[VllmServer, VllmServer], kvherd_fleet, prompts: Prompts
+    vllm_pair: tuple[VllmServer, VllmServer], kvherd_fleet: KvherdFactory, prompts: Prompts
 ) -> None:
     a, b = vllm_pair
     assert a.block_size() == b.block_size() == VLLM_BLOCK_SIZE
@@ -41,7 +42,8 @@ def test_default_block_size_128_is_discovered(
         served = complete(proxy.url, prompt)
         assert served.instance is not None
         assert_index_matches(proxy, a, b)
-        assert indexed_blocks(proxy, served.instance) >= prompts.full_blocks(prompt)
+        blocks = indexed_blocks(proxy, served.instance)
+        assert blocks is not None and blocks >= prompts.full_blocks(prompt)
         stream = proxy.instance(served.instance)["kv_events"]["stream"]
         assert stream["block_size"] == VLLM_BLOCK_SIZE, stream
         assert proxy.metric("kvherd_block_size_mismatch") == 0
@@ -51,7 +53,7 @@ def test_declared_block_size_that_vllm_does_not_run_is_reported(
     vllm_pair: tuple[VllmServer, VllmServer], tiny_model: Path, prompts: Prompts
 ) -> None:
     a, _ = vllm_pair
-    args = ["--instance", instance_arg(a, block_size=32), "--tokenizer", str(tiny_model)]
+    args = ["--instance", instance_arg(a, {"block_size": 32}), "--tokenizer", str(tiny_model)]
     with kvherd_serve(*args) as proxy:
         complete(a.url, prompts.make("block-size-mismatch"))  # events with block_size 128
 
@@ -98,7 +100,7 @@ def test_fleet_that_disagrees_on_block_size_is_refused(
     a, b = vllm_pair
     ports = ["--port", str(free_port()), "--admin-port", str(free_port())]
     cmd = [sys.executable, "-m", "kvherd", "serve", "--admin-token", "t", *ports]
-    cmd += ["--instance", instance_arg(a, block_size=32), "--instance", instance_arg(b)]
+    cmd += ["--instance", instance_arg(a, {"block_size": 32}), "--instance", instance_arg(b)]
     cmd += ["--kv-events-bind", b.kv_endpoint, "--tokenizer", str(tiny_model)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr

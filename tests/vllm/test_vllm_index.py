@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 from vllm_fleet import (
     VLLM_BLOCK_SIZE,
+    KvherdFactory,
     Prompts,
     VllmServer,
     assert_index_matches,
@@ -26,7 +27,7 @@ TOPOLOGIES = pytest.mark.parametrize(
 
 
 def test_index_holds_what_vllm_events_say(
-    vllm_pair: tuple[VllmServer, VllmServer], kvherd_fleet, prompts: Prompts
+    vllm_pair: tuple[VllmServer, VllmServer], kvherd_fleet: KvherdFactory, prompts: Prompts
 ) -> None:
     a, b = vllm_pair
     with kvherd_fleet() as proxy:
@@ -46,7 +47,7 @@ def test_index_holds_what_vllm_events_say(
 @TOPOLOGIES
 def test_prompt_cached_behind_kvherds_back_routes_to_that_instance(
     vllm_pair: tuple[VllmServer, VllmServer],
-    kvherd_fleet,
+    kvherd_fleet: KvherdFactory,
     prompts: Prompts,
     name: str,
     shared_bind: bool,
@@ -66,7 +67,7 @@ def test_prompt_cached_behind_kvherds_back_routes_to_that_instance(
 
 
 def test_replay_after_proxy_restart(
-    vllm_pair: tuple[VllmServer, VllmServer], kvherd_fleet, prompts: Prompts
+    vllm_pair: tuple[VllmServer, VllmServer], kvherd_fleet: KvherdFactory, prompts: Prompts
 ) -> None:
     """A restarted kvherd learns from vLLM's replay buffer what was cached before it subscribed:
     what it routed itself before the restart and what vLLM cached while no kvherd was running."""

@@ -11,7 +11,14 @@ from typing import Any
 
 import pytest
 from chat_corpus import CHATS, CHATS_RICH, COMPLETIONS, REFUSED
-from vllm_fleet import VLLM_BLOCK_SIZE, Prompts, VllmServer, assert_index_matches, chat
+from vllm_fleet import (
+    VLLM_BLOCK_SIZE,
+    KvherdFactory,
+    Prompts,
+    VllmServer,
+    assert_index_matches,
+    chat,
+)
 
 from kvherd.wire import OpenAIError
 from scheduler.proxy.routing_tokens import prompt_token_ids
@@ -59,11 +66,14 @@ def test_refused_chats_are_refused_by_both(
 
 
 def test_chat_through_kvherd_hits_what_kvherd_matched(
-    vllm_pair: tuple[VllmServer, VllmServer], kvherd_fleet, tokenizer: Any, prompts: Prompts
+    vllm_pair: tuple[VllmServer, VllmServer],
+    kvherd_fleet: KvherdFactory,
+    tokenizer: Any,
+    prompts: Prompts,
 ) -> None:
     """BOS once and vLLM's rendering: the repeat of a long chat lands on the instance that cached
     it, and kvherd's matched blocks are exactly vLLM's ``cached_tokens``."""
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "system", "content": prompts.make("chat-system")},
         {"role": "developer", "content": [{"type": "text", "text": "be brief"}]},
         {

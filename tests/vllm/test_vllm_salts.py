@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from vllm_fleet import (
     VLLM_BLOCK_SIZE,
+    KvherdFactory,
     Prompts,
     VllmServer,
     assert_index_matches,
@@ -25,7 +26,7 @@ def _prefix(prompts: Prompts, prompt: str, blocks: int) -> str:
 
 
 def test_cache_salt_matches_exactly_what_vllm_hits(
-    vllm_pair: tuple[VllmServer, VllmServer], kvherd_fleet, prompts: Prompts
+    vllm_pair: tuple[VllmServer, VllmServer], kvherd_fleet: KvherdFactory, prompts: Prompts
 ) -> None:
     """``a`` holds the whole prompt under a salt, ``b`` only its first two blocks unsalted. The
     unsalted prompt must go to ``b`` (the salted blocks are no match for it), the salted one to
@@ -51,7 +52,7 @@ def test_cache_salt_matches_exactly_what_vllm_hits(
 
 
 def test_api_key_tenants_route_cache_aware_and_stay_apart(
-    vllm_pair: tuple[VllmServer, VllmServer], kvherd_fleet, prompts: Prompts
+    vllm_pair: tuple[VllmServer, VllmServer], kvherd_fleet: KvherdFactory, prompts: Prompts
 ) -> None:
     """With ``--api-key`` every request is salted with its tenant's salt: a tenant's repeat hits
     its own blocks where kvherd sends it, and another tenant never hits (nor matches) them."""
