@@ -17,7 +17,8 @@ Contract (vLLM v1's unified token-budget design):
   with exactly the block allocations, prefix caching, KV events and token appends that k calls of
   `schedule` + `update_from_output` would make (the simulator's way past uneventful steps).
 - `num_waiting_tokens` (the queued work a load report names) is kept as requests join and leave
-  the waiting queue, O(1) to read.
+  the waiting queue, O(1) to read; `running_prefill_tokens` sums the rest of the running requests
+  still in prefill (admitted, not yet sampled: a prompt in chunked prefill), kept as a small set.
 - Migration support: a request can be suspended (kept with its blocks, not scheduled), resumed,
   released (it left for another instance), or adopted with blocks already filled.
 The scheduler is pure Python: the engine drives it with a model, the simulator with a latency model.
@@ -87,6 +88,8 @@ class BatchScheduler:
         # Tokens the waiting requests still have to compute, kept as they join and leave the
         # queue (a load report reads it every interval; a queue can hold thousands).
         self._waiting_tokens = 0
+        # Running requests still in prefill (admitted, no token sampled since), by id.
+        self._prefilling: dict[str, Request] = {}
         self.suspended: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self._admission_seq: dict[str, int] = {}
@@ -115,6 +118,12 @@ class BatchScheduler:
         whole sequence (its recompute). A waiting request does not grow, so this is kept as
         requests join and leave the queue, not summed on every read."""
         return self._waiting_tokens
+
+    @property
+    def running_prefill_tokens(self) -> int:
+        """Tokens the running requests still in prefill have left to compute (a long prompt in
+        chunked prefill runs for several steps); 0 when every running request decodes."""
+        return sum(len(r.token_ids) - r.num_computed_tokens for r in self._prefilling.values())
 
     def _enqueue(self, request: Request) -> None:
         self.waiting.add(request)
@@ -166,6 +175,7 @@ class BatchScheduler:
             return None
         if request in self.running:
             self.running.remove(request)
+            self._prefilling.pop(request_id, None)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
             self._dequeued(request)
@@ -186,6 +196,7 @@ class BatchScheduler:
         if request not in self.running:
             raise ValueError(f"request {request_id!r} is not running")
         self.running.remove(request)
+        self._prefilling.pop(request_id, None)
         request.status = RequestStatus.SUSPENDED
         self.suspended[request_id] = request
         return request
@@ -194,6 +205,8 @@ class BatchScheduler:
         request = self.suspended.pop(request_id)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+        if request.is_prefill:
+            self._prefilling[request_id] = request
         return request
 
     def adopt(self, request: Request) -> None:
@@ -208,11 +221,14 @@ class BatchScheduler:
         request.status = RequestStatus.RUNNING
         self.requests[request.request_id] = request
         self.running.append(request)
+        if request.is_prefill:
+            self._prefilling[request.request_id] = request
         self.block_manager.cache_full_blocks(request)
 
     # -- scheduling --------------------------------------------------------------------------
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        self._prefilling.pop(request.request_id, None)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
@@ -287,6 +303,7 @@ class BatchScheduler:
                     self.prefix_cache_hits += num_hit
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
+                self._prefilling[request.request_id] = request
                 output.scheduled.append(self._scheduled(request, num_new))
                 budget -= num_new
 
@@ -312,6 +329,7 @@ class BatchScheduler:
         cache_full_blocks = self.block_manager.cache_full_blocks
         max_model_len = self.config.max_model_len
         running_status = RequestStatus.RUNNING
+        prefilling = self._prefilling
         for item in output.scheduled:
             request = item.request
             if request.status is not running_status:
@@ -322,6 +340,8 @@ class BatchScheduler:
             computed = request.num_computed_tokens = before + item.num_new_tokens
             if item.samples:
                 request.append_output_token(sampled[request.request_id])
+                if prefilling:  # (empty through the usual decode steps)
+                    prefilling.pop(request.request_id, None)
             # Only a step that fills a block can cache one: blocks full before it were handled
             # by earlier steps or came as prefix hits (most decode steps fill none).
             if computed // bs != before // bs:
@@ -526,4 +546,6 @@ class BatchScheduler:
             changed = completed is not None
         for request, start in zip(running, starts, strict=True):
             request.num_computed_tokens = start + steps
+        if steps and self._prefilling:  # every running request sampled: none is in prefill
+            self._prefilling.clear()
         return steps

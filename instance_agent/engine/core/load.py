@@ -8,26 +8,25 @@ Contract:
   builds its `LoadReport` from the same call, so production and simulation never define load twice.
 - ``waiting_prefill_tokens``: the prefill work a newly arriving request would queue behind — every
   token still to compute of the waiting requests (a prompt, or a preempted request's whole
-  sequence) plus the rest of each running request still in prefill (`Request.is_prefill`: a long
-  prompt in chunked prefill runs for several steps). A decoding request adds nothing: its one
-  uncomputed token is the next decode step, not queued prefill.
+  sequence) plus the rest of each running request still in prefill (admitted and not sampled
+  since: a long prompt in chunked prefill runs for several steps). A decoding request adds
+  nothing: its one uncomputed token is the next decode step, not queued prefill.
 - ``head_waiting_blocks``: the blocks the head-of-line waiting request needs beyond those it holds
   (0 when nothing waits): what must come free before anything new is admitted.
 - `pool` overrides (free, cached) blocks as an observer saw them (the simulator's decode runs,
   `SimInstance.pool_at`); the queue figures do not move during a run of pure decode steps.
-- Pure: no I/O, no clock; O(running) per call (the waiting queue's tokens are kept by the scheduler).
+- Pure: no I/O, no clock; O(requests in prefill) per call (the scheduler keeps both sums' parts).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from instance_agent.engine.core.batch_scheduler import BatchScheduler
 from instance_agent.engine.core.block_manager import BlockManager
 
 
-@dataclass(frozen=True, slots=True)
-class EngineLoad:
+class EngineLoad(NamedTuple):
     num_running: int
     num_waiting: int
     num_total_blocks: int
@@ -45,11 +44,7 @@ class EngineLoad:
 
 def waiting_prefill_tokens(scheduler: BatchScheduler) -> int:
     """Prefill tokens a new request would queue behind (see the module contract)."""
-    running_prefill = 0
-    for request in scheduler.running:
-        if request.is_prefill:
-            running_prefill += request.num_tokens - request.num_computed_tokens
-    return scheduler.num_waiting_tokens + running_prefill
+    return scheduler.num_waiting_tokens + scheduler.running_prefill_tokens
 
 
 def head_waiting_blocks(scheduler: BatchScheduler, block_manager: BlockManager) -> int:
