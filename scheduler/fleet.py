@@ -32,7 +32,8 @@ Contract:
   An instance is saturated while `max_inflight_per_instance` requests are in flight on it;
   `dispatch` raises `NoCapacityError(saturated=True)` when only saturated instances could take the
   request, `saturated=False` when nothing dispatchable (and untried) is left. `on_capacity` is
-  called whenever a request finishes (the proxy's admission queue waits on it).
+  called whenever a request finishes (the proxy's admission queue waits on it); `completed`
+  counts the requests released (the proxy's admission measures the service rate by it).
   `request_migrated(key, dst)` moves a running request's charges and in-flight count to `dst`
   (a committed live migration); it then finishes there, whichever instance the proxy reports.
 - Health: `failure_threshold` consecutive failures eject an instance (not dispatchable, counted in
@@ -180,6 +181,7 @@ class Fleet:
             settings.failure_threshold, settings.base_ejection_s, settings.max_ejection_s
         )
         self.on_capacity: Callable[[], None] = lambda: None
+        self.completed = 0  # requests released (finished or failed): admission's service rate
         self.on_lost: Callable[[str, str], None] = lambda instance_id, url: None
         self.subscriber = KVEventSubscriber(
             self.cluster,
@@ -576,6 +578,7 @@ class Fleet:
             current = self.instances.get(inst.instance_id)
         if current is not None and key in current.keys:
             self._detach(current, key)
+        self.completed += 1
         self.on_capacity()
 
     def request_finished(self, key: str, inst: FleetInstance, ok: bool = True) -> None:

@@ -136,6 +136,15 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-inflight-per-instance", type=int, default=256)
     parser.add_argument("--queue-size", type=int, default=1024)
     parser.add_argument("--queue-timeout", type=float, default=30.0)
+    parser.add_argument(
+        "--max-queue-wait",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="refuse a request (429, Retry-After) when the requests queued ahead of it would take "
+        "the fleet longer than this to start, at its measured completion rate; a flood leaves "
+        "about this much work queued when it ends (default 1)",
+    )
     parser.add_argument("--connect-timeout", type=float, default=2.0)
     parser.add_argument(
         "--request-timeout", type=float, default=600.0, help="seconds until the response head"
@@ -354,6 +363,7 @@ async def serve_fleet(
     from kvherd.fleet_token import resolve
     from kvherd.tokenizer import load_tokenizer
     from policies.registry import PolicyAllowList
+    from scheduler.core.admission import AdmissionSettings
     from scheduler.core.deadlines import DeadlineSettings
     from scheduler.core.tenancy import SALT_SECRET_ENV, build_registry
     from scheduler.fleet import Fleet, FleetError, FleetSettings
@@ -453,6 +463,7 @@ async def serve_fleet(
             expose_instance=args.expose_instance,
             fleet_token=fleet_token,
             max_continuations=args.max_continuations,
+            admission=AdmissionSettings(max_queue_wait_s=args.max_queue_wait),
             deadlines=DeadlineSettings(
                 first_byte_floor_s=args.first_byte_deadline[0],
                 first_byte_cap_s=args.first_byte_deadline[1],

@@ -40,11 +40,18 @@ Contract:
   "resume"}}`` (never relayed); the proxy then POSTs ``resume`` to
   ``URL/kvherd/v1/requests/{id}/resume`` (a fleet instance only) and relays that stream from the
   next token on, as often as the request moves. Non-streamed requests are relayed by the source.
-- Admission: an instance is saturated when the proxy has ``max_inflight_per_instance`` requests in
-  flight on it (`scheduler.fleet.FleetSettings`). When every dispatchable instance is saturated a
-  request waits in a FIFO admission queue of at most ``queue_size`` entries for up to
-  ``queue_timeout_s``; past either bound it gets 429 with an OpenAI error object. With no
-  dispatchable instance at all it gets 503.
+- Admission by expected wait (`scheduler.core.admission`): a new request is refused, before its
+  body is even parsed, when the requests waiting ahead of it (the admission queue plus the
+  instances' own queues) would take the fleet longer than ``max_queue_wait_s`` to start, at the
+  rate the fleet was measured to complete requests while busy: 429, ``Retry-After`` (whole
+  seconds) and an OpenAI error object (``code: queue_wait``). So a flood leaves at most that much
+  work queued, and normal service returns within about that long of its end.
+  An instance is saturated when the proxy has ``max_inflight_per_instance`` requests in flight on
+  it (`scheduler.fleet.FleetSettings`). When every dispatchable instance is saturated a request
+  waits in a FIFO admission queue of at most ``queue_size`` entries for up to
+  ``queue_timeout_s``; past either bound it gets 429 (with ``Retry-After``) too. With no
+  dispatchable instance at all it gets 503. Retries and continuations of admitted requests are
+  never refused by the expected wait.
 - Bad input (not JSON, a Content-Type other than JSON, not an object, missing or mistyped
   prompt/messages, token ids past 2**32 - 1, an oversized body) gets 400 with ``{"error":
   {"message", "type", "param", "code"}}``, an unknown route 404 with the same object; nothing a
@@ -75,6 +82,7 @@ from kvherd import wire
 from kvherd.block_hash import block_hash_chain
 from kvherd.tokenizer import Tokenizer
 from kvherd.wire import OpenAIError
+from scheduler.core.admission import Admission, AdmissionSettings
 from scheduler.core.deadlines import Deadlines, DeadlineSettings
 from scheduler.core.tenancy import Tenant, TenantRegistry
 from scheduler.fleet import Fleet, FleetInstance, NoCapacityError
@@ -135,6 +143,20 @@ class ProxyConfig:
     max_continuations: int = 2  # attempts to continue one stream whose instance was lost
     deadlines: DeadlineSettings = field(default_factory=DeadlineSettings)
     fleet_token: str | None = None  # the agents' control routes (resume) require it
+    admission: AdmissionSettings = field(default_factory=AdmissionSettings)
+
+
+class Refused(OpenAIError):
+    """A 429 from admission: the error object plus when to come back (``Retry-After``)."""
+
+    def __init__(self, message: str, code: str, retry_after_s: int) -> None:
+        super().__init__(429, message, type="rate_limit_error", code=code)
+        self.retry_after_s = retry_after_s
+
+
+# How long the instances' queue lengths (from their views) are reused for admission decisions:
+# they change by load reports, far more slowly than requests arrive.
+_WAITING_TTL_S = 0.02
 
 
 def _error_json(exc: OpenAIError) -> bytes:
@@ -181,11 +203,50 @@ class Proxy:
             lag=self.lag,
         )
         self._admission = _Admission()
+        self.admission = Admission(config.admission)
+        self._waiting = 0  # requests queued on the instances themselves, as of `_waiting_at`
+        self._waiting_at = -1.0
         # Generated request ids: a random per-process prefix and a counter (cheaper than uuid4).
         self._id_prefix = os.urandom(6).hex().encode()
         self._id_counter = itertools.count(1)
-        fleet.on_capacity = self._admission.wake_one
+        fleet.on_capacity = self._on_capacity
         fleet.on_lost = self._instance_lost
+
+    def _on_capacity(self) -> None:
+        self._admission.wake_one()
+        now = time.monotonic()
+        self.admission.observe(now, self.fleet.completed, self._ahead(now))
+
+    def _ahead(self, now: float) -> int:
+        """Requests waiting to start: the admission queue and the instances' own queues."""
+        if now - self._waiting_at > _WAITING_TTL_S:
+            cluster = self.fleet.cluster
+            waiting = 0
+            for i in self.fleet.instances:
+                if i in cluster:
+                    # What the instance reports queued, or what the proxy has in flight there
+                    # beyond what it runs (queued in its HTTP server or engine), whichever is more.
+                    view = cluster.get(i).view()
+                    waiting += max(0, view.num_waiting, view.inflight - view.num_running)
+            self._waiting = waiting
+            self._waiting_at = now
+        return len(self._admission.waiters) + self._waiting
+
+    def _check_wait(self) -> None:
+        """Refuse a new request that would wait longer than the fleet allows (429)."""
+        now = time.monotonic()
+        ahead = self._ahead(now)
+        self.admission.observe(now, self.fleet.completed, ahead)
+        refused = self.admission.refusal(ahead)
+        if refused is not None:
+            self.metrics.rejected("queue_wait")
+            raise Refused(
+                f"the fleet is overloaded: a request would wait about "
+                f"{refused.expected_wait_s:.1f}s to start (at most "
+                f"{self.config.admission.max_queue_wait_s:g}s allowed)",
+                "queue_wait",
+                refused.retry_after_s,
+            )
 
     def _instance_lost(self, instance_id: str, url: str) -> None:
         failed = self.pool.abort(url, f"instance {instance_id} was ejected or removed")
@@ -242,6 +303,7 @@ class Proxy:
                     param="Content-Type",
                     code="unsupported_media_type",
                 )
+            self._check_wait()
             status = await self._serve(exchange, path, chat, request_id, tenant, forward)
         except OpenAIError as exc:
             status = exc.status
@@ -416,11 +478,10 @@ class Proxy:
             admission = self._admission
             if len(admission.waiters) >= self.config.queue_size:
                 self.metrics.rejected("queue_full")
-                raise OpenAIError(
-                    429,
+                raise Refused(
                     "every instance is saturated and the admission queue is full",
-                    type="rate_limit_error",
-                    code="queue_full",
+                    "queue_full",
+                    self._retry_after(),
                 )
             loop = asyncio.get_running_loop()
             if deadline is None:
@@ -433,16 +494,23 @@ class Proxy:
                     await waiter
             except TimeoutError:
                 self.metrics.rejected("queue_timeout")
-                raise OpenAIError(
-                    429,
+                raise Refused(
                     f"no instance had room within {self.config.queue_timeout_s}s",
-                    type="rate_limit_error",
-                    code="queue_timeout",
+                    "queue_timeout",
+                    self._retry_after(),
                 ) from None
             finally:
                 with contextlib.suppress(ValueError):
                     admission.waiters.remove(waiter)
                 self.metrics.queue_depth.set(len(admission.waiters))
+
+    def _retry_after(self) -> int:
+        """Whole seconds until the queue ahead is expected to have drained (at least 1)."""
+        wait = self.admission.expected_wait(self._ahead(time.monotonic()))
+        cap = self.config.admission.max_retry_after_s
+        if wait is None or wait < 1:
+            return 1
+        return cap if wait >= cap else int(wait) + 1
 
     async def _relay(
         self,
@@ -704,6 +772,8 @@ def _respond_error(exchange: Exchange, exc: OpenAIError, request_id: bytes) -> N
     headers = _json_headers(request_id)
     if exc.status == 405:
         headers.append((b"allow", b"POST"))
+    elif isinstance(exc, Refused):
+        headers.append((b"retry-after", b"%d" % exc.retry_after_s))
     exchange.respond(exc.status, headers, _error_json(exc))
 
 

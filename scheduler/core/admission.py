@@ -1,0 +1,97 @@
+"""Admission by expected wait: refuse a request the fleet could not start within the allowed wait.
+
+Contract:
+- `Admission` is pure (explicit `now`). The caller reports what it sees, at arrivals and
+  completions: `observe(now, completed, ahead)`, where `completed` is the fleet's running count of
+  requests it finished (monotonic) and `ahead` the requests waiting to start (the proxy's
+  admission queue plus the instances' own queues).
+- Service rate: completions per second of *busy* time, as exponentially decayed sums
+  (time constant ``decay_s``): an interval counts only when requests were waiting through it,
+  because only then do completions measure what the fleet can serve rather than what clients
+  asked for. Until ``min_busy_s`` of busy time was seen the rate is unknown (`rate` is None).
+- `refusal(ahead)`: None to admit, else a `Refusal` with the expected wait ``ahead / rate``
+  (seconds) and ``retry_after_s``, an integer of seconds in ``[1, max_retry_after_s]``: when enough
+  of the queue ahead will have been served for the wait to be back within bounds. Requests are
+  refused only while the expected wait exceeds ``max_queue_wait_s``; with an unknown rate nothing
+  is refused here (the caller's count bound on its queue still holds).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class AdmissionSettings:
+    max_queue_wait_s: float = 1.0
+    decay_s: float = 3.0  # how fast old completions stop counting towards the rate
+    min_busy_s: float = 0.2  # busy time needed before the rate is trusted
+    max_retry_after_s: int = 60
+
+    def __post_init__(self) -> None:
+        if self.max_queue_wait_s <= 0 or self.decay_s <= 0 or self.min_busy_s < 0:
+            raise ValueError("max_queue_wait_s and decay_s must be > 0, min_busy_s >= 0")
+        if self.max_retry_after_s < 1:
+            raise ValueError("max_retry_after_s must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    expected_wait_s: float
+    retry_after_s: int
+
+
+class Admission:
+    """The fleet's service rate and the expected-wait admission rule (see the module contract)."""
+
+    __slots__ = ("_ahead", "_busy", "_completed", "_done", "_last", "settings")
+
+    def __init__(self, settings: AdmissionSettings | None = None) -> None:
+        self.settings = settings or AdmissionSettings()
+        self._last: float | None = None  # time of the last observation
+        self._ahead = 0  # requests waiting at the last observation
+        self._done = 0  # the fleet's completion count at the last observation
+        self._completed = 0.0  # decayed completions over busy time
+        self._busy = 0.0  # decayed busy seconds
+
+    def observe(self, now: float, completed: int, ahead: int) -> None:
+        last = self._last
+        if last is not None and now > last:
+            finished = max(0, completed - self._done)
+            if self._ahead > 0:
+                # Requests waited from the interval's start (observations come at every arrival
+                # and completion, so intervals are short under load): its completions are
+                # the fleet's capacity, not the clients' demand.
+                decay = math.exp(-(now - last) / self.settings.decay_s)
+                self._completed = self._completed * decay + finished
+                self._busy = self._busy * decay + (now - last)
+        if last is None or now >= last:
+            self._last = now
+        self._done = completed
+        self._ahead = ahead
+
+    @property
+    def rate(self) -> float | None:
+        """Requests the fleet completes per second while busy; None until measured."""
+        if self._busy < self.settings.min_busy_s or self._busy <= 0:
+            return None
+        return self._completed / self._busy
+
+    def expected_wait(self, ahead: int) -> float | None:
+        """Seconds a request arriving behind `ahead` waiting ones would wait; None if unknown."""
+        if ahead <= 0:
+            return 0.0
+        rate = self.rate
+        if rate is None:
+            return None
+        return math.inf if rate <= 0 else ahead / rate
+
+    def refusal(self, ahead: int) -> Refusal | None:
+        wait = self.expected_wait(ahead)
+        limit = self.settings.max_queue_wait_s
+        if wait is None or wait <= limit:
+            return None
+        cap = self.settings.max_retry_after_s
+        retry = cap if math.isinf(wait) else min(cap, max(1, math.ceil(wait - limit)))
+        return Refusal(wait, retry)

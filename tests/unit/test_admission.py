@@ -1,0 +1,89 @@
+"""Admission by expected wait: the service rate is measured while requests wait, and a request is
+refused exactly when the queue ahead of it would take longer than the allowed wait to start."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from scheduler.core.admission import Admission, AdmissionSettings
+
+
+def busy_fleet(rate: float, seconds: float, ahead: int = 50, step: float = 0.01) -> Admission:
+    """An `Admission` that watched a fleet finish `rate` requests/s with `ahead` waiting."""
+    admission = Admission(AdmissionSettings(max_queue_wait_s=2.0))
+    now, completed, owed = 0.0, 0, 0.0
+    while now < seconds:
+        admission.observe(now, completed, ahead)
+        now += step
+        owed += rate * step
+        completed += int(owed)
+        owed -= int(owed)
+    admission.observe(now, completed, ahead)
+    return admission
+
+
+def test_rate_unknown_until_busy_and_nothing_refused_then() -> None:
+    admission = Admission()
+    assert admission.rate is None
+    assert admission.refusal(10_000) is None
+    # Completions while nothing waits are demand, not capacity: still unknown.
+    for i in range(100):
+        admission.observe(i * 0.1, i, 0)
+    assert admission.rate is None
+    assert admission.refusal(10_000) is None
+
+
+def test_busy_rate_is_measured() -> None:
+    admission = busy_fleet(rate=40.0, seconds=5.0)
+    assert admission.rate == pytest.approx(40.0, rel=0.05)
+    assert admission.expected_wait(80) == pytest.approx(2.0, rel=0.05)
+    assert admission.expected_wait(0) == 0.0
+
+
+def test_refuses_beyond_the_wait_with_retry_after() -> None:
+    admission = busy_fleet(rate=40.0, seconds=5.0)
+    assert admission.refusal(60) is None  # 1.5 s of queue
+    refused = admission.refusal(400)  # 10 s of queue: retry once 8 s of it are served
+    assert refused is not None
+    assert refused.expected_wait_s == pytest.approx(10.0, rel=0.05)
+    assert refused.retry_after_s == math.ceil(refused.expected_wait_s - 2.0)
+    just_over = admission.refusal(84)
+    assert just_over is not None and just_over.retry_after_s == 1
+
+
+def test_idle_time_does_not_dilute_the_rate() -> None:
+    admission = busy_fleet(rate=40.0, seconds=5.0)
+    measured = admission.rate
+    # A long idle stretch with a trickle of completions: the measured capacity stands.
+    admission.observe(5.0, 200, 0)
+    admission.observe(65.0, 230, 0)
+    admission.observe(66.0, 231, 3)
+    assert admission.rate == pytest.approx(measured)
+
+
+def test_the_rate_follows_a_slower_fleet() -> None:
+    admission = busy_fleet(rate=40.0, seconds=5.0)
+    now, completed = 5.0, 200
+    for _ in range(1500):  # 15 s at 10 requests/s (an instance was lost)
+        now += 0.01
+        completed += 1 if round(now * 100) % 10 == 0 else 0
+        admission.observe(now, completed, 50)
+    assert admission.rate == pytest.approx(10.0, rel=0.15)
+
+
+def test_a_stalled_fleet_refuses_with_the_longest_retry_after() -> None:
+    admission = busy_fleet(rate=40.0, seconds=1.0)
+    for i in range(1, 300):  # 30 s without a completion while requests wait
+        admission.observe(1.0 + i * 0.1, 40, 10)
+    refused = admission.refusal(10)
+    assert refused is not None
+    assert refused.retry_after_s == admission.settings.max_retry_after_s
+
+
+def test_settings_are_checked() -> None:
+    with pytest.raises(ValueError):
+        AdmissionSettings(max_queue_wait_s=0)
+    with pytest.raises(ValueError):
+        AdmissionSettings(max_retry_after_s=0)
