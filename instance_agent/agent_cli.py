@@ -59,6 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="serve the control routes without a token on a non-loopback bind (trusted networks)",
     )
+    parser.add_argument(
+        "--role",
+        choices=("prefill", "decode", "mixed"),
+        default="mixed",
+        help="P/D disaggregation: what the proxy sends here (default mixed: both phases)",
+    )
     parser.add_argument("--heartbeat-interval", type=float, default=2.0)
     parser.add_argument("--drain-timeout", type=float, default=600.0)
     engine = parser.add_argument_group("engine")
@@ -111,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
     from instance_agent.kv_publisher import KVEventPublisher
     from instance_agent.metrics import AgentMetrics
     from instance_agent.migration_routes import MigrationService, create_migration_router
+    from instance_agent.pd_handoff import PDHandoffs
     from instance_agent.registration import Registrar
     from instance_agent.server import Agent, DrainingServer, create_app
     from kvherd.fleet_token import FLEET_TOKEN_ENV, resolve
@@ -187,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
         instance_id=instance_id,
         served_model_name=served_name,
         model_root=args.model,
+        role=args.role,
     )
     if args.scheduler:
 
@@ -204,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
                         "freeness",
                         "last_kv_event_seq",
                         "draining",
+                        "role",
                     )
                 },
             }
@@ -221,12 +230,14 @@ def run(args: argparse.Namespace) -> int:
                 ),
                 "model": served_name,
                 "block_size": bm.block_size,
+                "role": args.role,
             },
             load_summary,
             heartbeat_s=args.heartbeat_interval,
         )
 
     migration = MigrationService(engine_loop, instance_id, advertise_host, fleet_token=fleet_token)
+    agent.handoffs = PDHandoffs(migration)
     app = create_app(agent, routers=[create_migration_router(migration)], fleet_token=fleet_token)
     uv_config = uvicorn.Config(
         app,

@@ -19,7 +19,8 @@ Contract:
   hands to a follower, or that is aborted after `detached_ttl_s`. On the source, `hand_off`
   continues a client's stream from the request's new home, exactly once; `redirect` instead ends
   it with `RequestMigrated`, for a client that reattaches at the destination itself (the proxy
-  marks such streams `reattach`).
+  marks such streams `reattach`). `RequestStream.started` is set once the stream has an output
+  with tokens queued, or has ended (a P/D handoff waits for it: `instance_agent.pd_handoff`).
 - If a step raises, the engine is considered dead: every open stream fails with `EngineDeadError`,
   new requests are refused, and `/health` reports it.
 """
@@ -97,6 +98,7 @@ class RequestStream:
         self.index = 0  # position of the first new token of the output last taken
         # The client follows a migration itself (`EngineLoop.redirect`) instead of being relayed.
         self.reattach = False
+        self.started = asyncio.Event()  # a token output is queued, or the stream ended
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -145,6 +147,10 @@ class RequestStream:
                 index = len(item.output_token_ids) - len(item.new_token_ids)
             self._starts.append(index)
             self.next_index = index + len(item.new_token_ids)
+            if item.new_token_ids or item.finished:
+                self.started.set()
+        else:
+            self.started.set()
         self._queue.put_nowait(item)
 
     def close(self) -> None:
@@ -152,6 +158,7 @@ class RequestStream:
         if self._closed:
             return
         self._closed = True
+        self.started.set()
         if self._relay is not None:
             self._relay.cancel()  # the client left: stop following the request elsewhere
         self._engine_loop._stream_closed(self)

@@ -33,6 +33,9 @@ Contract (`create_app(agent)` returns the FastAPI app):
   ``kvherd_continuation`` (`protocol.Continuation`) recomputes prompt + output here and streams
   the rest of the very same OpenAI stream (same id, token index, usage), bit-identical for greedy
   and seeded sampling (`LLMEngine.continue_request`).
+- P/D disaggregation: a generation request with ``X-Kvherd-Handoff: URL`` is handed to the
+  decode instance at URL after its first token (`instance_agent.pd_handoff`); `Agent.role`
+  (``prefill``, ``decode``, ``mixed``) is reported in the state snapshot.
 - `Agent` holds what the routes share: the engine loop, metrics, identity, and the draining flag.
   `Agent.drain` stops accepting work and waits for open requests to finish (or aborts them after
   a timeout).
@@ -60,7 +63,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from instance_agent import protocol, relay
+from instance_agent import pd_handoff, protocol, relay
 from instance_agent.compat_routes import create_compat_router
 from instance_agent.control_auth import FleetTokenMiddleware
 from instance_agent.engine.core.request import InvalidRequestError, SamplingParams
@@ -99,6 +102,8 @@ class Agent:
     registrar: Registrar | None = None
     draining: bool = False
     created: int = field(default_factory=protocol.now)
+    role: str = "mixed"  # P/D disaggregation: "prefill", "decode" or "mixed"
+    handoffs: pd_handoff.PDHandoffs | None = None  # hands requests to their decode instance
 
     @property
     def engine(self) -> LLMEngine:
@@ -120,6 +125,7 @@ class Agent:
                 step_latency=loop.step_latency,
                 last_kv_event_seq=loop.last_kv_event_seq,
                 include_block_hashes=include_block_hashes,
+                role=self.role,
             )
             if check_integrity:
                 try:
@@ -409,12 +415,17 @@ async def _generate(
         return _error_response(protocol.from_invalid_request(exc), headers)
     except EngineDeadError as exc:
         return _error_response(OpenAIError(500, str(exc), type="server_error"), headers)
+    handoff = None
+    handoff_dst = request.headers.get(pd_handoff.HANDOFF_HEADER)
+    if handoff_dst and agent.handoffs is not None:
+        handoff = agent.handoffs.start(stream, handoff_dst)
     if body.stream:
         stream.reattach = request.headers.get("x-kvherd-reattach") == "1"
         fmt = _Format.of(body, _wants_ledger(request))
-        return StreamingResponse(
-            _sse(stream, meta, fmt), media_type="text/event-stream", headers=headers
-        )
+        frames = _sse(stream, meta, fmt)
+        if handoff is not None and fmt.ledger:
+            frames = pd_handoff.annotate(frames, handoff)
+        return StreamingResponse(frames, media_type="text/event-stream", headers=headers)
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     collector = asyncio.ensure_future(_collect(stream))
     try:
@@ -432,6 +443,8 @@ async def _generate(
         return _error_response(OpenAIError(503, str(exc), type="server_error"), headers)
     except EngineDeadError as exc:
         return _error_response(OpenAIError(500, str(exc), type="server_error"), headers)
+    if handoff is not None:
+        headers[pd_handoff.HANDOFF_HEADER] = pd_handoff.header_value(handoff)
     usage = protocol.usage(meta.prompt_len, len(token_ids), cached)
     build = protocol.chat_response if meta.chat else protocol.completion_response
     ids = token_ids if body.return_token_ids else None

@@ -41,6 +41,12 @@ Contract:
   trial. A comeback after ejection resubscribes its KV events (it may have restarted).
   `on_lost(instance_id, url)` is called when an instance is ejected or removed (the proxy fails
   over the requests in flight there at once).
+- P/D disaggregation: an instance's role is its spec's (``--instance URL,role=...``, a
+  registration's ``role``) or else the one it reports. While some instance only prefills or only
+  decodes, `dispatch` pairs each request through the P/D policy (`pd_policy_spec`, default
+  ``kvherd``): it returns the prefill instance, and `handoff_target(key)` the decode instance the
+  prefill instance hands the request to after its first token (None: no handoff). The handoff's
+  commit moves the request's accounting like any live migration (`request_migrated`).
 - Policies: `set_policy(spec, params)` switches the dispatch policy at run time, loading only what
   the operator's `PolicyAllowList` admits (built-in names, entry points, allow-listed modules, the
   policy directory); a spec that is refused or does not load raises `FleetError(400)` and the old
@@ -63,7 +69,12 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from kvherd.fleet_token import auth_headers
-from policies.registry import PolicyAllowList, PolicyLoadError, load_dispatch_policy
+from policies.registry import (
+    PolicyAllowList,
+    PolicyLoadError,
+    load_dispatch_policy,
+    load_pd_policy,
+)
 from policies.views import NoInstanceError
 from scheduler.core.cluster_state import ClusterState
 from scheduler.core.load_report import LoadReport
@@ -111,6 +122,8 @@ class InstanceSpec:
     kv_events_bind: bool = False  # bind kv_events_endpoint (the engine connects its PUB)
     kv_topic: str | None = None  # its messages on the shared bound endpoint carry this topic
     kvherd_agent: bool = True  # hashes blocks exactly like kvherd (engine hashes are trusted)
+    max_model_len: int | None = None  # from its /v1/models; the proxy refuses longer requests
+    role: str | None = None  # P/D role override ("prefill", "decode", "mixed"); None: as reported
 
 
 @dataclass(slots=True)
@@ -160,6 +173,7 @@ class Fleet:
         policy_params: dict[str, Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
         policy_allow: PolicyAllowList | None = None,
+        pd_policy_spec: str = "kvherd",
     ) -> None:
         self.settings = settings
         self.policy_allow = policy_allow or PolicyAllowList()
@@ -173,9 +187,12 @@ class Fleet:
         self.policy_params = dict(policy_params or {})
         try:
             policy = load_dispatch_policy(policy_spec, **self.policy_params)
+            pd_policy = load_pd_policy(pd_policy_spec)
         except PolicyLoadError as exc:
             raise FleetError(400, str(exc), "policy") from exc
-        self.router = Router(self.cluster, policy)
+        self.pd_policy_spec = pd_policy_spec
+        self.router = Router(self.cluster, policy, pd_policy)
+        self._handoffs: dict[str, str] = {}  # routing key -> its decode instance (P/D)
         self.instances: dict[str, FleetInstance] = {}
         self.outliers = OutlierDetector(
             settings.failure_threshold, settings.base_ejection_s, settings.max_ejection_s
@@ -297,7 +314,10 @@ class Fleet:
         """Register `spec` with the cluster core and (re)subscribe its KV events."""
         has_events = self._has_events(spec)
         self.cluster.add_instance(
-            spec.instance_id, has_kv_events=has_events, trust_engine_hashes=spec.kvherd_agent
+            spec.instance_id,
+            has_kv_events=has_events,
+            trust_engine_hashes=spec.kvherd_agent,
+            role=spec.role,
         )
         if has_events:
             await self._subscribe(spec)
@@ -536,6 +556,8 @@ class Fleet:
             )
             raise NoCapacityError(saturated=busy) from None
         inst = self.instances[routed.instance_id]
+        if routed.decode_id is not None:
+            self._handoffs[key] = routed.decode_id
         if len(block_hashes) > routed.matched_blocks:  # the engine will store blocks: events due
             self.subscriber.note_traffic(inst.instance_id)
         self._attach(inst, key)
@@ -555,6 +577,11 @@ class Fleet:
             self._saturated.discard(inst.instance_id)
         self.metrics.set_inflight(inst.instance_id, inst.inflight)
 
+    def handoff_target(self, key: str) -> FleetInstance | None:
+        """The decode instance `key` is handed to after its first token (P/D), if any."""
+        decode_id = self._handoffs.get(key)
+        return None if decode_id is None else self.instances.get(decode_id)
+
     def first_token(self, key: str) -> None:
         self.router.on_first_token(key, self.clock())
 
@@ -570,6 +597,7 @@ class Fleet:
         self.on_capacity()
 
     def _release(self, key: str, inst: FleetInstance) -> None:
+        self._handoffs.pop(key, None)
         where = self.router.instance_of(key)  # differs from `inst` after a migration
         self.router.on_finish(key, self.clock())
         # The instance may have re-registered since dispatch: count on its current record.
@@ -614,6 +642,11 @@ class Fleet:
             if self.cluster.get(i).healthy and not self.cluster.get(i).draining
         )
 
+    def roles(self) -> dict[str, str]:
+        """Each instance's P/D role."""
+        cluster = self.cluster
+        return {i: cluster.get(i).view().role for i in self.instances if i in cluster}
+
     def state_counts(self) -> dict[str, int]:
         counts = {"healthy": 0, "ejected": 0, "half_open": 0, "draining": 0}
         now = self.clock()
@@ -650,6 +683,7 @@ class Fleet:
             "fleet_block_size": self.cluster.block_size,
             "block_size_mismatch": inst.block_size_mismatch,
             "registered": spec.registered,
+            "role": view.role,
             "health": str(self.outliers.state(instance_id, self.clock())),
             "draining": state.draining,
             "inflight": inst.inflight,
@@ -676,6 +710,7 @@ class Fleet:
             "name": getattr(self.router.policy, "name", self.policy_spec),
             "parameters": self.policy_params,
             "migration_policy": self.migration_spec,
+            "pd_policy": self.pd_policy_spec,
         }
         if self.migration is not None:
             stats = self.migration.loop.stats

@@ -6,7 +6,8 @@ registrations. An ``--instance`` value is a base URL, optionally followed by com
 ``tcp://*:P``), ``kv_events_bind=tcp://H:P`` (kvherd binds a SUB there for this one engine, which
 connects its PUB: vLLM with ``tcp://H:P``), ``topic=T`` (its events arrive on the shared
 ``--kv-events-bind`` endpoint with vLLM topic T), ``replay=tcp://H:P``, ``block_size=N`` (overrides
-what the instance reports), ``id=NAME``, e.g.
+what the instance reports), ``id=NAME``, ``role=prefill|decode|mixed`` (P/D disaggregation;
+overrides the role the instance reports), e.g.
 ``--instance http://10.0.0.5:8000,kv_events=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5558``.
 Without any of the three the instance is routed with the approximate prefix index. A plain vLLM's
 block size is read from its ``vllm:cache_config_info`` at start-up; one that differs from the
@@ -75,6 +76,12 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         "(no automatic migration; draining instances are still emptied)",
     )
     parser.add_argument("--migration-interval", type=float, default=1.0, help="seconds per tick")
+    parser.add_argument(
+        "--pd-policy",
+        default="kvherd",
+        help="P/D pairing policy, used while some instance has role prefill or decode: "
+        "kvherd (default), llmd, dynamo or module:attr",
+    )
     parser.add_argument("--config", default=None, help="YAML config file (see kvherd serve --help)")
     parser.add_argument("--host", default="127.0.0.1", help="client-facing bind address")
     parser.add_argument("--port", type=int, default=8000)
@@ -191,7 +198,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="URL[,kv_events=tcp://H:P|kv_events_bind=tcp://H:P|topic=T,replay=tcp://H:P,"
-        "block_size=N,id=NAME]",
+        "block_size=N,id=NAME,role=prefill|decode|mixed]",
         help="an instance to route to; repeatable",
     )
     add_proxy_arguments(parser)
@@ -209,6 +216,7 @@ def parse_instance_spec(text: str) -> dict[str, Any]:
         "replay": "replay_endpoint",
         "id": "id",
         "block_size": "block_size",
+        "role": "role",
     }
     for option in options:
         key, sep, value = option.partition("=")
@@ -218,6 +226,8 @@ def parse_instance_spec(text: str) -> dict[str, Any]:
             if not value.isdigit() or int(value) <= 0:
                 raise ValueError(f"--instance {text!r}: block_size must be a positive integer")
             spec["block_size"] = int(value)
+        elif key == "role" and value not in ("prefill", "decode", "mixed"):
+            raise ValueError(f"--instance {text!r}: role must be prefill, decode or mixed")
         else:
             spec[names[key]] = value
     if "kv_events_bind" in spec and "kv_events_endpoint" in spec:
@@ -271,6 +281,7 @@ async def probe_instance(
         kvherd_agent=False,
         kv_events_bind=bind is not None,
         kv_topic=raw.get("kv_topic") if kv_events else None,
+        role=raw.get("role"),
     )
     override = raw.get("block_size")
     headers = auth_headers(fleet_token)
@@ -283,6 +294,7 @@ async def probe_instance(
                 spec.block_size = body.get("block_size")
                 spec.model = body.get("model")
                 spec.instance_id = raw.get("id") or body.get("instance_id") or spec.instance_id
+                models = (await client.get(url + "/v1/models")).json()
             else:
                 models = (await client.get(url + "/v1/models")).json()
                 spec.model = models["data"][0]["id"]
@@ -290,6 +302,9 @@ async def probe_instance(
                 metrics = await client.get(url + "/metrics")
                 if metrics.status_code == 200:
                     spec.block_size = parse_prometheus(metrics.text).block_size
+            limit = models["data"][0].get("max_model_len")  # vLLM's and the agents' field
+            if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+                spec.max_model_len = limit
         except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
             log.warning("instance %s did not describe itself (%s); adding it as is", url, exc)
     if override is not None:  # the operator's word wins; a differing report is still warned of
@@ -432,6 +447,7 @@ async def serve_fleet(
             metrics,
             params,
             policy_allow=PolicyAllowList.of(args.policy_module, args.policy_dir),
+            pd_policy_spec=args.pd_policy,
         )
     except FleetError as exc:
         print(f"kvherd serve: {exc.message}", file=sys.stderr)

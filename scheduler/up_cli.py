@@ -12,6 +12,9 @@ The admin token is ``--admin-token``, else ``$KVHERD_ADMIN_TOKEN``, else a fresh
 fleet token that guards the agents' ``/kvherd/v1/*`` control routes is ``--fleet-token``, else
 ``$KVHERD_FLEET_TOKEN``, else a fresh random one; the agents get it by their environment, the proxy
 sends it.
+
+P/D disaggregation: ``--prefill N --decode M`` starts N agents with ``--role prefill`` and M with
+``--role decode`` (``-n K`` adds K mixed ones; without --prefill/--decode, -n defaults to 2).
 """
 
 from __future__ import annotations
@@ -37,7 +40,15 @@ if TYPE_CHECKING:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-n", "--num-instances", type=int, default=2, help="agents to start")
+    parser.add_argument(
+        "-n",
+        "--num-instances",
+        type=int,
+        default=None,
+        help="mixed agents to start (default 2, or 0 with --prefill/--decode)",
+    )
+    parser.add_argument("--prefill", type=int, default=0, help="agents with --role prefill")
+    parser.add_argument("--decode", type=int, default=0, help="agents with --role decode")
     parser.add_argument("--model", default="tiny", help="'tiny', 'small' or a checkpoint directory")
     parser.add_argument(
         "--agent-arg",
@@ -84,7 +95,7 @@ class AgentGroup:
     def start(self) -> None:
         scheduler_url = f"http://{self._admin_host()}:{self.args.admin_port}"
         env = {**os.environ, ADMIN_TOKEN_ENV: self.token, FLEET_TOKEN_ENV: self.fleet_token}
-        for index in range(self.args.num_instances):
+        for index, role in enumerate(self.args.roles):
             port = _free_port()
             cmd = [
                 sys.executable, "-m", "kvherd", "agent",
@@ -95,6 +106,7 @@ class AgentGroup:
                 "--kv-events-endpoint", "tcp://127.0.0.1:*",
                 "--kv-events-replay-endpoint", "tcp://127.0.0.1:*",
                 "--scheduler", scheduler_url,
+                "--role", role,
                 *self.args.agent_arg,
             ]  # fmt: skip
             path = os.path.join(self.log_dir, f"agent-{index}.log")
@@ -195,8 +207,17 @@ async def _up(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     from scheduler.serve_cli import configure_logging, run_loop
 
-    if args.num_instances < 1:
-        print("kvherd up: -n must be at least 1", file=sys.stderr)
+    if args.num_instances is None:
+        args.num_instances = 0 if args.prefill or args.decode else 2
+    if min(args.num_instances, args.prefill, args.decode) < 0:
+        print("kvherd up: -n, --prefill and --decode must not be negative", file=sys.stderr)
         return 2
+    args.roles = (
+        ["prefill"] * args.prefill + ["decode"] * args.decode + ["mixed"] * args.num_instances
+    )
+    if not args.roles:
+        print("kvherd up: start at least one agent (-n, --prefill, --decode)", file=sys.stderr)
+        return 2
+    args.num_instances = len(args.roles)
     configure_logging(args.log_level)
     return run_loop(_up(args))

@@ -19,6 +19,8 @@ Contract:
 - `view(now)` returns the `ClusterView` for one decision. Instance views and numpy columns are
   kept up to date incrementally (only instances that changed are re-rendered), so building a view
   of 1,024 instances costs microseconds.
+- `disaggregated`: some instance's role is ``prefill`` or ``decode`` (the router then pairs each
+  request with a P/D policy).
 Pure: every time is an argument; no I/O, no threads.
 """
 
@@ -90,6 +92,7 @@ class ClusterState:
         self._table = np.zeros((len(COLUMNS), 0))
         self._columns = self._bind_columns()
         self._dirty: set[str] = set()
+        self._phase_only: set[str] = set()  # instances whose role is not "mixed" (`_refresh`)
         self._slot_pos: np.ndarray | None = None
 
     # -- registry ----------------------------------------------------------------------------
@@ -101,12 +104,14 @@ class ClusterState:
         trust_engine_hashes: bool = False,
         healthy: bool = True,
         now: float = 0.0,
+        role: str | None = None,
     ) -> ResyncRequest | None:
-        """Register (or re-register) an instance. Returns a resync request when it has events."""
+        """Register (or re-register) an instance (`role`: the operator's P/D role, else the
+        reported one). Returns a resync request when it has events."""
         if not instance_id:
             raise ValueError("instance_id must be non-empty")
         previous = self.instances.get(instance_id)
-        state = InstanceState(instance_id, self.block_size, has_kv_events, healthy)
+        state = InstanceState(instance_id, self.block_size, has_kv_events, healthy, role=role)
         if previous is not None:  # a re-join keeps the router's in-flight accounting
             for dispatch in previous.inflight.values():
                 state.adopt(dispatch, now)
@@ -146,6 +151,7 @@ class ClusterState:
         self._columns = self._bind_columns()
         for later in self._order[position:]:
             self._position[later] -= 1
+        self._phase_only.discard(instance_id)
         return list(state.inflight)
 
     def __contains__(self, instance_id: object) -> bool:
@@ -231,6 +237,12 @@ class ClusterState:
             row.flags.writeable = False  # a policy must not write into the core's table
         return dict(zip(COLUMNS, rows, strict=True))
 
+    @property
+    def disaggregated(self) -> bool:
+        """Some instance only prefills or only decodes (P/D disaggregation is on)."""
+        self._refresh()
+        return bool(self._phase_only)
+
     def _refresh(self) -> None:
         for instance_id in self._dirty:
             state = self.instances.get(instance_id)
@@ -240,6 +252,10 @@ class ClusterState:
             position = self._position[instance_id]
             self._views[position] = view
             self._table[:, position] = _COLUMN_FIELDS(view)
+            if view.role == "mixed":
+                self._phase_only.discard(instance_id)
+            else:
+                self._phase_only.add(instance_id)
         self._dirty.clear()
 
     def view(self, now: float, exclude: Collection[str] = ()) -> ClusterView:

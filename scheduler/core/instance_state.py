@@ -15,6 +15,8 @@ Contract:
 - Without any report, the load is the router's own accounting alone (a plain server that is
   neither scraped nor reporting still gets balanced).
 - `view(now)` renders a read-only `InstanceView` for the policies. Pure: no clock, no I/O.
+- Role (P/D disaggregation): the operator's `role` when given (``--instance URL,role=...``), else
+  the role the instance reports, else ``mixed``.
 """
 
 from __future__ import annotations
@@ -56,8 +58,10 @@ class InstanceState:
         has_kv_events: bool = False,
         healthy: bool = True,
         max_log: int = 1 << 16,
+        role: str | None = None,
     ) -> None:
         self.instance_id = instance_id
+        self.role = role  # the operator's override of the reported role
         self.block_size = block_size
         self.has_kv_events = has_kv_events
         self.healthy = healthy
@@ -222,4 +226,5 @@ class InstanceState:
             draining=self.draining,
             has_kv_events=self.has_kv_events,
             running=rep.running or (),
+            role=self.role or rep.role or "mixed",
         )

@@ -6,7 +6,8 @@ Contract:
 - `parse_agent_state(obj)` reads kvherd's ``GET /kvherd/v1/state`` snapshot: counts
   (``num_running``, ``num_waiting``), blocks (``num_total_blocks``, ``num_free_blocks``,
   ``num_cached_blocks``), ``kv_usage``, ``num_preemptions``, ``block_size``,
-  ``last_kv_event_seq`` (-1: none yet) and the request lists ``running`` / ``waiting`` (objects
+  ``last_kv_event_seq`` (-1: none yet), ``role`` (``prefill``, ``decode`` or ``mixed``) and the
+  request lists ``running`` / ``waiting`` (objects
   with ``request_id``, ``num_tokens``, optional ``blocks`` held and ``num_computed_tokens``), as
   `instance_agent.state.snapshot` writes them; the agent's heartbeat summary (counts only) reads
   the same way. Aliases (``total_blocks``/``num_total_blocks``, ``free_blocks``/
@@ -56,6 +57,10 @@ class LoadReport:
     running: tuple[RunningRequestView, ...] | None = None
     block_size: int | None = None
     last_kv_event_seq: int | None = None
+    role: str | None = None  # "prefill", "decode" or "mixed" (P/D disaggregation)
+
+
+ROLES = ("prefill", "decode", "mixed")
 
 
 def _int(obj: Mapping[str, Any], *names: str) -> int | None:
@@ -143,6 +148,9 @@ def parse_agent_state(obj: Any) -> LoadReport:
     free = _int(obj, "num_free_blocks", "free_blocks")
     if usage is None and total and free is not None:
         usage = 1.0 - free / total
+    role = obj.get("role")
+    if role is not None and role not in ROLES:
+        raise LoadReportError(f"'role' must be one of {', '.join(ROLES)}, got {role!r:.40}")
     return LoadReport(
         num_running=len(running) if running is not None else _int(obj, "num_running"),
         num_waiting=len(waiting_list) if waiting_list is not None else _int(obj, "num_waiting"),
@@ -156,6 +164,7 @@ def parse_agent_state(obj: Any) -> LoadReport:
         running=running,
         block_size=block_size,
         last_kv_event_seq=_last_seq(obj.get("last_kv_event_seq")),
+        role=role,
     )
 
 

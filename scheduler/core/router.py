@@ -10,6 +10,12 @@ Contract:
   (the request now lives on another instance). Unknown request ids are ignored (a late event after
   an instance left must not crash the proxy). A retry calls `on_finish` and routes again with the
   failed instance in `exclude`.
+- P/D disaggregation: with a `pd_policy` and a fleet where some instance only prefills or only
+  decodes (`ClusterState.disaggregated`), the P/D policy pairs the request instead: the decision
+  names the prefill instance (charged like any dispatch) and `Routed.decode_id` the instance to
+  hand the request to after its first token (None: no handoff). When either phase has no
+  candidate left (e.g. the prefill instance failed and is excluded), the dispatch policy chooses
+  among what is left and the request runs there entirely.
 - `NoInstanceError` when nothing is dispatchable. Pure: times are arguments, no I/O or threads;
   the proxy and the simulator drive the same object.
 
@@ -37,8 +43,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from kvherd.block_hash import block_hash_chain
-from policies.base import DispatchPolicy
-from policies.views import Decision, RequestView
+from policies.base import DispatchPolicy, PDPolicy
+from policies.views import ClusterView, Decision, NoInstanceError, PDDecision, RequestView
 from scheduler.core.cluster_state import ClusterState
 from scheduler.core.instance_state import Dispatch
 
@@ -48,6 +54,7 @@ class Routed:
     decision: Decision
     request: RequestView
     matched_blocks: int  # leading blocks the chosen instance caches, as the index believes
+    decode_id: str | None = None  # P/D: hand the request to this instance after its first token
 
     @property
     def instance_id(self) -> str:
@@ -55,9 +62,12 @@ class Routed:
 
 
 class Router:
-    def __init__(self, cluster: ClusterState, policy: DispatchPolicy) -> None:
+    def __init__(
+        self, cluster: ClusterState, policy: DispatchPolicy, pd_policy: PDPolicy | None = None
+    ) -> None:
         self.cluster = cluster
         self.policy = policy
+        self.pd_policy = pd_policy
         self._where: dict[str, str] = {}  # request id -> instance id
 
     def set_policy(self, policy: DispatchPolicy) -> None:
@@ -103,7 +113,13 @@ class Router:
             max_tokens,
         )
         view = self.cluster.view(now, exclude)
-        decision = self.policy.choose(request, view)
+        pair = self._pair(request, view, exclude)
+        if pair is None:
+            decision = self.policy.choose(request, view)
+            decode_id = None
+        else:
+            decision = Decision(pair.prefill, reason=pair.reason)
+            decode_id = pair.decode if pair.disaggregated else None
         if decision.instance_id not in self.cluster or decision.instance_id in exclude:
             raise ValueError(
                 f"policy {self.policy.name!r} chose {decision.instance_id!r}, not a candidate"
@@ -115,7 +131,24 @@ class Router:
         self.cluster.touch(decision.instance_id)
         self.cluster.note_routed(decision.instance_id, request.block_hashes, now, matched)
         self._where[request_id] = decision.instance_id
-        return Routed(decision, request, matched)
+        return Routed(decision, request, matched, decode_id)
+
+    def _pair(
+        self, request: RequestView, view: ClusterView, exclude: Collection[str]
+    ) -> PDDecision | None:
+        """The P/D policy's pairing, or None when the dispatch policy decides alone."""
+        if self.pd_policy is None or not self.cluster.disaggregated:
+            return None
+        try:
+            pair = self.pd_policy.pair(request, view)
+        except NoInstanceError:
+            return None  # a phase has no instance left: the request runs where it is placed
+        for chosen in (pair.prefill, pair.decode):
+            if chosen not in self.cluster or chosen in exclude:
+                raise ValueError(
+                    f"P/D policy {self.pd_policy.name!r} chose {chosen!r}, not a candidate"
+                )
+        return pair
 
     def on_first_token(self, request_id: str, now: float) -> None:
         instance_id = self._where.get(request_id)

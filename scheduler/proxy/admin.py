@@ -47,6 +47,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from kvherd.wire import OpenAIError
+from scheduler.core.load_report import ROLES
 from scheduler.fleet import Fleet, FleetError, InstanceSpec
 
 LOOPBACK_PATTERNS: tuple[str, ...] = ("127.0.0.0/8", "::1", "localhost")
@@ -124,6 +125,9 @@ def _spec_from_body(body: Any, allow: RegistrationPolicy) -> InstanceSpec:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise FleetError(400, "'model' must be a string", "model")
+    role = body.get("role")
+    if role is not None and role not in ROLES:
+        raise FleetError(400, f"'role' must be one of {', '.join(ROLES)}", "role")
     block_size = body.get("block_size")
     if block_size is not None and (
         not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0
@@ -137,6 +141,7 @@ def _spec_from_body(body: Any, allow: RegistrationPolicy) -> InstanceSpec:
         model=model,
         block_size=block_size,
         registered=True,
+        role=role,
     )
 
 

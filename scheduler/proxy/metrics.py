@@ -22,6 +22,15 @@ Contract (what ``GET /metrics`` on the proxy exposes):
   KV event history (it is then routed with the approximate index).
 - ``kvherd_kv_events_silent_total{instance}``: times an instance sent no KV event within the
   silence limit after requests were routed there.
+- ``kvherd_instance_role{instance, role}``: 1 for each instance's P/D role (``prefill``,
+  ``decode``, ``mixed``).
+- P/D handoffs (`scheduler.proxy.pd`): ``kvherd_pd_handoffs_total{outcome}`` (``ok``: the request
+  moved to its decode instance; ``fallback``: it kept decoding on its prefill instance;
+  ``failed``: its prefill stream broke before the handoff resolved),
+  ``kvherd_pd_handoff_seconds`` (first token to commit), ``kvherd_pd_handoff_downtime_seconds``
+  (the request suspended), ``kvherd_pd_handoff_bytes`` (KV bytes sent per handoff), and
+  ``kvherd_pd_handoff_blocks_total{kind}`` (``sent``, ``deduplicated``: already cached on the
+  decode instance, not sent; ``kvherd_pd_handoff_skipped_bytes_total`` their bytes).
 
 The per-request metrics (requests, the three histograms, in-flight) are plain Python numbers that a
 collector turns into metric families at scrape time: prometheus_client's locked counters and
@@ -34,7 +43,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -59,6 +68,8 @@ _DECISION_BUCKETS = (
     0.5,
 )
 _BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+_HANDOFF_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+_BYTES_BUCKETS = tuple(float(1 << n) for n in range(12, 34, 2))  # 4 KiB .. 8 GiB
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -157,6 +168,43 @@ class ProxyMetrics:
             ["instance"],
             registry=r,
         )
+        self._roles = Gauge(
+            "kvherd_instance_role", "P/D role of each instance", ["instance", "role"], registry=r
+        )
+        self._role_of: dict[str, str] = {}
+        self._handoffs = Counter(
+            "kvherd_pd_handoffs", "P/D handoffs by outcome", ["outcome"], registry=r
+        )
+        self.handoff_seconds = Histogram(
+            "kvherd_pd_handoff_seconds",
+            "P/D handoff duration, first token to commit on the decode instance",
+            buckets=_HANDOFF_BUCKETS,
+            registry=r,
+        )
+        self.handoff_downtime = Histogram(
+            "kvherd_pd_handoff_downtime_seconds",
+            "Time a committed P/D handoff kept its request suspended",
+            buckets=_HANDOFF_BUCKETS,
+            registry=r,
+        )
+        self.handoff_bytes = Histogram(
+            "kvherd_pd_handoff_bytes",
+            "KV bytes sent per committed P/D handoff",
+            buckets=_BYTES_BUCKETS,
+            registry=r,
+        )
+        self._handoff_blocks = Counter(
+            "kvherd_pd_handoff_blocks",
+            "KV blocks of committed P/D handoffs: sent, or deduplicated (cached at the decode "
+            "instance already)",
+            ["kind"],
+            registry=r,
+        )
+        self.handoff_skipped_bytes = Counter(
+            "kvherd_pd_handoff_skipped_bytes",
+            "KV bytes of committed P/D handoffs not sent: cached at the decode instance already",
+            registry=r,
+        )
 
     def request_done(self, status: int | str) -> None:
         requests = self._requests
@@ -188,6 +236,38 @@ class ProxyMetrics:
 
     def continuation(self, outcome: str) -> None:
         self._continuations.labels(outcome=outcome).inc()
+
+    def set_instance_roles(self, roles: dict[str, str]) -> None:
+        """Each instance's P/D role (an instance gone or re-roled loses its old series)."""
+        for instance_id, role in list(self._role_of.items()):
+            if roles.get(instance_id) != role:
+                self._roles.remove(instance_id, role)
+                del self._role_of[instance_id]
+        for instance_id, role in roles.items():
+            if instance_id not in self._role_of:
+                self._roles.labels(instance=instance_id, role=role).set(1)
+                self._role_of[instance_id] = role
+
+    def handoff(
+        self,
+        outcome: str,
+        seconds: float | None = None,
+        downtime_s: float = 0.0,
+        bytes_sent: int = 0,
+        blocks_sent: int = 0,
+        blocks_skipped: int = 0,
+        bytes_skipped: int = 0,
+    ) -> None:
+        """One P/D handoff's outcome; a committed one (`seconds` given) with its figures."""
+        self._handoffs.labels(outcome=outcome).inc()
+        if seconds is None:
+            return
+        self.handoff_seconds.observe(seconds)
+        self.handoff_downtime.observe(downtime_s)
+        self.handoff_bytes.observe(bytes_sent)
+        self._handoff_blocks.labels(kind="sent").inc(blocks_sent)
+        self._handoff_blocks.labels(kind="deduplicated").inc(blocks_skipped)
+        self.handoff_skipped_bytes.inc(bytes_skipped)
 
     def set_instance_states(self, counts: dict[str, int]) -> None:
         for state, count in counts.items():

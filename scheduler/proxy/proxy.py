@@ -40,6 +40,9 @@ Contract:
   "resume"}}`` (never relayed); the proxy then POSTs ``resume`` to
   ``URL/kvherd/v1/requests/{id}/resume`` (a fleet instance only) and relays that stream from the
   next token on, as often as the request moves. Non-streamed requests are relayed by the source.
+- P/D disaggregation (`scheduler.proxy.pd`): a request the fleet pairs with a decode instance
+  goes to its prefill instance with ``X-Kvherd-Handoff: URL``; that agent streams the first token
+  and hands the request over by live migration, which the reattachment above follows.
 - Admission by expected wait (`scheduler.core.admission`): a new request is refused, before its
   body is even parsed, when the requests waiting ahead of it (the admission queue plus the
   instances' own queues) would take the fleet longer than ``max_queue_wait_s`` to start, at the
@@ -95,6 +98,7 @@ from scheduler.proxy.forwarding import (
     UpstreamTimeout,
 )
 from scheduler.proxy.http_front import Exchange, FrontServer
+from scheduler.proxy import pd
 from scheduler.proxy.loop_lag import LoopLag
 from scheduler.proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from scheduler.proxy.metrics import ProxyMetrics
@@ -392,9 +396,11 @@ class Proxy:
                 self.metrics.retries.inc()
             tried.add(instance.instance_id)
             first_byte = self._first_byte_deadline(instance) if streamed else None
+            decode = self._handoff_target(key, max_tokens)
+            sent = headers if decode is None else [*headers, pd.handoff_header(decode.url)]
             try:
                 response = await self.pool.send(
-                    instance.url, b"POST", path, headers, raw, head_timeout=first_byte
+                    instance.url, b"POST", path, sent, raw, head_timeout=first_byte
                 )
             except UpstreamError as exc:
                 self._failed(key, instance, exc)
@@ -417,6 +423,8 @@ class Proxy:
                 if first_byte is not None:
                     response.read_timeout = first_byte
                 chunks = response.iter_body()
+                if decode is not None:
+                    chunks = pd.watch(chunks, self.fleet, self.metrics, key, decode.instance_id)
                 try:
                     first = await anext(chunks, b"")
                 except UpstreamError as exc:
@@ -434,6 +442,8 @@ class Proxy:
                     return await self._relay_stream(
                         exchange, response, instance, key, request_id, chunks, first, job
                     )
+            elif decode is not None:
+                pd.take_outcome(response, self.fleet, self.metrics, key, decode.instance_id)
             return await self._relay(exchange, response, instance, key, request_id, chunks, first)
         if last_status is not None and last_status.body is not None:
             exchange.respond(last_status.status, _json_headers(request_id), last_status.body)
@@ -443,6 +453,14 @@ class Proxy:
         if last_error is not None or tried:
             raise OpenAIError(502, "no instance could serve the request", type="server_error")
         raise OpenAIError(503, "no instance is available", type="server_error")
+
+    def _handoff_target(self, key: str, max_tokens: Any) -> FleetInstance | None:
+        """The decode instance to hand `key` to after its first token (P/D), if any: none for a
+        request that ends with its first token."""
+        decode = self.fleet.handoff_target(key)
+        if decode is None or (isinstance(max_tokens, int) and max_tokens <= 1):
+            return None
+        return decode
 
     async def _admit(
         self,
@@ -827,6 +845,7 @@ def build_app(proxy: Proxy) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         proxy.metrics.set_instance_states(proxy.fleet.state_counts())
+        proxy.metrics.set_instance_roles(proxy.fleet.roles())
         return Response(proxy.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     return app

@@ -1,0 +1,139 @@
+"""P/D disaggregation on the prefill instance: hand a request to its decode instance after its
+first token, through the agent's live migration.
+
+Contract:
+- A generation request sent with ``X-Kvherd-Handoff: URL`` (`HANDOFF_HEADER`; the proxy's P/D
+  pairing names the decode instance) runs here like any other. `PDHandoffs.start(stream, url)`
+  waits until its first token is in its stream (so TTFT pays no transfer), then live-migrates it
+  to the instance at URL with this agent's `MigrationService`: the same multi-stage, cache-aware
+  session as every migration (only the blocks the decode instance lacks are sent; its stage 0
+  reserves them there, at handoff time). The client's stream goes on from the decode instance
+  (the proxy reattaches there; a non-streamed request is relayed here), no token lost or
+  repeated. A stream that ends before its first token (client gone, request aborted) is not
+  handed off.
+- When the migration aborts (the decode instance refuses, is unreachable, dies before the
+  commit) the request keeps decoding here and the client sees nothing: the migration's abort
+  path leaves it running and frees the destination's reservation.
+- The outcome (`Handoff.report`: ``outcome`` ``ok`` or ``fallback``, the abort reason, bytes and
+  blocks sent and skipped, downtime, duration, the wait for the first token) reaches the proxy
+  as one token-ledger comment line ``: kvherd {"handoff": {...}}`` (`annotate`, streamed requests
+  with the ledger only): right before the migration notice, or on a fallback before the next
+  frame; a stream that finishes before the handoff resolved reports ``fallback`` with reason
+  ``finished_first``. A non-streamed response carries the same JSON in the `HANDOFF_HEADER`
+  response header (`header_value`).
+- Handoffs out of one instance run one at a time, in arrival order (the migration service's
+  outgoing limit); a request waiting for its turn keeps decoding here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from kvherd import wire
+from migration.core.protocol import MigrateOrder, MigrationOutcome, MigrationStatus
+
+if TYPE_CHECKING:
+    from instance_agent.engine_loop import RequestStream
+    from instance_agent.migration_routes import MigrationService
+
+log = logging.getLogger(__name__)
+
+HANDOFF_HEADER = "x-kvherd-handoff"
+
+
+class Handoff:
+    """One request's handoff to its decode instance."""
+
+    def __init__(self, request_id: str, dst: str) -> None:
+        self.request_id = request_id
+        self.dst = dst
+        self.done = asyncio.Event()
+        self.outcome: MigrationOutcome | None = None
+        self.waited_s = 0.0  # from admission to the first token (the handoff's start)
+        self.skipped = ""  # why no migration was tried
+
+    def report(self) -> dict[str, Any]:
+        """The outcome as the proxy reads it (see the module contract)."""
+        out = self.outcome
+        if out is None:
+            return {"outcome": "fallback", "reason": self.skipped or "finished_first"}
+        committed = out.status is MigrationStatus.COMMITTED
+        return {
+            "outcome": "ok" if committed else "fallback",
+            "reason": None if committed or out.reason is None else out.reason.value,
+            "dst": self.dst,
+            "blocks_sent": out.blocks_sent,
+            "blocks_skipped": out.blocks_skipped,
+            "bytes_sent": out.bytes_sent,
+            "bytes_skipped": out.bytes_skipped,
+            "downtime_s": out.downtime_s,
+            "duration_s": out.duration_s,
+            "wait_s": self.waited_s,
+        }
+
+    def ledger_line(self) -> bytes:
+        return wire.ledger_line({"handoff": self.report()})
+
+
+class PDHandoffs:
+    """This agent's handoffs in flight."""
+
+    def __init__(self, service: MigrationService) -> None:
+        self.service = service
+        self._turn = asyncio.Lock()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.outcomes: dict[str, int] = {}  # "ok" / "fallback" -> count
+
+    def start(self, stream: RequestStream, dst: str) -> Handoff:
+        handoff = Handoff(stream.request_id, dst.rstrip("/"))
+        task = asyncio.ensure_future(self._run(stream, handoff))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return handoff
+
+    async def _run(self, stream: RequestStream, handoff: Handoff) -> None:
+        began = time.perf_counter()
+        try:
+            await stream.started.wait()
+            handoff.waited_s = time.perf_counter() - began
+            async with self._turn:
+                loop = self.service.engine_loop
+                if loop.stream_of(handoff.request_id) is not stream:
+                    handoff.skipped = "stream_ended"  # the client left, or it finished and closed
+                    return
+                handoff.outcome = await self.service.migrate(
+                    MigrateOrder(handoff.request_id, handoff.dst)
+                )
+        except Exception:  # a handoff must never take the request down: it decodes here
+            log.exception("handoff of %s failed", handoff.request_id)
+            handoff.skipped = "error"
+        finally:
+            key = handoff.report()["outcome"]
+            self.outcomes[key] = self.outcomes.get(key, 0) + 1
+            handoff.done.set()
+
+
+async def annotate(frames: AsyncIterator[bytes], handoff: Handoff) -> AsyncIterator[bytes]:
+    """`frames` (a streamed request's SSE with the token ledger) with the handoff's ledger line."""
+    reported = False
+    async for chunk in frames:
+        if not reported:
+            at = chunk.find(wire.NOTICE_PREFIX)
+            if at >= 0:  # committed: the outcome is known before the notice is written
+                await handoff.done.wait()
+                chunk = chunk[:at] + handoff.ledger_line() + chunk[at:]
+                reported = True
+            elif handoff.done.is_set() or chunk.endswith(wire.SSE_DONE):
+                chunk = handoff.ledger_line() + chunk
+                reported = True
+        yield chunk
+
+
+def header_value(handoff: Handoff) -> str:
+    """The `HANDOFF_HEADER` value of a non-streamed response."""
+    return json.dumps(handoff.report(), separators=(",", ":"))

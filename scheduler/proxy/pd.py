@@ -1,0 +1,124 @@
+"""The proxy's side of P/D disaggregation: ask the prefill instance for the handoff, read its outcome.
+
+Contract:
+- When the fleet pairs a request with a decode instance (`Fleet.handoff_target`), the request goes
+  to its prefill instance with `handoff_header(url)` (``X-Kvherd-Handoff: URL``, per attempt:
+  retries and continuations elsewhere are sent without it). That agent streams the first token at
+  once, then live-migrates the request to URL (`instance_agent.pd_handoff`); the proxy's migration
+  reattachment continues the stream there, a non-streamed request is relayed by the prefill agent.
+- `watch(chunks, ...)` passes a streamed request's bytes from its prefill instance through, taking
+  out the agent's handoff ledger line (``: kvherd {"handoff": {...}}``; never relayed, never seen
+  by the continuation ledger). On ``ok`` it moves the request's accounting to the decode instance
+  (`Fleet.request_migrated`) before the migration notice that follows the line is acted on, and
+  records the handoff (`ProxyMetrics.handoff`: outcome, seconds, downtime, bytes, blocks sent and
+  deduplicated); ``fallback`` (the request decodes where it was prefilled) is counted as such; a
+  stream that breaks or ends before any outcome counts ``failed`` (its continuation elsewhere is
+  the proxy's usual one). A client that leaves counts nothing.
+- `take_outcome(response, ...)` does the same for a non-streamed response from the
+  ``X-Kvherd-Handoff`` response header, which it removes from the headers relayed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+
+from kvherd import wire
+from scheduler.fleet import Fleet
+from scheduler.proxy.forwarding import UpstreamError, UpstreamResponse
+from scheduler.proxy.metrics import ProxyMetrics
+
+HANDOFF_HEADER = b"x-kvherd-handoff"
+_LINE = wire.LEDGER_PREFIX + b'{"handoff":'
+
+
+def handoff_header(dst_url: str) -> tuple[bytes, bytes]:
+    return (HANDOFF_HEADER, dst_url.encode())
+
+
+def _record(report: Any, fleet: Fleet, metrics: ProxyMetrics, key: str, decode_id: str) -> None:
+    if not isinstance(report, dict) or report.get("outcome") not in ("ok", "fallback"):
+        metrics.handoff("failed")
+        return
+    if report["outcome"] == "fallback":
+        metrics.handoff("fallback")
+        return
+    fleet.request_migrated(key, decode_id)
+    metrics.handoff(
+        "ok",
+        seconds=float(report.get("duration_s") or 0.0),
+        downtime_s=float(report.get("downtime_s") or 0.0),
+        bytes_sent=int(report.get("bytes_sent") or 0),
+        blocks_sent=int(report.get("blocks_sent") or 0),
+        blocks_skipped=int(report.get("blocks_skipped") or 0),
+        bytes_skipped=int(report.get("bytes_skipped") or 0),
+    )
+
+
+def _partial_marker(data: bytes) -> int:
+    """Length of the longest proper prefix of the handoff line's start that `data` ends with."""
+    for size in range(min(len(_LINE) - 1, len(data)), 0, -1):
+        if data.endswith(_LINE[:size]):
+            return size
+    return 0
+
+
+async def watch(
+    chunks: AsyncIterator[bytes], fleet: Fleet, metrics: ProxyMetrics, key: str, decode_id: str
+) -> AsyncIterator[bytes]:
+    """The prefill instance's stream without its handoff line (see the module contract)."""
+    held = b""
+    resolved = False
+    try:
+        async for chunk in chunks:
+            if resolved:
+                yield chunk
+                continue
+            data = held + chunk if held else chunk
+            at = data.find(_LINE)
+            if at < 0:
+                keep = _partial_marker(data)
+                held = data[len(data) - keep :] if keep else b""
+                out = data[: len(data) - keep]
+            else:
+                end = data.find(b"\n", at)
+                if end < 0:  # the line goes on in the next chunk
+                    held, out = data[at:], data[:at]
+                else:
+                    held, resolved = b"", True
+                    try:
+                        report = orjson.loads(data[at + len(wire.LEDGER_PREFIX) : end])
+                        report = report["handoff"]
+                    except (orjson.JSONDecodeError, KeyError, TypeError):
+                        report = None
+                    _record(report, fleet, metrics, key, decode_id)
+                    out = data[:at] + data[end + 1 :]
+            if out:
+                yield out
+        if held:
+            yield held
+        if not resolved:
+            metrics.handoff("failed")
+    except UpstreamError:
+        if not resolved:
+            metrics.handoff("failed")
+        raise
+
+
+def take_outcome(
+    response: UpstreamResponse, fleet: Fleet, metrics: ProxyMetrics, key: str, decode_id: str
+) -> None:
+    """Record a non-streamed response's handoff and drop its header from what is relayed."""
+    value = response.header(HANDOFF_HEADER)
+    if value is None:
+        if response.status < 400:
+            metrics.handoff("failed")
+        return
+    response.headers = [h for h in response.headers if h[0] != HANDOFF_HEADER]
+    try:
+        report = orjson.loads(value)
+    except orjson.JSONDecodeError:
+        report = None
+    _record(report, fleet, metrics, key, decode_id)

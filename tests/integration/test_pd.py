@@ -1,0 +1,344 @@
+"""P/D disaggregation through ``kvherd serve``: real agents with roles, on loopback.
+
+A prefill agent and a decode agent behind the proxy (`serve_fleet`): a request the P/D policy
+disaggregates is prefilled on the prefill agent, its first token streamed from there, and handed to
+the decode agent by live migration. The client must get exactly what a colocated run on one agent
+gives (greedy and seeded sampling, streamed and not, completions and chat, usage included); the
+fault paths (a decode instance that refuses or is dead, a dead prefill instance) must be invisible
+too; and no agent may keep a block or a reservation afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import random
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from agent_process import AgentProcess, agent_process, free_port
+from test_migration_proxy import assert_agents_clean
+from test_proxy import TOKEN, RunningProxy, agents, instance_arg, running_proxy
+
+pytestmark = pytest.mark.timeout(240)
+
+GREEDY = {"temperature": 0.0}
+SEEDED = {"temperature": 0.9, "top_p": 0.95, "seed": 77}
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+MAX_TOKENS = 40
+# Longer than the kvherd P/D policy's local_prefill_tokens (256): disaggregated.
+PROMPT_TOKENS = 320
+_prompts = itertools.count(1)
+
+
+def fresh_prompt() -> list[int]:
+    """Token ids no other test sent (so no instance caches them)."""
+    rng = random.Random(next(_prompts))
+    return [rng.randrange(3, 250) for _ in range(PROMPT_TOKENS)]
+
+
+# Flags every proxy here runs with: no automatic migration (only handoffs move requests), and
+# frequent load polls so the proxy learns the agents' roles at once.
+FLAGS = ("--migration-policy", "none", "--load-interval", "0.05")
+
+
+@pytest.fixture(scope="module")
+def pd_pair() -> Iterator[list[AgentProcess]]:
+    """A prefill agent and a decode agent (roles reported in their state)."""
+    with contextlib.ExitStack() as stack:
+        prefill = stack.enter_context(agent_process("--role", "prefill", kv_events=True))
+        decode = stack.enter_context(agent_process("--role", "decode", kv_events=True))
+        yield [prefill, decode]
+
+
+@pytest.fixture
+async def proxy(pd_pair: list[AgentProcess]) -> AsyncIterator[RunningProxy]:
+    async with running_proxy(pd_pair, *FLAGS) as running:
+        await roles_known(running, 2)
+        yield running
+
+
+async def roles_known(proxy: RunningProxy, count: int) -> None:
+    for _ in range(400):
+        if sum(role != "mixed" for role in proxy.fleet.roles().values()) >= count:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"roles not learned: {proxy.fleet.roles()}")
+
+
+async def run(
+    client: httpx.AsyncClient, base: str, body: dict[str, Any], chat: bool = False
+) -> dict[str, Any]:
+    """One request; returns tokens, text, usage and the response headers."""
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    if not body.get("stream"):
+        response = await client.post(base + path, json=body)
+        assert response.status_code == 200, response.text
+        data = response.json()
+        choice = data["choices"][0]
+        text = choice["message"]["content"] if chat else choice["text"]
+        return {
+            "tokens": choice.get("token_ids"),
+            "text": text,
+            "usage": data["usage"],
+            "finish": choice["finish_reason"],
+            "headers": response.headers,
+        }
+    tokens: list[int] = []
+    text = ""
+    usage = None
+    finish = None
+    async with client.stream("POST", base + path, json=body) as response:
+        assert response.status_code == 200
+        headers = response.headers
+        async for line in response.aiter_lines():
+            # No ledger line, handoff report or migration notice reaches the client.
+            assert not line.startswith(":") and "migrated_to" not in line, line
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            if chunk.get("usage") and not chunk["choices"]:
+                usage = chunk["usage"]
+            for choice in chunk["choices"]:
+                tokens.extend(choice.get("token_ids") or [])
+                if chat:
+                    text += (choice.get("delta") or {}).get("content") or ""
+                else:
+                    text += choice["text"]
+                finish = choice.get("finish_reason") or finish
+    return {"tokens": tokens, "text": text, "usage": usage, "finish": finish, "headers": headers}
+
+
+def completion(prompt: list[int], sampling: dict[str, Any], stream: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": stream,
+        **sampling,
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def same_output(got: dict[str, Any], expected: dict[str, Any]) -> None:
+    assert got["tokens"] == expected["tokens"]
+    assert got["text"] == expected["text"]
+    assert got["finish"] == expected["finish"]
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert got["usage"][key] == expected["usage"][key], (got["usage"], expected["usage"])
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+async def handoffs(client: httpx.AsyncClient, proxy: RunningProxy) -> dict[str, float]:
+    text = (await client.get(f"{proxy.url}/metrics")).text
+    found = {
+        outcome: metric(text, f'kvherd_pd_handoffs_total{{outcome="{outcome}"}}')
+        for outcome in ("ok", "fallback", "failed")
+    }
+    found["deduplicated"] = metric(text, 'kvherd_pd_handoff_blocks_total{kind="deduplicated"}')
+    found["sent"] = metric(text, 'kvherd_pd_handoff_blocks_total{kind="sent"}')
+    found["bytes_count"] = metric(text, "kvherd_pd_handoff_bytes_count")
+    return found
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "plain"])
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+async def test_pd_completion_is_bit_identical_to_colocated(
+    proxy: RunningProxy, pd_pair: list[AgentProcess], sampling: dict[str, Any], stream: bool
+) -> None:
+    prefill, _ = pd_pair
+    prompt = fresh_prompt()
+    async with httpx.AsyncClient(timeout=60) as client:
+        before = await handoffs(client, proxy)
+        got = await run(client, proxy.url, completion(prompt, sampling, stream))
+        after = await handoffs(client, proxy)
+        # Colocated: the whole request on one agent.
+        expected = await run(client, prefill.url, completion(prompt, sampling, stream))
+        same_output(got, expected)
+        assert len(got["tokens"]) == MAX_TOKENS
+        assert after["ok"] == before["ok"] + 1, after
+        assert after["bytes_count"] == before["bytes_count"] + 1
+        assert "x-kvherd-handoff" not in got["headers"]
+        # The request was prefilled on the prefill agent (first token from there) and finished
+        # on the decode agent: the router's accounting followed it.
+        assert got["headers"]["x-kvherd-instance"] == proxy_id(proxy, prefill)
+    await assert_agents_clean(pd_pair)
+
+
+def proxy_id(proxy: RunningProxy, agent: AgentProcess) -> str:
+    return next(i for i, inst in proxy.fleet.instances.items() if inst.url == agent.url)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "plain"])
+async def test_pd_chat_is_bit_identical_to_colocated(
+    proxy: RunningProxy, pd_pair: list[AgentProcess], stream: bool
+) -> None:
+    prefill, _ = pd_pair
+    rng = random.Random(1000 + int(stream))
+    words = " ".join(f"w{rng.randrange(10**6)}" for _ in range(60))  # ~400 byte tokens
+    body: dict[str, Any] = {
+        "messages": [{"role": "user", "content": f"Summarise: {words}"}],
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "stream": stream,
+        **SEEDED,
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    async with httpx.AsyncClient(timeout=60) as client:
+        before = await handoffs(client, proxy)
+        got = await run(client, proxy.url, body, chat=True)
+        after = await handoffs(client, proxy)
+        expected = await run(client, prefill.url, body, chat=True)
+    same_output(got, expected)
+    assert after["ok"] == before["ok"] + 1, after
+    await assert_agents_clean(pd_pair)
+
+
+async def test_shared_prefix_handoff_sends_only_missing_blocks(
+    proxy: RunningProxy, pd_pair: list[AgentProcess]
+) -> None:
+    shared = fresh_prompt()
+    async with httpx.AsyncClient(timeout=60) as client:
+        first = await handoffs(client, proxy)
+        await run(client, proxy.url, completion(shared + fresh_prompt()[:8], GREEDY, True))
+        second = await handoffs(client, proxy)
+        # The decode agent now caches the shared blocks; a new long suffix is disaggregated
+        # again and only its own blocks move.
+        await run(client, proxy.url, completion(shared + fresh_prompt(), GREEDY, True))
+        third = await handoffs(client, proxy)
+    assert second["ok"] == first["ok"] + 1 and third["ok"] == second["ok"] + 1, third
+    assert second["deduplicated"] == first["deduplicated"]
+    shared_blocks = PROMPT_TOKENS // 16
+    assert third["deduplicated"] - second["deduplicated"] >= shared_blocks
+    assert third["sent"] - second["sent"] < second["sent"] - first["sent"] + PROMPT_TOKENS // 16
+    await assert_agents_clean(pd_pair)
+
+
+async def test_roles_are_visible_in_state_admin_and_metrics(
+    proxy: RunningProxy, pd_pair: list[AgentProcess]
+) -> None:
+    prefill, decode = pd_pair
+    async with httpx.AsyncClient(timeout=30) as client:
+        assert (await client.get(f"{prefill.url}/kvherd/v1/state")).json()["role"] == "prefill"
+        assert (await client.get(f"{decode.url}/kvherd/v1/state")).json()["role"] == "decode"
+        listed = (await client.get(f"{proxy.admin_url}/admin/v1/instances", headers=ADMIN)).json()
+        roles = {item["url"]: item["role"] for item in listed["data"]}
+        assert roles == {prefill.url: "prefill", decode.url: "decode"}
+        text = (await client.get(f"{proxy.url}/metrics")).text
+        pid, did = proxy_id(proxy, prefill), proxy_id(proxy, decode)
+        assert f'kvherd_instance_role{{instance="{pid}",role="prefill"}} 1.0' in text
+        assert f'kvherd_instance_role{{instance="{did}",role="decode"}} 1.0' in text
+
+
+async def test_short_prompt_stays_on_the_decode_instance(
+    proxy: RunningProxy, pd_pair: list[AgentProcess]
+) -> None:
+    _, decode = pd_pair
+    async with httpx.AsyncClient(timeout=60) as client:
+        before = await handoffs(client, proxy)
+        got = await run(client, proxy.url, completion(fresh_prompt()[:40], GREEDY, True))
+        after = await handoffs(client, proxy)
+    assert got["headers"]["x-kvherd-instance"] == proxy_id(proxy, decode)
+    assert after == before  # no handoff was asked for
+
+
+# -- faults ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small_decode() -> Iterator[AgentProcess]:
+    """A decode agent too small to take a 320-token request (it refuses the reservation)."""
+    with agent_process("--role", "decode", "--num-gpu-blocks", "12", kv_events=True) as agent:
+        yield agent
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "plain"])
+async def test_refused_handoff_decodes_on_the_prefill_instance(
+    pd_pair: list[AgentProcess], small_decode: AgentProcess, stream: bool
+) -> None:
+    prefill, _ = pd_pair
+    prompt = fresh_prompt()
+    async with running_proxy([prefill, small_decode], *FLAGS) as proxy:
+        await roles_known(proxy, 2)
+        async with httpx.AsyncClient(timeout=60) as client:
+            got = await run(client, proxy.url, completion(prompt, SEEDED, stream))
+            counts = await handoffs(client, proxy)
+            expected = await run(client, prefill.url, completion(prompt, SEEDED, stream))
+    same_output(got, expected)
+    assert counts["fallback"] == 1 and counts["ok"] == 0, counts
+    await assert_agents_clean([prefill, small_decode])
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "plain"])
+async def test_dead_decode_instance_is_invisible(pd_pair: list[AgentProcess], stream: bool) -> None:
+    prefill, _ = pd_pair
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: the handoff cannot connect
+    prompt = fresh_prompt()
+    flags = (*FLAGS, "--health-interval", "60", "--instance", f"{dead},role=decode,id=gone")
+    async with running_proxy([prefill], *flags) as proxy:
+        await roles_known(proxy, 2)
+        async with httpx.AsyncClient(timeout=60) as client:
+            got = await run(client, proxy.url, completion(prompt, GREEDY, stream))
+            counts = await handoffs(client, proxy)
+            expected = await run(client, prefill.url, completion(prompt, GREEDY, stream))
+    same_output(got, expected)
+    assert counts["fallback"] == 1, counts
+    await assert_agents_clean([prefill])
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "plain"])
+async def test_dead_prefill_instance_is_retried_on_the_decode_instance(
+    pd_pair: list[AgentProcess], stream: bool
+) -> None:
+    _, decode = pd_pair
+    dead = f"http://127.0.0.1:{free_port()}"
+    prompt = fresh_prompt()
+    flags = (*FLAGS, "--health-interval", "60", "--instance", f"{dead},role=prefill,id=gone")
+    async with running_proxy([decode], *flags) as proxy:
+        await roles_known(proxy, 2)
+        async with httpx.AsyncClient(timeout=60) as client:
+            got = await run(client, proxy.url, completion(prompt, SEEDED, stream))
+            expected = await run(client, decode.url, completion(prompt, SEEDED, stream))
+    same_output(got, expected)
+    assert got["headers"]["x-kvherd-instance"] == proxy_id(proxy, decode)
+    await assert_agents_clean([decode])
+
+
+async def test_colocated_fleet_is_not_paired() -> None:
+    """A fleet of mixed agents never asks for a handoff (the P/D path stays off)."""
+    with agents(2) as mixed:
+        async with running_proxy(mixed, *FLAGS) as proxy:
+            async with httpx.AsyncClient(timeout=60) as client:
+                got = await run(client, proxy.url, completion(fresh_prompt(), GREEDY, True))
+                counts = await handoffs(client, proxy)
+            assert not proxy.fleet.cluster.disaggregated
+    assert len(got["tokens"]) == MAX_TOKENS
+    assert counts["ok"] == counts["fallback"] == counts["failed"] == 0
+
+
+async def test_instance_role_override(pd_pair: list[AgentProcess]) -> None:
+    """``--instance URL,role=mixed`` wins over the role the agent reports."""
+    prefill, decode = pd_pair
+    argv = [f"{instance_arg(prefill)},role=mixed", f"{instance_arg(decode)},role=mixed"]
+    flags = [*FLAGS]
+    for spec in argv:
+        flags += ["--instance", spec]
+    async with running_proxy([], *flags) as proxy:
+        async with httpx.AsyncClient(timeout=30) as client:
+            for _ in range(20):  # reports that name roles arrive; the override stays
+                await client.get(f"{proxy.url}/health")
+        assert set(proxy.fleet.roles().values()) == {"mixed"}
+        assert not proxy.fleet.cluster.disaggregated
