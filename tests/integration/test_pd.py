@@ -14,7 +14,11 @@ import asyncio
 import contextlib
 import itertools
 import json
+import os
 import random
+import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -342,3 +346,36 @@ async def test_instance_role_override(pd_pair: list[AgentProcess]) -> None:
                 await client.get(f"{proxy.url}/health")
         assert set(proxy.fleet.roles().values()) == {"mixed"}
         assert not proxy.fleet.cluster.disaggregated
+
+
+def test_up_starts_prefill_and_decode_agents() -> None:
+    """``kvherd up --prefill 1 --decode 1``: roles registered, a long prompt handed off."""
+    from test_up import _wait_ready
+
+    port, admin_port = free_port(), free_port()
+    env = {**os.environ, "KVHERD_ADMIN_TOKEN": TOKEN}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvherd", "up", "--prefill", "1", "--decode", "1",
+         "--port", str(port), "--admin-port", str(admin_port), "--log-level", "warning",
+         "--migration-policy", "none", "--stop-timeout", "20"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )  # fmt: skip
+    try:
+        _wait_ready(proc, timeout=240)
+        admin = f"http://127.0.0.1:{admin_port}/admin/v1/instances"
+        listed = httpx.get(admin, headers=ADMIN, timeout=10).json()["data"]
+        roles = {item["instance_id"]: item["role"] for item in listed}
+        assert roles == {"agent-0": "prefill", "agent-1": "decode"}
+        base = f"http://127.0.0.1:{port}"
+        body = {"prompt": fresh_prompt(), "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            assert response.read().endswith(b"data: [DONE]\n\n")
+        text = httpx.get(f"{base}/metrics", timeout=10).text
+        assert metric(text, 'kvherd_pd_handoffs_total{outcome="ok"}') == 1.0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
