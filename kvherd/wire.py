@@ -1,6 +1,8 @@
 """Wire forms every kvherd process shares: the OpenAI error object, SSE frames, the migration notice.
 
 Contract:
+- `MAX_BODY_BYTES`: the largest request body any kvherd process accepts (agents and the proxy
+  alike, so the proxy never forwards a body its instances refuse).
 - `OpenAIError` carries an HTTP status and the error object ``{"error": {"message", "type", "param",
   "code"}}``; agents and the proxy answer every refused input with it.
 - `sse(payload)` is one server-sent event frame as OpenAI and vLLM write them (compact JSON);
@@ -22,6 +24,9 @@ from __future__ import annotations
 
 import json
 from typing import Any
+
+# A prompt this long cannot fit any model kvherd serves; parsing it would only cost memory.
+MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
 class OpenAIError(Exception):

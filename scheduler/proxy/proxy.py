@@ -55,6 +55,12 @@ Contract:
   ``queue_timeout_s``; past either bound it gets 429 (with ``Retry-After``) too. With no
   dispatchable instance at all it gets 503. Retries and continuations of admitted requests are
   never refused by the expected wait.
+- Bounded work per request on the loop: bodies over `MAX_BODY_BYTES` (the agents' limit,
+  `kvherd.wire`) are refused unread; a prompt longer than every instance's ``max_model_len`` (read
+  from their ``/v1/models`` at start-up; unchecked while some instance did not say) gets vLLM's
+  400 (``code: context_length_exceeded``) before it is hashed; bodies over
+  `OFF_LOOP_BODY_BYTES` are parsed and tokenized, and prompts over `OFF_LOOP_TOKENS` hashed, in
+  worker threads (two at a time), off the event loop.
 - Bad input (not JSON, a Content-Type other than JSON, not an object, missing or mistyped
   prompt/messages, token ids past 2**32 - 1, an oversized body) gets 400 with ``{"error":
   {"message", "type", "param", "code"}}``, an unknown route 404 with the same object; nothing a
@@ -129,7 +135,12 @@ def _notice_prefix(data: bytes) -> int:
     return 0
 
 
-MAX_BODY_BYTES = 8 * 1024 * 1024
+MAX_BODY_BYTES = wire.MAX_BODY_BYTES  # the agents' own limit: never forward what they refuse
+# Bodies and prompts past these sizes are parsed, tokenized and hashed in a worker thread (at most
+# `_OFF_LOOP_WORKERS` at once), so a few huge prompts cannot stall every other request on the loop.
+OFF_LOOP_BODY_BYTES = 64 * 1024
+OFF_LOOP_TOKENS = 16 * 1024
+_OFF_LOOP_WORKERS = 2
 # Client headers worth passing on; the body is always sent as JSON (it was parsed as JSON here).
 _FORWARD_HEADERS = frozenset({b"accept", b"user-agent", b"openai-organization"})
 
@@ -208,6 +219,7 @@ class Proxy:
         )
         self._admission = _Admission()
         self.admission = Admission(config.admission)
+        self._off_loop = asyncio.Semaphore(_OFF_LOOP_WORKERS)
         self._waiting = 0  # requests queued on the instances themselves, as of `_waiting_at`
         self._waiting_at = -1.0
         # Generated request ids: a random per-process prefix and a counter (cheaper than uuid4).
@@ -354,15 +366,11 @@ class Proxy:
     ) -> int | str:
         started = time.perf_counter()
         raw = exchange.body
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise OpenAIError(
-                400, f"request body is not valid JSON: {exc}", code="invalid_json"
-            ) from exc
-        if not isinstance(body, dict):
-            raise OpenAIError(400, "request body must be a JSON object")
-        token_ids = prompt_token_ids(body, chat, self.tokenizer)
+        if len(raw) > OFF_LOOP_BODY_BYTES:
+            async with self._off_loop:
+                body, token_ids = await asyncio.to_thread(self._parse, raw, chat)
+        else:
+            body, token_ids = self._parse(raw, chat)
         if tenant is not None:
             salt: str | None = tenant.cache_salt
             if body.get("cache_salt") != salt:
@@ -374,7 +382,14 @@ class Proxy:
                 raise OpenAIError(400, "'cache_salt' must be a string", param="cache_salt")
             salt = client_salt or None
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        block_hashes = block_hash_chain(token_ids, self.fleet.block_size, salt)
+        self._check_context(len(token_ids), max_tokens, chat)
+        if len(token_ids) > OFF_LOOP_TOKENS:
+            async with self._off_loop:
+                block_hashes = await asyncio.to_thread(
+                    block_hash_chain, token_ids, self.fleet.block_size, salt
+                )
+        else:
+            block_hashes = block_hash_chain(token_ids, self.fleet.block_size, salt)
         self.metrics.prompt_blocks.observe(len(block_hashes))
         rid = request_id.decode("latin-1")
         key = self.fleet.new_key(rid)
@@ -461,6 +476,54 @@ class Proxy:
         if decode is None or (isinstance(max_tokens, int) and max_tokens <= 1):
             return None
         return decode
+
+    def _parse(self, raw: bytes, chat: bool) -> tuple[dict[str, Any], list[int]]:
+        """The body as JSON and the token ids it routes by (`OpenAIError` when it cannot be)."""
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise OpenAIError(
+                400, f"request body is not valid JSON: {exc}", code="invalid_json"
+            ) from exc
+        if not isinstance(body, dict):
+            raise OpenAIError(400, "request body must be a JSON object")
+        return body, prompt_token_ids(body, chat, self.tokenizer)
+
+    def _max_model_len(self) -> int | None:
+        """The longest context some instance takes; None unless every instance said."""
+        longest = 0
+        for inst in self.fleet.instances.values():
+            limit = inst.spec.max_model_len
+            if limit is None:
+                return None
+            longest = max(longest, limit)
+        return longest or None
+
+    def _check_context(self, num_tokens: int, max_tokens: Any, chat: bool) -> None:
+        """400, as vLLM words it, for a request no instance's context can hold."""
+        limit = self._max_model_len()
+        if limit is None:
+            return
+        budget = max_tokens if type(max_tokens) is int and max_tokens > 0 else 0
+        if num_tokens + max(budget, 1) <= limit:
+            return
+        where = "messages" if chat else "prompt"
+        if budget:
+            detail = (
+                f"you requested {num_tokens + budget} tokens ({num_tokens} in the {where}, "
+                f"{budget} in the completion). Please reduce the length of the {where} or "
+                "completion."
+            )
+        else:
+            detail = (
+                f"your {where} has {num_tokens} tokens. Please reduce the length of the {where}."
+            )
+        raise OpenAIError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, {detail}",
+            param=where,
+            code="context_length_exceeded",
+        )
 
     async def _admit(
         self,
