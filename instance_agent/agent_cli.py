@@ -120,7 +120,10 @@ def run(args: argparse.Namespace) -> int:
     from instance_agent.pd_handoff import PDHandoffs
     from instance_agent.registration import Registrar
     from instance_agent.server import Agent, DrainingServer, create_app
+    from kvherd.fd_limit import raise_fd_limit
     from kvherd.fleet_token import FLEET_TOKEN_ENV, resolve
+
+    raise_fd_limit()  # every client, peer and KV event socket holds a descriptor
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -140,6 +140,13 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         help="warn when an instance sends no KV event this long after traffic (default 30)",
     )
     parser.add_argument("--max-attempts", type=int, default=3)
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="client connections held at once; more get 503 and are closed (default: half the "
+        "open-file limit, which start-up raises to its hard limit, less a reserve)",
+    )
     parser.add_argument("--max-inflight-per-instance", type=int, default=256)
     parser.add_argument("--queue-size", type=int, default=1024)
     parser.add_argument("--queue-timeout", type=float, default=30.0)
@@ -375,6 +382,7 @@ async def serve_fleet(
     `on_ready` runs once both servers listen; `before_shutdown` runs after the stop request while
     both still serve (``kvherd up`` stops its agents there, so they can deregister).
     """
+    from kvherd.fd_limit import connection_cap, raise_fd_limit
     from kvherd.fleet_token import resolve
     from kvherd.tokenizer import load_tokenizer
     from policies.registry import PolicyAllowList
@@ -424,6 +432,10 @@ async def serve_fleet(
         tokenizer = load_tokenizer(args.tokenizer, strict=True)
     except ValueError as exc:
         print(f"kvherd serve: --tokenizer: {exc}", file=sys.stderr)
+        return 2
+    fd_limit = raise_fd_limit()  # every client and upstream connection holds a descriptor
+    if args.max_connections is not None and args.max_connections < 1:
+        print("kvherd serve: --max-connections must be >= 1", file=sys.stderr)
         return 2
     metrics = ProxyMetrics()
     settings = FleetSettings(
@@ -480,6 +492,7 @@ async def serve_fleet(
             fleet_token=fleet_token,
             max_continuations=args.max_continuations,
             admission=AdmissionSettings(max_queue_wait_s=args.max_queue_wait),
+            max_connections=args.max_connections or connection_cap(fd_limit),
             deadlines=DeadlineSettings(
                 first_byte_floor_s=args.first_byte_deadline[0],
                 first_byte_cap_s=args.first_byte_deadline[1],

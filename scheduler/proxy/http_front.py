@@ -16,6 +16,10 @@ Contract:
   connections close after `keep_alive_s`; ``Expect: 100-continue`` is answered.
 - A request head (URL and headers) over about `MAX_HEAD_BYTES` gets 400 and the connection
   closes.
+- At most `max_connections` client connections are held: one more is answered at once with 503
+  (``Retry-After: 1``, the OpenAI error object) and closed, so idle or slow clients cannot take
+  every descriptor the process has (its admin API and upstream connections need some too).
+  `refused_connections` counts them.
 - A body over `max_body_bytes` is not buffered: the handler sees `Exchange.too_large` set and an
   empty body. Unparsable requests get 400 and the connection closes.
 - A client that disconnects before its response completed cancels the request's task with
@@ -67,6 +71,14 @@ _BAD_REQUEST_BODY = (
 _BAD_REQUEST = (
     b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\nconnection: close\r\n"
     b"content-length: %d\r\n\r\n%s" % (len(_BAD_REQUEST_BODY), _BAD_REQUEST_BODY)
+)
+_OVERLOADED_BODY = (
+    b'{"error":{"message":"too many open connections","type":"server_error",'
+    b'"param":null,"code":"too_many_connections"}}'
+)
+_OVERLOADED = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+    b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(_OVERLOADED_BODY), _OVERLOADED_BODY)
 )
 _INTERNAL_ERROR = (
     b'{"error":{"message":"internal proxy error","type":"server_error","param":null,"code":null}}'
@@ -207,8 +219,14 @@ class _FrontProtocol(asyncio.Protocol):
     # -- asyncio.Protocol ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
+        server = self._server
+        if len(server.connections) >= server.max_connections:
+            server.refused_connections += 1
+            self._transport.write(_OVERLOADED)
+            self.close()
+            return
         self._transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
-        self._server.connections.add(self)
+        server.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
@@ -389,11 +407,16 @@ class FrontServer:
         fallback_app: ASGIApp,
         max_body_bytes: int,
         keep_alive_s: float = 30.0,
+        max_connections: int = 4096,
     ) -> None:
+        if max_connections < 1:
+            raise ValueError("max_connections must be >= 1")
         self.routes = routes
         self.fallback_app = fallback_app
         self.max_body_bytes = max_body_bytes
         self.keep_alive_s = keep_alive_s
+        self.max_connections = max_connections
+        self.refused_connections = 0
         self.connections: set[_FrontProtocol] = set()
         self.accepting = True
         self.force_exit = False

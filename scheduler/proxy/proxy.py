@@ -159,6 +159,7 @@ class ProxyConfig:
     deadlines: DeadlineSettings = field(default_factory=DeadlineSettings)
     fleet_token: str | None = None  # the agents' control routes (resume) require it
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
+    max_connections: int = 4096  # client connections the front server holds at once
 
 
 class Refused(OpenAIError):
@@ -866,6 +867,7 @@ def build_front(proxy: Proxy) -> FrontServer:
         {b"/v1/completions": proxy.completions, b"/v1/chat/completions": proxy.chat_completions},
         build_app(proxy),
         proxy.config.max_body_bytes,
+        max_connections=proxy.config.max_connections,
     )
 
 

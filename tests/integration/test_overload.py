@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -52,7 +53,9 @@ class Served:
 
 
 @contextlib.contextmanager
-def serve_process(instances: list[AgentProcess], *flags: str) -> Iterator[Served]:
+def serve_process(
+    instances: list[AgentProcess], *flags: str, fd_limit: int | None = None
+) -> Iterator[Served]:
     port, admin_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "kvherd", "serve", "--port", str(port)]
     cmd += ["--admin-port", str(admin_port), "--admin-token", TOKEN, "--log-level", "warning"]
@@ -61,8 +64,14 @@ def serve_process(instances: list[AgentProcess], *flags: str) -> Iterator[Served
     cmd += list(flags)
     fd, log_path = tempfile.mkstemp(prefix="kvherd-serve-", suffix=".log")
     with os.fdopen(fd, "wb") as log_file:
-        process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            cmd,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            preexec_fn=None if fd_limit is None else lambda: _limit_fds(fd_limit),
+        )
     served = Served(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}", process, log_path)
+    ready = {200} if instances else {200, 503}  # without instances it serves, undispatchable
     try:
         deadline = time.monotonic() + 60
         with httpx.Client(timeout=2.0) as client:
@@ -70,7 +79,7 @@ def serve_process(instances: list[AgentProcess], *flags: str) -> Iterator[Served
                 if process.poll() is not None:
                     raise RuntimeError(f"kvherd serve exited:\n{served.log()}")
                 with contextlib.suppress(httpx.HTTPError):
-                    if client.get(served.url + "/health").status_code == 200:
+                    if client.get(served.url + "/health").status_code in ready:
                         break
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"kvherd serve not ready:\n{served.log()}")
@@ -84,6 +93,10 @@ def serve_process(instances: list[AgentProcess], *flags: str) -> Iterator[Served
             process.kill()
             process.wait()
         os.unlink(log_path)
+
+
+def _limit_fds(limit: int) -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
 
 
 class RawClient:
@@ -245,3 +258,30 @@ async def test_flood_is_refused_by_expected_wait_and_service_recovers() -> None:
     assert not ejections(metrics), ejections(metrics)
     assert {i["health"] for i in instances["data"]} == {"healthy"}, instances
     assert recovered_at is not None and recovered_at <= 5.0, (recovered_at, probes)
+
+
+async def test_idle_connections_leave_the_admin_api_reachable() -> None:
+    """Under a low open-file limit, idle client connections past the cap are answered 503 and
+    closed: the process keeps descriptors for its admin API, which stays reachable."""
+    with serve_process([], fd_limit=512) as served:  # the connection cap is then 128
+        host, port = served.url.removeprefix("http://").split(":")
+        idle = [await asyncio.open_connection(host, int(port)) for _ in range(600)]
+        refused = 0
+        for reader, _ in idle:
+            with contextlib.suppress(asyncio.TimeoutError):
+                head = await asyncio.wait_for(reader.read(512), 0.05)
+                if head.startswith(b"HTTP/1.1 503"):
+                    assert b"too_many_connections" in head and b"retry-after: 1" in head
+                    refused += 1
+        async with httpx.AsyncClient(timeout=10) as http:
+            admin = await http.get(
+                served.admin_url + "/admin/v1/instances",
+                headers={"Authorization": f"Bearer {TOKEN}"},
+            )
+            assert admin.status_code == 200, admin.text
+            for _, writer in idle:
+                writer.close()
+            await asyncio.sleep(0.2)  # the proxy sees the closes
+            models = await http.get(served.url + "/v1/models")
+            assert models.status_code == 200, models.text
+    assert refused >= 600 - 128 - 16, refused  # a few may still be in flight when read
