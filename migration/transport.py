@@ -14,6 +14,11 @@ Contract:
   (it includes the peer getting round to joining); on any failure the channel is aborted and
   dropped (both sides), and `TransferError` is raised. A dead peer therefore costs at most one
   timeout, never a hang.
+- A destination that is gone fails a source's `connect` fast, not after the rendezvous timeout:
+  its store refusing connections `CONNECT_ATTEMPTS` times in a row (about 1.5 s, backing off) is
+  a `TransferError` before any rendezvous starts, and while the source waits in the rendezvous it
+  checks every `LIVENESS_POLL_S` that the destination's store still accepts connections (a
+  channel that forms after the source gave up is closed).
 - Payloads are byte tensors laid out by `migration.kv_copy` (`MigratableEngine.kv_block_views`).
   Large payloads go in chunks of at most `chunk_bytes`, bounding the staging memory on both sides.
 - gloo moves CPU tensors; NCCL (CUDA builds) moves CUDA tensors between CUDA instances.
@@ -22,7 +27,9 @@ Contract:
 from __future__ import annotations
 
 import itertools
+import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,6 +43,11 @@ import torch.distributed as dist
 from migration.core.protocol import TransportEndpoint
 
 DEFAULT_CHUNK_BYTES = 16 << 20
+# A destination's store refusing this many connection attempts in a row (0.1 s, then doubling
+# waits in between: about 1.5 s in all) is gone; so is one that stops accepting mid-rendezvous.
+CONNECT_ATTEMPTS = 5
+CONNECT_BACKOFF_S = 0.1
+LIVENESS_POLL_S = 0.5
 
 
 class TransferError(RuntimeError):
@@ -175,6 +187,8 @@ class TransportHub:
         self._connected: dict[tuple[str, int, str], PairChannel] = {}
         # Rendezvous blocks until the peer joins: it runs off the caller's thread.
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-rendezvous")
+        # Source-side joins, watched from the caller's thread (`_join_remote`).
+        self._joins = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-join")
 
     # -- destination side ------------------------------------------------------------------------
     def offer(self, peer: str) -> TransportEndpoint:
@@ -228,6 +242,25 @@ class TransportHub:
             return channel
 
     def _join_remote(self, endpoint: TransportEndpoint) -> PairChannel:
+        address = (endpoint.host, endpoint.port)
+        if not _accepts(address, CONNECT_ATTEMPTS):
+            raise TransferError(
+                f"cannot reach {endpoint.host}:{endpoint.port}: connection refused "
+                f"{CONNECT_ATTEMPTS} times (the destination is gone)"
+            )
+        joining = self._joins.submit(self._join_store, endpoint)
+        while True:
+            try:
+                return joining.result(timeout=LIVENESS_POLL_S)
+            except FutureTimeout:
+                if not _accepts(address, 2):
+                    joining.add_done_callback(_close_late)
+                    raise TransferError(
+                        f"{endpoint.host}:{endpoint.port} went away during the rendezvous of "
+                        f"{endpoint.group!r}"
+                    ) from None
+
+    def _join_store(self, endpoint: TransportEndpoint) -> PairChannel:
         try:
             store = dist.TCPStore(
                 endpoint.host,
@@ -261,6 +294,7 @@ class TransportHub:
         for channel in channels:
             channel.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._joins.shutdown(wait=False, cancel_futures=True)
 
     def _accept(self, name: str) -> PairChannel:
         # A connection of its own to our store: rendezvous with several sources at once must not
@@ -286,6 +320,27 @@ class TransportHub:
             current = self._accepting.get(peer)
             if current is not None and current[0] == group:
                 del self._accepting[peer]
+
+
+def _accepts(address: tuple[str, int], attempts: int) -> bool:
+    """Whether `address` accepts a TCP connection within `attempts` tries (only a refusal or an
+    unreachable host is retried, with doubling waits from `CONNECT_BACKOFF_S`)."""
+    for attempt in range(attempts):
+        try:
+            with socket.create_connection(address, timeout=1.0):
+                return True
+        except TimeoutError:
+            return True  # slow, not gone: the rendezvous' own timeout applies
+        except OSError:
+            if attempt + 1 < attempts:
+                time.sleep(CONNECT_BACKOFF_S * 2**attempt)
+    return False
+
+
+def _close_late(future: Future[PairChannel]) -> None:
+    """A channel whose source already gave up on it is aborted once it forms."""
+    if _ready(future):
+        future.result().close()
 
 
 def _ready(future: Future[PairChannel]) -> bool:
