@@ -10,7 +10,8 @@ Contract (what ``GET /metrics`` on the proxy exposes):
 - ``kvherd_retries_total``: attempts sent to another instance after a failure before the first byte.
 - ``kvherd_ejections_total{instance}``: passive or active ejections.
 - ``kvherd_admission_queue_depth``: requests waiting for a non-saturated instance;
-  ``kvherd_rejected_total{reason}``: requests refused by admission (``queue_full``, ``queue_timeout``).
+  ``kvherd_rejected_total{reason}``: requests refused by admission (``queue_wait``: the
+  expected wait was too long, ``queue_full``, ``queue_timeout``).
   ``kvherd_continuations_total{outcome}``: streams whose instance was lost after their first byte
   (``continued`` on another instance, ``finished`` locally: only the end was missing, ``failed``
   attempts, ``unsupported``: not continuable exactly, ``gave_up``: the client got an error frame).
