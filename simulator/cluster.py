@@ -48,6 +48,15 @@ Contract:
   admission changes no step, so such a run has no horizon at all. Results equal step-by-step
   simulation except the ITL mean's last bit (a compensated sum of the same gaps in another
   order).
+- P/D disaggregation (`prefill_instances` / `decode_instances` > 0, next to `num_instances` mixed
+  ones): the router pairs each request with the P/D policy (`Router(..., pd_policy)`, as the
+  proxy does), the prefill instance computes the prompt and the first token, and the request is
+  handed to its decode instance through the same migration driver and session as a live
+  migration (`simulator.pd.SimHandoffs`: order, queueing, outcomes), each stage timed on the
+  pair's link (`transfer: simulator.transfer.TransferModel`); a refused or aborted handoff
+  decodes on the prefill instance. Handoff byte counts go to `handoff_stats`, outcomes to
+  `handoffs.stats`. Decode fast-forward is off in such a fleet (handoffs touch decode instances
+  at any step).
 - A request the engine refuses (too long for an instance) is counted as failed, never crashes the run.
 - Deterministic: same trace, config and seed -> identical results.
 """
@@ -81,7 +90,7 @@ from migration.core.session import (
     Suspend,
 )
 from migration.core.stages import Stage, StageConfig
-from policies.base import DispatchPolicy, MigrationPolicy
+from policies.base import DispatchPolicy, MigrationPolicy, PDPolicy
 from policies.views import MigrationOrder, RunningRequestView
 from scheduler.core.cluster_state import ClusterState
 from scheduler.core.load_report import LoadReport
@@ -91,7 +100,9 @@ from simulator.instance import DecodeRun, InstanceConfig, SimInstance, make_requ
 from simulator.latency.base import LatencyModel
 from simulator.loop import EventLoop
 from simulator.metrics import MetricsCollector
+from simulator.pd import FINISHED_FIRST, SimHandoffs
 from simulator.traces import Trace, TraceRequest
+from simulator.transfer import TransferLink, TransferModel
 
 # Longest decode run guaranteed by one check (`decode_run_length`'s limit); a run that gets
 # that far is checked anew.
@@ -123,6 +134,14 @@ class ClusterConfig:
     migration_stage_latency_s: float = 0.002  # control round trip per stage
     migration_stages: StageConfig = field(default_factory=StageConfig)
     sample_interval_s: float | None = None  # per-instance load samples; None: ~400 over the run
+    # P/D disaggregation: instances that only prefill / only decode (besides the mixed ones).
+    prefill_instances: int = 0
+    decode_instances: int = 0
+    transfer: TransferModel = field(default_factory=TransferModel)  # P/D handoff links
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill_instances > 0 or self.decode_instances > 0
 
 
 class _Periodic:
@@ -166,22 +185,26 @@ class _Periodic:
 
 
 @dataclass(slots=True)
-class _Migration:
-    order: MigrationOrder
-    session: SourceSession
-    destination: DestinationSession
-    owner: str  # the destination's reservation owner id
-    suspended_at: float = math.nan
-
-
-@dataclass(slots=True)
 class MigrationStats:
     started: int = 0
     committed: int = 0
     aborted: dict[str, int] = field(default_factory=dict)
     bytes_sent: float = 0.0
     blocks_shared: int = 0
+    bytes_shared: float = 0.0  # KV the destination already cached (never sent)
     downtime_s: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Migration:
+    order: MigrationOrder
+    session: SourceSession
+    destination: DestinationSession
+    owner: str  # the destination's reservation owner id
+    stats: MigrationStats
+    link: TransferLink  # times each stage's copy
+    on_done: Callable[[str, str | None], None]  # (request id, abort reason or None: committed)
+    suspended_at: float = math.nan
 
 
 class SimCluster:
@@ -194,14 +217,18 @@ class SimCluster:
         vocab_size: int = 256,
         on_progress: Callable[[int], None] | None = None,
         fast_forward: bool = True,
+        pd_policy: PDPolicy | None = None,
     ) -> None:
         self.config = config
         self.latency = latency
         self.dispatch_policy = dispatch
         self.migration_policy = migration
         self.vocab_size = vocab_size
-        # A step's time depends on the other instances at its start: no step is planned ahead.
-        self.fast_forward = fast_forward and not config.step_slowdown_per_busy
+        # A step's time depends on the other instances at its start: no step is planned ahead;
+        # P/D handoffs reserve and commit on decode instances between any two of their steps.
+        self.fast_forward = (
+            fast_forward and not config.step_slowdown_per_busy and not config.disaggregated
+        )
         # `request_overhead_idle` as (idle times, extras), for np.interp at each arrival.
         self._idle_curve = (
             [idle for idle, _ in config.request_overhead_idle],
@@ -212,7 +239,7 @@ class SimCluster:
         # One approximate-index shard: shards keep the proxy's single decisions from stalling
         # while the index grows; a simulation only pays their overhead (same decisions).
         self.state = ClusterState(block_size=config.instance.block_size, approx_shards=1)
-        self.router = Router(self.state, dispatch)
+        self.router = Router(self.state, dispatch, pd_policy if config.disaggregated else None)
         self.migration_loop = (
             None
             if migration is None
@@ -229,6 +256,21 @@ class SimCluster:
             self.instances[iid] = SimInstance(iid, config.instance, latency, self)
             # kvherd agents hash with the very same function, so their hashes are trusted.
             self.state.add_instance(iid, has_kv_events=True, trust_engine_hashes=True, now=0.0)
+        for role, count in (
+            ("prefill", config.prefill_instances),
+            ("decode", config.decode_instances),
+        ):
+            for i in range(count):
+                iid = f"{role}-{i}"
+                self.instances[iid] = SimInstance(iid, config.instance, latency, self)
+                self.state.add_instance(
+                    iid, has_kv_events=True, trust_engine_hashes=True, now=0.0, role=role
+                )
+        self._migration_link = TransferLink(
+            "migration", config.migration_bandwidth, config.migration_stage_latency_s
+        )
+        self.handoffs = SimHandoffs(self._start_handoff)
+        self.handoff_stats = MigrationStats()  # the handoffs' sessions: bytes, shares, downtime
         self._trace_index: dict[str, int] = {}
         self._migrations_of: dict[str, int] = {}
         self._migrating: dict[str, _Migration] = {}  # by request id
@@ -326,6 +368,8 @@ class SimCluster:
             block_hashes=request.block_hashes,
             max_tokens=tr.output_length,
         )
+        if routed.decode_id is not None:
+            self.handoffs.expect(rid, routed.instance_id, routed.decode_id)
         instance = self.instances[routed.instance_id]
         overhead = self.config.request_overhead_s + path_draw
         if self.config.request_overhead_per_busy_s > 0:
@@ -468,6 +512,7 @@ class SimCluster:
     def on_tokens(self, request_ids: list[str], now: float) -> None:
         for request_id in self.metrics.on_tokens(request_ids, now):
             self.router.on_first_token(request_id, now)
+            self.handoffs.on_first_token(request_id)
 
     def on_decode_run(self, request_ids: list[str], times: list[float]) -> None:
         # Never a first token: every request of a decode run already has output.
@@ -476,6 +521,7 @@ class SimCluster:
     def on_finished(self, request: Request, instance_id: str, now: float) -> None:
         rid = request.request_id
         self.router.on_finish(rid, now)
+        self.handoffs.on_finished(rid)
         self.metrics.on_finished_ids(
             rid,
             self._trace_index.pop(rid),
@@ -527,6 +573,32 @@ class SimCluster:
 
     def _start_migration(self, order: MigrationOrder) -> None:
         """`MigrationLoop`'s executor: start the order, or report it failed at once."""
+        self._open_migration(
+            order, self.migration_stats, self._migration_link, self._finish_migration
+        )
+
+    def _start_handoff(self, order: MigrationOrder) -> None:
+        """`SimHandoffs`' executor: the handoff starts once the prefill instance's engine loop
+        picks it up (an event right after the step that sampled the first token; the engine
+        goes on stepping meanwhile, as an agent's does)."""
+        self.loop.call_at_quiet(self.loop.now, self._open_handoff, order)
+
+    def _open_handoff(self, order: MigrationOrder) -> None:
+        src = self.instances[order.src]
+        if order.request_id not in src.scheduler.requests:
+            self.handoffs.on_done(order.request_id, FINISHED_FIRST)
+            return
+        link = self.config.transfer.link(order.src, order.dst)
+        self._open_migration(order, self.handoff_stats, link, self.handoffs.on_done)
+
+    def _open_migration(
+        self,
+        order: MigrationOrder,
+        stats: MigrationStats,
+        link: TransferLink,
+        on_done: Callable[[str, str | None], None],
+    ) -> None:
+        """Start one migration through the sessions, or report it failed at once."""
         src = self.instances.get(order.src)
         dst = self.instances.get(order.dst)
         request = None if src is None else src.scheduler.requests.get(order.request_id)
@@ -537,7 +609,7 @@ class SimCluster:
             or request.status is not RequestStatus.RUNNING
             or order.request_id in self._migrating
         ):
-            self._finish_migration(order.request_id, ok=False)
+            on_done(order.request_id, AbortReason.REQUEST_NOT_RUNNING.value)
             return
         block_size = src.block_manager.block_size
         rid = request.request_id
@@ -546,14 +618,19 @@ class SimCluster:
             SourceSession(rid, block_size, self.config.migration_stages),
             DestinationSession(rid, dst.block_manager.block_size),
             owner=f"migration:{rid}",
+            stats=stats,
+            link=link,
+            on_done=on_done,
         )
         self._migrating[rid] = m
-        self.migration_stats.started += 1
+        stats.started += 1
         self._run_between_steps(src, lambda: self._drive(m, m.session.start()))
 
-    def _finish_migration(self, request_id: str, ok: bool) -> None:
+    def _finish_migration(self, request_id: str, reason: str | None) -> None:
         assert self.migration_loop is not None
-        self.migration_loop.on_done(request_id, ok, self.loop.now)
+        if reason is None:
+            self._migrations_of[request_id] = self._migrations_of.get(request_id, 0) + 1
+        self.migration_loop.on_done(request_id, reason is None, self.loop.now)
 
     def _drive(self, m: _Migration, action: SourceAction) -> None:
         """Perform the session's actions (source and destination sides at once: no wire) until
@@ -585,12 +662,8 @@ class SimCluster:
                 case Copy(stage=stage):
                     kv_bytes = self.latency.kv_bytes_per_token or 0.0
                     nbytes = stage.num_blocks * src.block_manager.block_size * kv_bytes
-                    self.migration_stats.bytes_sent += nbytes
-                    delay = (
-                        nbytes / self.config.migration_bandwidth
-                        + self.config.migration_stage_latency_s
-                    )
-                    self.loop.call_later(delay, self._stage_landed, m)
+                    m.stats.bytes_sent += nbytes
+                    self.loop.call_later(m.link.time(nbytes), self._stage_landed, m)
                     return
                 case Commit():
                     action = self._commit_on_dst(m, src, dst)
@@ -618,7 +691,10 @@ class SimCluster:
         if not answer.accepted:
             bm.free_owner(m.owner)
         else:
-            self.migration_stats.blocks_shared += len(shared)
+            m.stats.blocks_shared += len(shared)
+            m.stats.bytes_shared += (
+                len(shared) * bm.block_size * (self.latency.kv_bytes_per_token or 0.0)
+            )
         return m.session.on_reserved(
             answer.accepted,
             len(answer.shared_block_ids),
@@ -656,12 +732,11 @@ class SimCluster:
     def _committed(self, m: _Migration, dst: SimInstance) -> None:
         rid = m.session.request_id
         del self._migrating[rid]
-        self._migrations_of[rid] = self._migrations_of.get(rid, 0) + 1
-        stats = self.migration_stats
+        stats = m.stats
         stats.committed += 1
         stats.downtime_s.append(self.loop.now - m.suspended_at)
         self.router.on_migrated(rid, m.order.dst, self.loop.now)
-        self._finish_migration(rid, ok=True)
+        m.on_done(rid, None)
         if dst.idle:
             self._start_step(dst)
 
@@ -675,9 +750,9 @@ class SimCluster:
         if abort.notify_destination:
             dst.block_manager.free_owner(m.owner)
         self._migrating.pop(rid, None)
-        self._finish_migration(rid, ok=False)
         key = abort.reason.value
-        self.migration_stats.aborted[key] = self.migration_stats.aborted.get(key, 0) + 1
+        m.stats.aborted[key] = m.stats.aborted.get(key, 0) + 1
+        m.on_done(rid, key)
 
 
 def load_report(

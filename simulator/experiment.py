@@ -4,6 +4,9 @@ Contract: `SimSettings` holds everything but the policy; `run_policy(trace, sett
 a fresh fleet (new instances, new router state, a freshly loaded and seeded policy), replays the whole
 trace and returns a `SimResult`. Runs share nothing, so every policy sees exactly the same arrivals
 and a run is deterministic for a seed. `kvherd sim` and the benchmarks both go through here.
+With `prefill_instances` / `decode_instances` the fleet is disaggregated: the P/D policy
+`pd_policy` (loaded and seeded like the others) pairs each request, and the summary gains the
+handoff rows (`handoff_summary`).
 """
 
 from __future__ import annotations
@@ -16,11 +19,17 @@ from typing import Any
 import numpy as np
 
 from policies.base import DispatchPolicy, MigrationPolicy
-from policies.registry import PolicyLoadError, load_dispatch_policy, load_migration_policy
+from policies.registry import (
+    PolicyLoadError,
+    load_dispatch_policy,
+    load_migration_policy,
+    load_pd_policy,
+)
 from simulator.cluster import ClusterConfig, MigrationStats, SimCluster
 from simulator.instance import InstanceConfig
 from simulator.latency.base import LatencyModel
 from simulator.traces import Trace
+from simulator.transfer import TransferModel
 
 
 @dataclass(slots=True)
@@ -43,6 +52,11 @@ class SimSettings:
     step_slowdown_per_busy: float = 0.0
     # Decode fast-forward (same results, fewer Python steps); off only to check that claim.
     fast_forward: bool = True
+    # P/D disaggregation: instances that only prefill / only decode, next to the mixed ones.
+    prefill_instances: int = 0
+    decode_instances: int = 0
+    pd_policy: str = "kvherd"
+    transfer: TransferModel = field(default_factory=TransferModel)
     cluster_extra: dict[str, Any] = field(default_factory=dict)
 
     def cluster_config(self) -> ClusterConfig:
@@ -59,8 +73,15 @@ class SimSettings:
             request_overhead_spread=self.request_overhead_spread,
             seed=self.seed,
             step_slowdown_per_busy=self.step_slowdown_per_busy,
+            prefill_instances=self.prefill_instances,
+            decode_instances=self.decode_instances,
+            transfer=self.transfer,
             **self.cluster_extra,
         )
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill_instances > 0 or self.decode_instances > 0
 
 
 @dataclass(slots=True)
@@ -100,6 +121,11 @@ def run_policy(
     on_progress: Callable[[int], None] | None = None,
 ) -> SimResult:
     dispatch, migration = load_policies(policy_spec, settings.migration_policy, settings.seed)
+    pd = (
+        _with_seed(load_pd_policy, settings.pd_policy, settings.seed)
+        if settings.disaggregated
+        else None
+    )
     cluster = SimCluster(
         settings.cluster_config(),
         settings.latency,
@@ -107,6 +133,7 @@ def run_policy(
         migration,
         on_progress=on_progress,
         fast_forward=settings.fast_forward,
+        pd_policy=pd,
     )
     start = time.perf_counter()
     metrics = cluster.run(trace)
@@ -120,6 +147,8 @@ def run_policy(
         float(np.mean(stats.downtime_s)) * 1000.0 if stats.downtime_s else float("nan")
     )
     summary["unfinished"] = metrics.num_unfinished
+    if settings.disaggregated:
+        summary.update(handoff_summary(cluster))
     return SimResult(
         label=policy_spec,
         summary=summary,
@@ -130,3 +159,22 @@ def run_policy(
         wall_s=wall,
         num_steps=sum(inst.num_steps for inst in cluster.instances.values()),
     )
+
+
+def handoff_summary(cluster: SimCluster) -> dict[str, Any]:
+    """The P/D rows: handoffs by outcome (fallbacks by reason), bytes moved and deduplicated,
+    the handoffs' downtime."""
+    outcomes = cluster.handoffs.stats
+    stats = cluster.handoff_stats
+    out: dict[str, Any] = {
+        "handoffs_ok": outcomes.ok,
+        "handoffs_fallback": outcomes.num_fallback,
+        "handoff_gbytes": stats.bytes_sent / 1e9,
+        "handoff_dedup_gbytes": stats.bytes_shared / 1e9,
+        "handoff_downtime_ms_mean": (
+            float(np.mean(stats.downtime_s)) * 1000.0 if stats.downtime_s else float("nan")
+        ),
+    }
+    for reason, count in sorted(outcomes.fallback.items()):
+        out[f"handoffs_fallback_{reason}"] = count
+    return out

@@ -1,0 +1,99 @@
+"""P/D disaggregation in the simulator: each paired request moves to its decode instance after its
+first token, through the fleet's own live-migration session.
+
+Contract:
+- Pairing is production's: the `Router` with a P/D policy (`policies.base.PDPolicy`) routes each
+  arrival, and `Routed.decode_id` names the decode instance (None: no handoff, e.g. conditional
+  disaggregation ran it where it decodes). `expect(request_id, prefill, decode)` records one.
+- `on_first_token(request_id)`: the prefill instance sampled the first token (so TTFT is recorded
+  there and pays no transfer). The handoff joins its prefill instance's queue: handoffs out of one
+  instance run one at a time, in arrival order, as in the agents (`instance_agent.pd_handoff`); a
+  request waiting for its turn keeps decoding where it was prefilled.
+- A handoff is the `MigrationOrder(request, prefill, decode, "pd_handoff")` given to `start`: the
+  cluster's migration driver, i.e. the agents' `SourceSession`/`DestinationSession` (cache-aware
+  stages that copy only the blocks the decode instance lacks, the stop-and-copy stage, the commit
+  of `Request.to_state()`), reserving on the decode instance at handoff time. `on_done(request_id,
+  reason)` ends it: reason None (committed) counts ``ok``; otherwise the request decodes on its
+  prefill instance and counts ``fallback`` by the abort reason (``dst_refused``: no room there).
+- `on_finished(request_id)`: a request that ends before its handoff started (one output token,
+  or still waiting for its turn) counts ``fallback`` ``finished_first``, as the agents report it.
+- Every expected handoff ends exactly once as ``ok`` or ``fallback`` (`ok + sum(fallback)` equals
+  the handoffs expected, once the run is over).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from policies.views import MigrationOrder
+
+HANDOFF_REASON = "pd_handoff"
+FINISHED_FIRST = "finished_first"
+
+
+@dataclass(slots=True)
+class HandoffStats:
+    expected: int = 0
+    ok: int = 0
+    fallback: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def num_fallback(self) -> int:
+        return sum(self.fallback.values())
+
+
+class SimHandoffs:
+    """The fleet's handoffs: pairings waiting for a first token, per-instance queues, outcomes."""
+
+    def __init__(self, start: Callable[[MigrationOrder], None]) -> None:
+        self._start = start
+        self._paired: dict[str, tuple[str, str]] = {}  # request id -> (prefill, decode)
+        self._queues: dict[str, deque[str]] = {}  # prefill instance -> requests waiting a turn
+        self._active: dict[str, str] = {}  # prefill instance -> the request handed off now
+        self.stats = HandoffStats()
+
+    def expect(self, request_id: str, prefill: str, decode: str) -> None:
+        self._paired[request_id] = (prefill, decode)
+        self.stats.expected += 1
+
+    def on_first_token(self, request_id: str) -> None:
+        pair = self._paired.get(request_id)
+        if pair is None:
+            return
+        prefill = pair[0]
+        self._queues.setdefault(prefill, deque()).append(request_id)
+        if prefill not in self._active:
+            self._next(prefill)
+
+    def on_finished(self, request_id: str) -> None:
+        """The request ended; if its handoff never started, it finished first."""
+        pair = self._paired.get(request_id)
+        if pair is None or self._active.get(pair[0]) == request_id:
+            return  # no handoff, or one in flight (its session sees the end and aborts)
+        del self._paired[request_id]
+        queue = self._queues.get(pair[0])
+        if queue is not None and request_id in queue:
+            queue.remove(request_id)
+        self._count_fallback(FINISHED_FIRST)
+
+    def on_done(self, request_id: str, reason: str | None) -> None:
+        prefill, _ = self._paired.pop(request_id)
+        del self._active[prefill]
+        if reason is None:
+            self.stats.ok += 1
+        else:
+            self._count_fallback(reason)
+        self._next(prefill)
+
+    def _next(self, prefill: str) -> None:
+        queue = self._queues.get(prefill)
+        if queue:
+            request_id = queue.popleft()
+            self._active[prefill] = request_id
+            decode = self._paired[request_id][1]
+            self._start(MigrationOrder(request_id, prefill, decode, HANDOFF_REASON))
+
+    def _count_fallback(self, reason: str) -> None:
+        self.stats.fallback[reason] = self.stats.fallback.get(reason, 0) + 1
