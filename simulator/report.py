@@ -5,7 +5,9 @@ Contract:
   ``{"meta": {...}, "results": {label: summary}}`` (a label per policy, or the replay's label),
   `summary.csv` holds one row per label with the same keys, and `requests_<label>.csv` one row per
   request. A simulated and a real run therefore compare column by column.
-- `markdown_table` puts runs side by side (one column per label, one row per metric).
+- `markdown_table` puts runs side by side (one column per label, one row per metric); the P/D
+  rows (handoffs ok/fallback, GB moved and deduplicated, handoff downtime) only when some run
+  has them.
 - Plots use matplotlib's Agg backend (no display): `ttft_cdf.png` (TTFT CDF per label) and
   `load_<label>.png` (per-instance running + waiting requests over time) when load samples exist.
 - NaN values are written as JSON null and as empty CSV cells.
@@ -45,6 +47,15 @@ _SCALARS = (
 )
 
 
+_PD_ROWS = (
+    ("handoffs_ok", "P/D handoffs ok", "{:.0f}"),
+    ("handoffs_fallback", "P/D handoffs fallback", "{:.0f}"),
+    ("handoff_gbytes", "P/D KV moved (GB)", "{:.2f}"),
+    ("handoff_dedup_gbytes", "P/D KV deduplicated (GB)", "{:.2f}"),
+    ("handoff_downtime_ms_mean", "P/D handoff downtime mean (ms)", "{:.2f}"),
+)
+
+
 def metric_rows() -> list[tuple[str, str, str]]:
     """(key, label, format) of every row the markdown table shows, in order."""
     rows: list[tuple[str, str, str]] = []
@@ -67,7 +78,9 @@ def markdown_table(results: Mapping[str, Mapping[str, Any]]) -> str:
         "| metric | " + " | ".join(labels) + " |",
         "|---|" + "---:|" * len(labels),
     ]
-    for key, label, fmt in metric_rows():
+    rows = metric_rows()
+    rows.extend(row for row in _PD_ROWS if any(row[0] in r for r in results.values()))
+    for key, label, fmt in rows:
         cells = [_fmt(results[name].get(key), fmt) for name in labels]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

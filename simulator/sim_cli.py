@@ -34,7 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=512,
         help="tokens per hash id in the trace (default 512, Mooncake's)",
     )
-    parser.add_argument("--instances", type=int, default=4, help="number of instances (default 4)")
+    parser.add_argument(
+        "--instances",
+        type=int,
+        default=None,
+        help="number of mixed instances (default 4; 0 with --prefill/--decode-instances)",
+    )
     parser.add_argument(
         "--policy",
         default="kvherd",
@@ -122,6 +127,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=200.0,
         help="KV transfer bandwidth between instances in Gbit/s (default 200)",
     )
+    pd = parser.add_argument_group("prefill/decode disaggregation")
+    pd.add_argument(
+        "--prefill-instances", type=int, default=0, help="instances that only prefill (default 0)"
+    )
+    pd.add_argument(
+        "--decode-instances", type=int, default=0, help="instances that only decode (default 0)"
+    )
+    pd.add_argument(
+        "--pd-policy", default="kvherd", help="P/D pairing policy (kvherd, llmd, dynamo, ...)"
+    )
+    pd.add_argument(
+        "--transfer-link",
+        default="rdma400",
+        help="link between prefill and decode instances: nvlink (450 GB/s), rdma400 (50 GB/s), "
+        "rdma100 (12.5 GB/s) (default rdma400)",
+    )
+    pd.add_argument(
+        "--transfer-bandwidth",
+        type=float,
+        default=None,
+        metavar="GBPS",
+        help="the link's bandwidth in GB/s (bytes), overriding the preset's",
+    )
+    pd.add_argument(
+        "--transfer-latency-ms",
+        type=float,
+        default=None,
+        help="the link's latency per transfer (one migration stage), overriding the preset's",
+    )
     parser.add_argument("--out", required=True, type=Path, help="output directory")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -167,6 +201,25 @@ def _spread_quantiles(text: str) -> tuple[float, ...]:
     return tuple(values)
 
 
+def _transfer(args: argparse.Namespace) -> Any:
+    """The P/D handoff links from --transfer-link/-bandwidth/-latency-ms."""
+    from simulator.transfer import TransferModel, link
+
+    bandwidth = args.transfer_bandwidth
+    latency = args.transfer_latency_ms
+    if bandwidth is not None and not bandwidth > 0:
+        raise ValueError("--transfer-bandwidth must be positive (GB/s)")
+    if latency is not None and not latency >= 0:
+        raise ValueError("--transfer-latency-ms must be non-negative")
+    return TransferModel(
+        link(
+            args.transfer_link,
+            None if bandwidth is None else bandwidth * 1e9,
+            None if latency is None else latency / 1000.0,
+        )
+    )
+
+
 def _window(text: str) -> tuple[float, float | None]:
     start, sep, end = text.partition(":")
     if not sep:
@@ -175,7 +228,12 @@ def _window(text: str) -> tuple[float, float | None]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from policies.registry import PolicyLoadError, load_dispatch_policy, load_migration_policy
+    from policies.registry import (
+        PolicyLoadError,
+        load_dispatch_policy,
+        load_migration_policy,
+        load_pd_policy,
+    )
     from simulator.experiment import SimSettings
     from simulator.latency import LatencyModelError, load_latency_model
     from simulator.latency.calibrated import CalibratedModel
@@ -187,8 +245,17 @@ def run(args: argparse.Namespace) -> int:
         return _fail("--policy names no policy")
     if len(set(policies)) != len(policies):
         return _fail("--policy lists a policy twice")
-    if args.instances < 1:
-        return _fail("--instances must be at least 1")
+    if min(args.prefill_instances, args.decode_instances) < 0:
+        return _fail("--prefill-instances and --decode-instances must be non-negative")
+    disaggregated = bool(args.prefill_instances or args.decode_instances)
+    if args.instances is None:
+        args.instances = 0 if disaggregated else 4
+    if args.instances < 0 or args.instances + args.prefill_instances + args.decode_instances < 1:
+        return _fail("--instances must be at least 1 (or give --prefill/--decode-instances)")
+    try:
+        transfer = _transfer(args)
+    except ValueError as exc:
+        return _fail(str(exc))
     for flag in (
         "request_overhead_ms",
         "request_overhead_per_busy_ms",
@@ -208,6 +275,8 @@ def run(args: argparse.Namespace) -> int:
             load_dispatch_policy(name)
         if args.migration_policy != "none":
             load_migration_policy(args.migration_policy)
+        if disaggregated:
+            load_pd_policy(args.pd_policy)
     except (LatencyModelError, PolicyLoadError) as exc:
         return _fail(str(exc))
     try:
@@ -251,6 +320,10 @@ def run(args: argparse.Namespace) -> int:
         request_overhead_idle=idle_points,
         request_overhead_spread=spread,
         step_slowdown_per_busy=args.step_slowdown_per_busy,
+        prefill_instances=args.prefill_instances,
+        decode_instances=args.decode_instances,
+        pd_policy=args.pd_policy,
+        transfer=transfer,
     )
     meta = {
         "trace": str(args.trace),
@@ -278,6 +351,11 @@ def run(args: argparse.Namespace) -> int:
         "slo_ttft_ms": args.slo_ttft,
         "slo_tpot_ms": args.slo_tpot,
     }
+    if disaggregated:
+        meta["prefill_instances"] = args.prefill_instances
+        meta["decode_instances"] = args.decode_instances
+        meta["pd_policy"] = args.pd_policy
+        meta["transfer_link"] = transfer.default.describe()
     return _simulate(args, trace, settings, policies, meta)
 
 
@@ -364,8 +442,15 @@ def _simulate(
     (out / "timing.json").write_text(json.dumps(timing, indent=2) + "\n")
     if not args.no_plots:
         report.plot_ttft_cdf(out, ttfts)
+    fleet = f"{meta['instances']} instances"
+    if "prefill_instances" in meta:
+        fleet = (
+            f"{meta['prefill_instances']} prefill + {meta['decode_instances']} decode + "
+            f"{meta['instances']} mixed instances ({meta['pd_policy']} P/D, "
+            f"{meta['transfer_link']['name']})"
+        )
     print(
-        f"{meta['requests']} requests, {meta['instances']} instances, "
+        f"{meta['requests']} requests, {fleet}, "
         f"{settings.latency.name}, rate x{meta['rate_scale']:g}"
     )
     print(report.markdown_table(results))
