@@ -18,6 +18,10 @@ Contract:
   seconds), then the process exits 0. With ``--scheduler``, the scheduler hears "draining" at once
   and migrates the running requests to other instances, so the drain takes a migration, not the
   rest of every generation. SIGINT stops at once (uvicorn's usual behaviour).
+- ``--role prefill|decode|mixed`` (P/D disaggregation, default mixed) is reported in the state
+  snapshot and the registration; a prefill agent hands requests to their decode instance after
+  the first token (`pd_handoff`), and a decode agent takes up to `DECODE_MAX_INCOMING` incoming
+  migrations at once (others: one, like Llumnix).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ import socket
 from typing import Any
 
 log = logging.getLogger("kvherd.agent")
+
+DECODE_MAX_INCOMING = 4  # handoffs a decode agent receives at once (from several prefill agents)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -116,7 +122,11 @@ def run(args: argparse.Namespace) -> int:
     from instance_agent.engine_loop import EngineLoop
     from instance_agent.kv_publisher import KVEventPublisher
     from instance_agent.metrics import AgentMetrics
-    from instance_agent.migration_routes import MigrationService, create_migration_router
+    from instance_agent.migration_routes import (
+        MigrationService,
+        MigrationSettings,
+        create_migration_router,
+    )
     from instance_agent.pd_handoff import PDHandoffs
     from instance_agent.registration import Registrar
     from instance_agent.server import Agent, DrainingServer, create_app
@@ -239,7 +249,13 @@ def run(args: argparse.Namespace) -> int:
             heartbeat_s=args.heartbeat_interval,
         )
 
-    migration = MigrationService(engine_loop, instance_id, advertise_host, fleet_token=fleet_token)
+    # A decode instance takes handoffs from several prefill instances at once.
+    settings = (
+        MigrationSettings(max_incoming=DECODE_MAX_INCOMING) if args.role == "decode" else None
+    )
+    migration = MigrationService(
+        engine_loop, instance_id, advertise_host, settings, fleet_token=fleet_token
+    )
     agent.handoffs = PDHandoffs(migration)
     app = create_app(agent, routers=[create_migration_router(migration)], fleet_token=fleet_token)
     uv_config = uvicorn.Config(

@@ -379,3 +379,33 @@ def test_up_starts_prefill_and_decode_agents() -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
+
+
+@pytest.fixture(scope="module")
+def second_prefill() -> Iterator[AgentProcess]:
+    with agent_process("--role", "prefill", kv_events=True) as agent:
+        yield agent
+
+
+async def test_two_prefill_instances_hand_off_to_one_decode_instance_at_once(
+    pd_pair: list[AgentProcess], second_prefill: AgentProcess
+) -> None:
+    prefill, decode = pd_pair
+    fleet = [prefill, second_prefill, decode]
+    prompts = [fresh_prompt() for _ in range(4)]
+
+    def long(prompt: list[int]) -> dict[str, Any]:
+        return {**completion(prompt, SEEDED, True), "max_tokens": 400}
+
+    async with running_proxy(fleet, *FLAGS) as proxy:
+        await roles_known(proxy, 3)
+        async with httpx.AsyncClient(timeout=120) as client:
+            got = await asyncio.gather(*(run(client, proxy.url, long(p)) for p in prompts))
+            counts = await handoffs(client, proxy)
+            served = {r["headers"]["x-kvherd-instance"] for r in got}
+            expected = [await run(client, decode.url, long(p)) for p in prompts]
+    for one, reference in zip(got, expected, strict=True):
+        same_output(one, reference)
+    assert counts["ok"] == 4 and counts["fallback"] == 0, counts
+    assert served == {proxy_id(proxy, prefill), proxy_id(proxy, second_prefill)}
+    await assert_agents_clean(fleet)
