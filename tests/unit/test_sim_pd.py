@@ -1,0 +1,250 @@
+"""P/D disaggregation in the simulator: production's pairing, the agents' migration session for the
+handoff, the same tokens as colocated serving, no leaked blocks, conditional disaggregation,
+refused handoffs and the link's bandwidth."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import pytest
+
+import simulator.cluster as sim_cluster
+from instance_agent.engine.core.request import Request
+from migration.core.session import (
+    Commit,
+    Copy,
+    Done,
+    Release,
+    RequestSnapshot,
+    Reserve,
+    Snapshot,
+    SourceAction,
+    SourceSession,
+    Suspend,
+)
+from policies import load_dispatch_policy
+from policies.registry import load_pd_policy
+from simulator.cluster import ClusterConfig, SimCluster
+from simulator.instance import InstanceConfig
+from simulator.latency import load_latency_model
+from simulator.pd import FINISHED_FIRST
+from simulator.traces import Trace, TraceRequest
+from simulator.transfer import TransferModel, link
+
+BS = 16
+LATENCY = "roofline:llama-2-7b:a100-80gb"
+
+
+class _TokenCluster(SimCluster):
+    """A fleet that keeps each finished request's output tokens."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.outputs: dict[str, list[int]] = {}
+
+    def on_finished(self, request: Request, instance_id: str, now: float) -> None:
+        self.outputs[request.request_id] = list(request.output_token_ids)
+        super().on_finished(request, instance_id, now)
+
+
+def _run(
+    trace: list[TraceRequest],
+    mixed: int = 0,
+    prefill: int = 0,
+    decode: int = 0,
+    num_blocks: int = 4000,
+    transfer: TransferModel | None = None,
+) -> _TokenCluster:
+    config = ClusterConfig(
+        num_instances=mixed,
+        instance=InstanceConfig(num_blocks=num_blocks, block_size=BS),
+        prefill_instances=prefill,
+        decode_instances=decode,
+        transfer=transfer or TransferModel(),
+    )
+    cluster = _TokenCluster(
+        config,
+        load_latency_model(LATENCY),
+        load_dispatch_policy("kvherd"),
+        pd_policy=load_pd_policy("kvherd"),
+    )
+    cluster.run(Trace("t", trace, block_size=BS))
+    return cluster
+
+
+def _trace(
+    n: int, input_length: int, output_length: int, gap_s: float = 0.05
+) -> list[TraceRequest]:
+    blocks = -(-input_length // BS)
+    return [
+        TraceRequest(
+            i, i * gap_s, input_length, output_length, tuple(range(i * 1000, i * 1000 + blocks))
+        )
+        for i in range(n)
+    ]
+
+
+def _no_leaks(cluster: SimCluster) -> None:
+    for inst in cluster.instances.values():
+        inst.block_manager.check_integrity()
+        assert inst.block_manager.owners() == [], inst.instance_id
+        assert not inst.scheduler.requests, inst.instance_id
+    assert not cluster._migrating
+    for state in cluster.state.instances.values():
+        assert not state.inflight, state.instance_id
+
+
+class _RecordingSession(SourceSession):
+    """The agents' source session, keeping every input it got and action it returned."""
+
+    log: ClassVar[list[tuple[str, object, SourceAction]]] = []
+
+    def _note(self, event: str, given: object, action: SourceAction) -> SourceAction:
+        self.log.append((event, given, action))
+        return action
+
+    def start(self) -> SourceAction:
+        return self._note("start", None, super().start())
+
+    def on_snapshot(self, snapshot: RequestSnapshot) -> SourceAction:
+        return self._note("snapshot", snapshot, super().on_snapshot(snapshot))
+
+    def on_suspended(self) -> SourceAction:
+        return self._note("suspended", None, super().on_suspended())
+
+    def on_reserved(
+        self, accepted: bool, num_cached_blocks: int = 0, num_reserved: int = 0, reason: str = ""
+    ) -> SourceAction:
+        given = (accepted, num_cached_blocks, num_reserved, reason)
+        return self._note("reserved", given, super().on_reserved(*given))
+
+    def on_landed(self) -> SourceAction:
+        return self._note("landed", None, super().on_landed())
+
+    def on_commit_answer(self, ok: bool, reason: str = "") -> SourceAction:
+        return self._note("commit_answer", (ok, reason), super().on_commit_answer(ok, reason))
+
+    def on_released(self) -> SourceAction:
+        return self._note("released", None, super().on_released())
+
+
+def _replay(log: list[tuple[str, object, SourceAction]], request_id: str) -> list[SourceAction]:
+    """Feed a fresh session the same events, as `migration.source.migrate_out` feeds them."""
+    session = SourceSession(request_id, BS)
+    out: list[SourceAction] = []
+    for event, given, _ in log:
+        if event == "start":
+            out.append(session.start())
+        elif event == "snapshot":
+            assert isinstance(given, RequestSnapshot)
+            out.append(session.on_snapshot(given))
+        elif event == "reserved":
+            assert isinstance(given, tuple)
+            out.append(session.on_reserved(*given))
+        elif event == "commit_answer":
+            assert isinstance(given, tuple)
+            out.append(session.on_commit_answer(*given))
+        else:
+            out.append(getattr(session, f"on_{event}")())
+    return out
+
+
+def test_the_handoff_runs_the_agents_session(monkeypatch: pytest.MonkeyPatch) -> None:
+    _RecordingSession.log = []
+    monkeypatch.setattr(sim_cluster, "SourceSession", _RecordingSession)
+    cluster = _run(_trace(1, 800, 40), prefill=1, decode=1)
+    assert cluster.handoffs.stats.ok == 1 and cluster.handoffs.stats.expected == 1
+    log = _RecordingSession.log
+    actions = [action for _, _, action in log]
+    # Llumnix's stages as the agents run them: a live stage of the prompt's full blocks (hashes
+    # offered: cache-aware), the suspension with a second look, the stop-and-copy stage, commit.
+    kinds = [type(a) for a in actions]
+    assert kinds == [
+        Snapshot,
+        Reserve,
+        Copy,
+        Snapshot,
+        Suspend,
+        Snapshot,
+        Reserve,
+        Copy,
+        Commit,
+        Release,
+        Done,
+    ]
+    live, final = actions[1], actions[6]
+    assert isinstance(live, Reserve) and isinstance(final, Reserve)
+    assert live.stage.index == 0 and not live.stage.final
+    assert live.stage.num_blocks == 800 // BS and len(live.stage.block_hashes) == 800 // BS
+    assert final.stage.final and 1 <= final.stage.num_blocks <= 4
+    first_snapshot = log[1][1]
+    assert isinstance(first_snapshot, RequestSnapshot) and first_snapshot.phase == "decoding"
+    # The same events give the same actions from a plain session: nothing simulator-specific.
+    assert _replay(log, "0") == actions
+    stats = cluster.handoff_stats
+    kv = load_latency_model(LATENCY).kv_bytes_per_token or 0.0
+    sent = live.stage.num_blocks + final.stage.num_blocks
+    assert stats.bytes_sent == pytest.approx(sent * BS * kv)
+    _no_leaks(cluster)
+
+
+def test_disaggregated_decodes_give_the_colocated_tokens() -> None:
+    trace = _trace(12, 700, 30)
+    colocated = _run(trace, mixed=2)
+    disaggregated = _run(trace, prefill=1, decode=1)
+    assert disaggregated.handoffs.stats.ok == len(trace)
+    assert disaggregated.outputs == colocated.outputs
+    assert all(len(tokens) == 30 for tokens in disaggregated.outputs.values())
+    cols = disaggregated.metrics.columns()
+    assert set(cols["instance"]) == {"decode-0"}  # every request finished where it decoded
+    assert cols["output_tokens"].tolist() == [30] * len(trace)
+    _no_leaks(colocated)
+    _no_leaks(disaggregated)
+
+
+def test_short_prompts_stay_where_they_decode() -> None:
+    cluster = _run(_trace(6, 100, 20), prefill=1, decode=1)
+    assert cluster.handoffs.stats.expected == 0 and cluster.handoff_stats.started == 0
+    assert set(cluster.metrics.columns()["instance"]) == {"decode-0"}
+    assert cluster.instances["prefill-0"].num_steps == 0
+    _no_leaks(cluster)
+
+
+def test_a_single_token_request_finishes_before_its_handoff() -> None:
+    cluster = _run(_trace(1, 800, 1), prefill=1, decode=1)
+    stats = cluster.handoffs.stats
+    assert stats.ok == 0 and stats.fallback == {FINISHED_FIRST: 1}
+    _no_leaks(cluster)
+
+
+def test_a_refused_handoff_decodes_on_the_prefill_instance() -> None:
+    # The decode instance (100 blocks) holds a short request that keeps growing; the long
+    # prompt's handoff finds no room there and the request decodes where it was prefilled.
+    trace = [
+        TraceRequest(0, 0.0, 100, 1200, tuple(range(7))),
+        TraceRequest(1, 10.0, 800, 30, tuple(range(100, 150))),
+    ]
+    cluster = _run(trace, prefill=1, decode=1, num_blocks=100)
+    stats = cluster.handoffs.stats
+    assert stats.ok == 0 and stats.fallback == {"dst_refused": 1}
+    cols = cluster.metrics.columns()
+    assert cols["instance"].tolist() == ["decode-0", "prefill-0"]
+    assert cols["output_tokens"].tolist() == [1200, 30]
+    _no_leaks(cluster)
+
+
+def test_a_slower_link_takes_longer_to_hand_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    kv = load_latency_model(LATENCY).kv_bytes_per_token or 0.0
+    downtimes = {}
+    for name in ("nvlink", "rdma100"):
+        _RecordingSession.log = []
+        monkeypatch.setattr(sim_cluster, "SourceSession", _RecordingSession)
+        model = TransferModel(link(name))
+        cluster = _run(_trace(1, 800, 40), prefill=1, decode=1, transfer=model)
+        (final,) = [a for _, _, a in _RecordingSession.log if isinstance(a, Copy) and a.stage.final]
+        (downtime,) = cluster.handoff_stats.downtime_s
+        # The stop-and-copy stage is the request's whole downtime: its bytes on this link.
+        assert downtime == pytest.approx(model.default.time(final.stage.num_blocks * BS * kv))
+        downtimes[name] = downtime
+    assert downtimes["rdma100"] > 5 * downtimes["nvlink"]
+    assert link("rdma100").bandwidth == 12.5e9 and link("nvlink").bandwidth == 450e9
