@@ -15,7 +15,8 @@ Contract:
   commit) the request keeps decoding here and the client sees nothing: the migration's abort
   path leaves it running and frees the destination's reservation.
 - The outcome (`Handoff.report`: ``outcome`` ``ok`` or ``fallback``, the abort reason, bytes and
-  blocks sent and skipped, downtime, duration, the wait for the first token) reaches the proxy
+  blocks sent and skipped, downtime, ``duration_s`` from the first token to the commit or abort,
+  ``prefill_s`` from admission to the first token) reaches the proxy
   as one token-ledger comment line ``: kvherd {"handoff": {...}}`` (`annotate`, streamed requests
   with the ledger only): right before the migration notice, or on a fallback before the next
   frame; a stream that finishes before the handoff resolved reports ``fallback`` with reason
@@ -54,7 +55,8 @@ class Handoff:
         self.dst = dst
         self.done = asyncio.Event()
         self.outcome: MigrationOutcome | None = None
-        self.waited_s = 0.0  # from admission to the first token (the handoff's start)
+        self.prefill_s = 0.0  # from admission to the first token (the handoff's start)
+        self.queued_s = 0.0  # from the first token to the migration's start (its turn)
         self.skipped = ""  # why no migration was tried
 
     def report(self) -> dict[str, Any]:
@@ -72,8 +74,8 @@ class Handoff:
             "bytes_sent": out.bytes_sent,
             "bytes_skipped": out.bytes_skipped,
             "downtime_s": out.downtime_s,
-            "duration_s": out.duration_s,
-            "wait_s": self.waited_s,
+            "duration_s": self.queued_s + out.duration_s,
+            "prefill_s": self.prefill_s,
         }
 
     def ledger_line(self) -> bytes:
@@ -100,8 +102,10 @@ class PDHandoffs:
         began = time.perf_counter()
         try:
             await stream.started.wait()
-            handoff.waited_s = time.perf_counter() - began
+            first_token = time.perf_counter()
+            handoff.prefill_s = first_token - began
             async with self._turn:
+                handoff.queued_s = time.perf_counter() - first_token
                 loop = self.service.engine_loop
                 if loop.stream_of(handoff.request_id) is not stream:
                     handoff.skipped = "stream_ended"  # the client left, or it finished and closed

@@ -582,6 +582,10 @@ class Fleet:
         decode_id = self._handoffs.get(key)
         return None if decode_id is None else self.instances.get(decode_id)
 
+    def handoff_failed(self, key: str) -> None:
+        """`key`'s P/D handoff fell back: it decodes where it was prefilled."""
+        self.router.on_handoff_failed(key)
+
     def first_token(self, key: str) -> None:
         self.router.on_first_token(key, self.clock())
 

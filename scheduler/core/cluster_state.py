@@ -115,6 +115,7 @@ class ClusterState:
         if previous is not None:  # a re-join keeps the router's in-flight accounting
             for dispatch in previous.inflight.values():
                 state.adopt(dispatch, now)
+            state.incoming = previous.incoming
         self.instances[instance_id] = state
         ttl = None if not has_kv_events else self.pending_ttl_s
         self.approx_index.add_instance(instance_id, ttl)

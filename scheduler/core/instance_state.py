@@ -15,6 +15,10 @@ Contract:
 - Without any report, the load is the router's own accounting alone (a plain server that is
   neither scraped nor reporting still gets balanced).
 - `view(now)` renders a read-only `InstanceView` for the policies. Pure: no clock, no I/O.
+- P/D: `incoming` holds the requests paired to be handed to this instance after their first token
+  elsewhere; they count in the view's `inflight` from the pairing on (so a burst of pairings
+  spreads over the decode instances before any has moved), until the handoff commits (the request
+  is then adopted here), falls back, or the request ends.
 - Role (P/D disaggregation): the operator's `role` when given (``--instance URL,role=...``), else
   the role the instance reports, else ``mixed``.
 """
@@ -62,6 +66,7 @@ class InstanceState:
     ) -> None:
         self.instance_id = instance_id
         self.role = role  # the operator's override of the reported role
+        self.incoming: set[str] = set()  # requests to be handed here after their prefill (P/D)
         self.block_size = block_size
         self.has_kv_events = has_kv_events
         self.healthy = healthy
@@ -215,7 +220,7 @@ class InstanceState:
             free_blocks=free,
             cached_blocks=rep.num_cached_blocks or 0,
             freeness=freeness,
-            inflight=len(self.inflight),
+            inflight=len(self.inflight) + len(self.incoming),
             pending_prefill=self.pending_prefill,
             pending_prefill_tokens=self.pending_prefill_tokens,
             inflight_blocks=self.inflight_blocks,

@@ -15,7 +15,9 @@ Contract:
   names the prefill instance (charged like any dispatch) and `Routed.decode_id` the instance to
   hand the request to after its first token (None: no handoff). When either phase has no
   candidate left (e.g. the prefill instance failed and is excluded), the dispatch policy chooses
-  among what is left and the request runs there entirely.
+  among what is left and the request runs there entirely. The decode instance counts the request
+  as incoming from the pairing on (`InstanceState.incoming`) until `on_migrated` moves it there,
+  `on_handoff_failed` says it stays where it was prefilled, or it ends.
 - `NoInstanceError` when nothing is dispatchable. Pure: times are arguments, no I/O or threads;
   the proxy and the simulator drive the same object.
 
@@ -69,6 +71,7 @@ class Router:
         self.policy = policy
         self.pd_policy = pd_policy
         self._where: dict[str, str] = {}  # request id -> instance id
+        self._decode_of: dict[str, str] = {}  # request id -> its decode instance, until handed
 
     def set_policy(self, policy: DispatchPolicy) -> None:
         """Switch the dispatch policy; in-flight accounting is kept."""
@@ -131,6 +134,10 @@ class Router:
         self.cluster.touch(decision.instance_id)
         self.cluster.note_routed(decision.instance_id, request.block_hashes, now, matched)
         self._where[request_id] = decision.instance_id
+        if decode_id is not None:
+            self._decode_of[request_id] = decode_id
+            self.cluster.get(decode_id).incoming.add(request_id)
+            self.cluster.touch(decode_id)
         return Routed(decision, request, matched, decode_id)
 
     def _pair(
@@ -165,11 +172,19 @@ class Router:
 
     def on_migrated(self, request_id: str, dst: str, now: float) -> None:
         """A live migration committed: the request's charges move to `dst`."""
+        self.on_handoff_failed(request_id)
         dispatch = self._release(request_id, now)
         if dispatch is not None and dst in self.cluster:
             self.cluster.get(dst).adopt(dispatch, now)
             self.cluster.touch(dst)
             self._where[request_id] = dst
+
+    def on_handoff_failed(self, request_id: str) -> None:
+        """The request's P/D handoff is off (it decodes where it was prefilled), or done."""
+        decode_id = self._decode_of.pop(request_id, None)
+        if decode_id is not None and decode_id in self.cluster:
+            self.cluster.get(decode_id).incoming.discard(request_id)
+            self.cluster.touch(decode_id)
 
     def forget_instance(self, instance_id: str) -> list[str]:
         """Remove an instance; returns the requests that were in flight there."""
@@ -179,6 +194,7 @@ class Router:
         return orphans
 
     def _release(self, request_id: str, now: float) -> Dispatch | None:
+        self.on_handoff_failed(request_id)
         instance_id = self._where.pop(request_id, None)
         if instance_id is None or instance_id not in self.cluster:
             return None

@@ -13,7 +13,8 @@ Contract:
   records the handoff (`ProxyMetrics.handoff`: outcome, seconds, downtime, bytes, blocks sent and
   deduplicated); ``fallback`` (the request decodes where it was prefilled) is counted as such; a
   stream that breaks or ends before any outcome counts ``failed`` (its continuation elsewhere is
-  the proxy's usual one). A client that leaves counts nothing.
+  the proxy's usual one). A client that leaves counts nothing. Whenever the request will not move,
+  the decode instance stops counting it as incoming (`Fleet.handoff_failed`).
 - `take_outcome(response, ...)` does the same for a non-streamed response from the
   ``X-Kvherd-Handoff`` response header, which it removes from the headers relayed.
 """
@@ -40,9 +41,11 @@ def handoff_header(dst_url: str) -> tuple[bytes, bytes]:
 
 def _record(report: Any, fleet: Fleet, metrics: ProxyMetrics, key: str, decode_id: str) -> None:
     if not isinstance(report, dict) or report.get("outcome") not in ("ok", "fallback"):
+        fleet.handoff_failed(key)
         metrics.handoff("failed")
         return
     if report["outcome"] == "fallback":
+        fleet.handoff_failed(key)
         metrics.handoff("fallback")
         return
     fleet.request_migrated(key, decode_id)
@@ -100,9 +103,11 @@ async def watch(
         if held:
             yield held
         if not resolved:
+            fleet.handoff_failed(key)
             metrics.handoff("failed")
     except UpstreamError:
         if not resolved:
+            fleet.handoff_failed(key)
             metrics.handoff("failed")
         raise
 
@@ -113,6 +118,7 @@ def take_outcome(
     """Record a non-streamed response's handoff and drop its header from what is relayed."""
     value = response.header(HANDOFF_HEADER)
     if value is None:
+        fleet.handoff_failed(key)
         if response.status < 400:
             metrics.handoff("failed")
         return

@@ -95,6 +95,7 @@ from scheduler.core.admission import Admission, AdmissionSettings
 from scheduler.core.deadlines import Deadlines, DeadlineSettings
 from scheduler.core.tenancy import Tenant, TenantRegistry
 from scheduler.fleet import Fleet, FleetInstance, NoCapacityError
+from scheduler.proxy import pd
 from scheduler.proxy.continuation import StreamLedger, error_frame
 from scheduler.proxy.forwarding import (
     UpstreamConnectTimeout,
@@ -104,7 +105,6 @@ from scheduler.proxy.forwarding import (
     UpstreamTimeout,
 )
 from scheduler.proxy.http_front import Exchange, FrontServer
-from scheduler.proxy import pd
 from scheduler.proxy.loop_lag import LoopLag
 from scheduler.proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from scheduler.proxy.metrics import ProxyMetrics

@@ -54,11 +54,28 @@ def test_disaggregated_fleet_pairs_and_accounting_follows_the_handoff() -> None:
     routed = router.route("r1", PROMPT, now=1.0)
     assert (routed.instance_id, routed.decode_id) == ("p", "d")
     assert router.cluster.get("p").view().inflight == 1
+    assert router.cluster.get("d").view().inflight == 1  # incoming
     router.on_migrated("r1", "d", now=2.0)
     assert router.cluster.get("p").view().inflight == 0
     assert router.cluster.get("d").view().inflight == 1
     router.on_finish("r1", now=3.0)
     assert router.cluster.get("d").view().inflight == 0
+
+
+def test_pairings_spread_over_decode_instances_before_any_handoff() -> None:
+    router = core({"p": "prefill", "d0": "decode", "d1": "decode"})
+    first = router.route("r1", PROMPT, now=1.0)
+    second = router.route("r2", [t + 1 for t in PROMPT], now=1.1)
+    assert {first.decode_id, second.decode_id} == {"d0", "d1"}
+    d0 = router.cluster.get(first.decode_id or "")
+    assert d0.view().inflight == 1  # incoming: counted from the pairing on
+    router.on_handoff_failed("r1")  # it decodes on the prefill instance after all
+    assert d0.view().inflight == 0
+    router.on_migrated("r2", second.decode_id or "", now=2.0)
+    assert router.cluster.get(second.decode_id or "").view().inflight == 1  # adopted, once
+    router.on_finish("r2", now=3.0)
+    router.on_finish("r1", now=3.0)
+    assert all(router.cluster.get(i).view().inflight == 0 for i in ("p", "d0", "d1"))
 
 
 def test_short_prompt_is_not_handed_off() -> None:
