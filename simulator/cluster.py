@@ -403,6 +403,10 @@ class SimCluster:
 
     # -- engine steps ----------------------------------------------------------------------------
     def _start_step(self, instance: SimInstance) -> None:
+        if not instance.idle:
+            # A between-steps action already started one (an aborted migration resumed its
+            # request on this instance, or a commit landed here).
+            return
         loop = self.loop
         if self.fast_forward and not self._migrating:
             # Without a migration policy the barriers are arrivals and admissions, which only

@@ -22,6 +22,7 @@ from migration.core.session import (
     SourceSession,
     Suspend,
 )
+from migration.core.stages import StageConfig
 from policies import load_dispatch_policy
 from policies.registry import load_pd_policy
 from simulator.cluster import ClusterConfig, SimCluster
@@ -54,6 +55,7 @@ def _run(
     decode: int = 0,
     num_blocks: int = 4000,
     transfer: TransferModel | None = None,
+    stages: StageConfig | None = None,
 ) -> _TokenCluster:
     config = ClusterConfig(
         num_instances=mixed,
@@ -61,6 +63,7 @@ def _run(
         prefill_instances=prefill,
         decode_instances=decode,
         transfer=transfer or TransferModel(),
+        migration_stages=stages or StageConfig(),
     )
     cluster = _TokenCluster(
         config,
@@ -217,14 +220,18 @@ def test_a_single_token_request_finishes_before_its_handoff() -> None:
     _no_leaks(cluster)
 
 
-def test_a_refused_handoff_decodes_on_the_prefill_instance() -> None:
+@pytest.mark.parametrize("live_stages", [8, 0], ids=["live-stage-refused", "suspended-refused"])
+def test_a_refused_handoff_decodes_on_the_prefill_instance(live_stages: int) -> None:
     # The decode instance (100 blocks) holds a short request that keeps growing; the long
-    # prompt's handoff finds no room there and the request decodes where it was prefilled.
+    # prompt's handoff finds no room there and the request decodes where it was prefilled
+    # (with no live stage, it is refused after its suspension and resumes there).
     trace = [
         TraceRequest(0, 0.0, 100, 1200, tuple(range(7))),
         TraceRequest(1, 10.0, 800, 30, tuple(range(100, 150))),
     ]
-    cluster = _run(trace, prefill=1, decode=1, num_blocks=100)
+    cluster = _run(
+        trace, prefill=1, decode=1, num_blocks=100, stages=StageConfig(max_live_stages=live_stages)
+    )
     stats = cluster.handoffs.stats
     assert stats.ok == 0 and stats.fallback == {"dst_refused": 1}
     cols = cluster.metrics.columns()
