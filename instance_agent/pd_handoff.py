@@ -22,6 +22,9 @@ Contract:
   frame; a stream that finishes before the handoff resolved reports ``fallback`` with reason
   ``finished_first``. A non-streamed response carries the same JSON in the `HANDOFF_HEADER`
   response header (`header_value`).
+- The header is honoured only with the fleet token (``Authorization: Bearer FLEET_TOKEN``, which
+  the proxy adds to such requests) when the agent has one (`PDHandoffs.authorized`): the OpenAI
+  routes are open, and a handoff sends KV and the token to the URL it names.
 - Handoffs out of one instance run one at a time, in arrival order (the migration service's
   outgoing limit); a request waiting for its turn keeps decoding here.
 """
@@ -36,6 +39,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from kvherd import wire
+from kvherd.fleet_token import authorized
 from migration.core.protocol import MigrateOrder, MigrationOutcome, MigrationStatus
 
 if TYPE_CHECKING:
@@ -85,11 +89,18 @@ class Handoff:
 class PDHandoffs:
     """This agent's handoffs in flight."""
 
-    def __init__(self, service: MigrationService) -> None:
+    def __init__(self, service: MigrationService, fleet_token: str | None = None) -> None:
         self.service = service
+        self._token = fleet_token
         self._turn = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
         self.outcomes: dict[str, int] = {}  # "ok" / "fallback" -> count
+
+    def authorized(self, presented: str | None) -> bool:
+        """May a request with this ``Authorization`` value ask for a handoff?"""
+        if self._token is None:
+            return True
+        return authorized(presented.encode() if presented else None, self._token)
 
     def start(self, stream: RequestStream, dst: str) -> Handoff:
         handoff = Handoff(stream.request_id, dst.rstrip("/"))

@@ -34,7 +34,8 @@ Contract (`create_app(agent)` returns the FastAPI app):
   the rest of the very same OpenAI stream (same id, token index, usage), bit-identical for greedy
   and seeded sampling (`LLMEngine.continue_request`).
 - P/D disaggregation: a generation request with ``X-Kvherd-Handoff: URL`` is handed to the
-  decode instance at URL after its first token (`instance_agent.pd_handoff`); `Agent.role`
+  decode instance at URL after its first token (`instance_agent.pd_handoff`; 401 without the
+  fleet token when the agent has one); `Agent.role`
   (``prefill``, ``decode``, ``mixed``) is reported in the state snapshot.
 - `Agent` holds what the routes share: the engine loop, metrics, identity, and the draining flag.
   `Agent.drain` stops accepting work and waits for open requests to finish (or aborts them after
@@ -405,6 +406,18 @@ async def _generate(
 ) -> Response:
     request_id = _request_id(request)
     headers = {"X-Request-Id": request_id}
+    handoff_dst = request.headers.get(pd_handoff.HANDOFF_HEADER)
+    if handoff_dst and (
+        agent.handoffs is None
+        or not agent.handoffs.authorized(request.headers.get("authorization"))
+    ):
+        refusal = OpenAIError(
+            401,
+            f"{pd_handoff.HANDOFF_HEADER} needs the fleet token (Authorization: Bearer ...)",
+            type="authentication_error",
+            code="invalid_fleet_token",
+        )
+        return _error_response(refusal, headers)
     try:
         if body.kvherd_continuation is not None and not body.stream:
             raise bad_request("only a streamed request can be continued", "kvherd_continuation")
@@ -416,7 +429,6 @@ async def _generate(
     except EngineDeadError as exc:
         return _error_response(OpenAIError(500, str(exc), type="server_error"), headers)
     handoff = None
-    handoff_dst = request.headers.get(pd_handoff.HANDOFF_HEADER)
     if handoff_dst and agent.handoffs is not None:
         handoff = agent.handoffs.start(stream, handoff_dst)
     if body.stream:

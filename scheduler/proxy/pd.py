@@ -2,10 +2,11 @@
 
 Contract:
 - When the fleet pairs a request with a decode instance (`Fleet.handoff_target`), the request goes
-  to its prefill instance with `handoff_header(url)` (``X-Kvherd-Handoff: URL``, per attempt:
-  retries and continuations elsewhere are sent without it). That agent streams the first token at
-  once, then live-migrates the request to URL (`instance_agent.pd_handoff`); the proxy's migration
-  reattachment continues the stream there, a non-streamed request is relayed by the prefill agent.
+  to its prefill instance with `handoff_headers(url, fleet_token)` (``X-Kvherd-Handoff: URL`` and
+  the fleet token, per attempt: retries and continuations elsewhere are sent without them). That
+  agent streams the first token at once, then live-migrates the request to URL
+  (`instance_agent.pd_handoff`); the proxy's migration reattachment continues the stream there, a
+  non-streamed request is relayed by the prefill agent.
 - `watch(chunks, ...)` passes a streamed request's bytes from its prefill instance through, taking
   out the agent's handoff ledger line (``: kvherd {"handoff": {...}}``; never relayed, never seen
   by the continuation ledger). On ``ok`` it moves the request's accounting to the decode instance
@@ -35,8 +36,12 @@ HANDOFF_HEADER = b"x-kvherd-handoff"
 _LINE = wire.LEDGER_PREFIX + b'{"handoff":'
 
 
-def handoff_header(dst_url: str) -> tuple[bytes, bytes]:
-    return (HANDOFF_HEADER, dst_url.encode())
+def handoff_headers(dst_url: str, fleet_token: str | None) -> list[tuple[bytes, bytes]]:
+    """The headers asking for a handoff to `dst_url` (the agent wants the fleet token too)."""
+    headers = [(HANDOFF_HEADER, dst_url.encode())]
+    if fleet_token:
+        headers.append((b"authorization", b"Bearer " + fleet_token.encode()))
+    return headers
 
 
 def _record(report: Any, fleet: Fleet, metrics: ProxyMetrics, key: str, decode_id: str) -> None:

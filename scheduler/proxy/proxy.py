@@ -413,7 +413,10 @@ class Proxy:
             tried.add(instance.instance_id)
             first_byte = self._first_byte_deadline(instance) if streamed else None
             decode = self._handoff_target(key, max_tokens)
-            sent = headers if decode is None else [*headers, pd.handoff_header(decode.url)]
+            if decode is None:
+                sent = headers
+            else:
+                sent = [*headers, *pd.handoff_headers(decode.url, self.config.fleet_token)]
             try:
                 response = await self.pool.send(
                     instance.url, b"POST", path, sent, raw, head_timeout=first_byte

@@ -409,3 +409,26 @@ async def test_two_prefill_instances_hand_off_to_one_decode_instance_at_once(
     assert counts["ok"] == 4 and counts["fallback"] == 0, counts
     assert served == {proxy_id(proxy, prefill), proxy_id(proxy, second_prefill)}
     await assert_agents_clean(fleet)
+
+
+async def test_handoff_header_needs_the_fleet_token() -> None:
+    """The OpenAI routes are open: only a caller with the fleet token may ask for a handoff."""
+    token = "pd-fleet-secret"
+    with agent_process("--role", "prefill", "--fleet-token", token) as agent:
+        body = completion(fresh_prompt(), GREEDY, False)
+        nowhere = {"X-Kvherd-Handoff": f"http://127.0.0.1:{free_port()}"}
+        async with httpx.AsyncClient(timeout=60) as client:
+            refused = await client.post(f"{agent.url}/v1/completions", json=body, headers=nowhere)
+            assert refused.status_code == 401, refused.text
+            assert refused.json()["error"]["code"] == "invalid_fleet_token"
+            auth = {**nowhere, "Authorization": f"Bearer {token}"}
+            served = await client.post(f"{agent.url}/v1/completions", json=body, headers=auth)
+            assert served.status_code == 200, served.text
+            report = json.loads(served.headers["x-kvherd-handoff"])
+            assert report["outcome"] == "fallback" and report["reason"] == "dst_failed", report
+            state = await client.get(
+                f"{agent.url}/kvherd/v1/state?check_integrity=true",
+                headers={"Authorization": f"Bearer {token}"},
+            )
+            assert state.json()["integrity"] == "ok"
+            assert state.json()["block_owners"] == []
