@@ -4,7 +4,8 @@ Contract:
 - `tick(cluster, now)` runs at most once per `interval_s` of the caller's clock (earlier calls
   return []): it expires orders older than `order_timeout_s`, asks the policy for a plan, drops
   orders that cannot be right now — the request is already migrating, source or destination is not
-  registered or not healthy, the destination is draining, source == destination, the request is
+  registered or not healthy, the destination is draining or does not decode (a prefill-only
+  instance of a P/D fleet never takes a running request), source == destination, the request is
   not running on the source as far as the view shows, or a limit would be exceeded
   (`max_in_flight` overall, `max_per_instance` per source and per destination) — and hands each
   accepted order to the `execute` callback supplied by the server or the simulator. It returns
@@ -80,7 +81,7 @@ class MigrationLoop:
         if order.src not in cluster or order.dst not in cluster:
             return False
         src, dst = cluster[order.src], cluster[order.dst]
-        if not src.healthy or not dst.dispatchable:
+        if not src.healthy or not dst.dispatchable or not dst.decodes:
             return False
         if src.running and all(r.request_id != order.request_id for r in src.running):
             return False

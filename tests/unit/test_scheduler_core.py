@@ -353,6 +353,7 @@ def test_migration_loop_drops_orders_it_cannot_execute() -> None:
     cluster.add_instance("a")
     cluster.add_instance("b")
     cluster.set_draining("b", True)
+    cluster.add_instance("p", role="prefill")
 
     class Naive:
         name = "naive"
@@ -362,11 +363,12 @@ def test_migration_loop_drops_orders_it_cannot_execute() -> None:
                 MigrationOrder("x", "a", "a"),
                 MigrationOrder("y", "a", "b"),  # destination draining
                 MigrationOrder("z", "a", "ghost"),
+                MigrationOrder("w", "a", "p"),  # a prefill-only instance never takes a decode
             ]
 
     loop = MigrationLoop(Naive(), lambda order: None)
     assert loop.tick(cluster.view(0.0), now=0.0) == []
-    assert loop.stats.rejected == 3 and math.isinf(cluster.view(0.0)["a"].freeness)
+    assert loop.stats.rejected == 4 and math.isinf(cluster.view(0.0)["a"].freeness)
 
 
 @pytest.mark.parametrize("fleet", [5, 150])  # few matches: per-bit path; many: bit-matrix path
