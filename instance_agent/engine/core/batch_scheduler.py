@@ -123,7 +123,10 @@ class BatchScheduler:
     def running_prefill_tokens(self) -> int:
         """Tokens the running requests still in prefill have left to compute (a long prompt in
         chunked prefill runs for several steps); 0 when every running request decodes."""
-        return sum(len(r.token_ids) - r.num_computed_tokens for r in self._prefilling.values())
+        prefilling = self._prefilling
+        if not prefilling:  # (the usual case: read once per instance per load report)
+            return 0
+        return sum([len(r.token_ids) - r.num_computed_tokens for r in prefilling.values()])
 
     def _enqueue(self, request: Request) -> None:
         self.waiting.add(request)

@@ -63,14 +63,16 @@ def engine_load(
 ) -> EngineLoad:
     """The engine's load now; `pool` replaces (free, cached) blocks when given."""
     num_free, num_cached = block_manager.pool_counts() if pool is None else pool
+    waiting = scheduler.waiting
+    # (Positional: a simulated fleet takes this for every instance every report interval.)
     return EngineLoad(
-        num_running=len(scheduler.running),
-        num_waiting=len(scheduler.waiting),
-        num_total_blocks=block_manager.num_blocks,
-        num_free_blocks=num_free,
-        num_cached_blocks=num_cached,
-        num_preemptions=scheduler.num_preemptions,
-        waiting_prefill_tokens=waiting_prefill_tokens(scheduler),
-        head_waiting_blocks=head_waiting_blocks(scheduler, block_manager),
-        block_size=block_manager.block_size,
+        len(scheduler.running),
+        len(waiting),
+        block_manager.num_blocks,
+        num_free,
+        num_cached,
+        scheduler.num_preemptions,
+        scheduler.num_waiting_tokens + scheduler.running_prefill_tokens,
+        head_waiting_blocks(scheduler, block_manager) if waiting else 0,
+        block_manager.block_size,
     )
