@@ -235,6 +235,7 @@ def test_registration_heartbeat_reregistration_and_deregistration() -> None:
                 "replay_endpoint": agent.replay_endpoint,
                 "model": "tiny",
                 "block_size": 16,
+                "role": "mixed",  # its P/D role (kvherd agent --role)
             }
             beat = next(b for m, p, b, _ in fake_scheduler.calls if p.endswith("/heartbeat"))
             assert beat["instance_id"] == "agent-a" and beat["num_running"] == 0
