@@ -256,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
     migration = MigrationService(
         engine_loop, instance_id, advertise_host, settings, fleet_token=fleet_token
     )
-    agent.handoffs = PDHandoffs(migration, fleet_token)
+    agent.handoffs = PDHandoffs(migration, fleet_token, args.role)
     app = create_app(agent, routers=[create_migration_router(migration)], fleet_token=fleet_token)
     uv_config = uvicorn.Config(
         app,

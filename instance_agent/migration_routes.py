@@ -204,12 +204,24 @@ class MigrationService:
             MigrationMetrics(engine_loop.metrics.registry) if engine_loop.metrics else None
         )
 
+    def migrating(self, request_id: str) -> bool:
+        """Is a migration of this request out of here running?"""
+        return request_id in self._outgoing
+
     async def call(self, fn: Callable[[MigratableEngine], T]) -> T:
         adapter = self.adapter
         return await self.engine_loop.call(lambda _engine: fn(adapter))
 
-    async def migrate(self, order: MigrateOrder) -> MigrationOutcome:
-        if order.request_id in self._outgoing or len(self._outgoing) >= self.settings.max_outgoing:
+    async def migrate(
+        self,
+        order: MigrateOrder,
+        stages: StageConfig | None = None,
+        max_outgoing: int | None = None,
+    ) -> MigrationOutcome:
+        """Run one migration out; `stages` and `max_outgoing` default to the settings' (a P/D
+        handoff brings its own: `migration.core.handoff`)."""
+        limit = self.settings.max_outgoing if max_outgoing is None else max_outgoing
+        if order.request_id in self._outgoing or len(self._outgoing) >= limit:
             outcome = MigrationOutcome(
                 migration_id="",
                 request_id=order.request_id,
@@ -227,7 +239,7 @@ class MigrationService:
                     link,
                     order.request_id,
                     self.src_name,
-                    self.settings.stages,
+                    self.settings.stages if stages is None else stages,
                     self._released_hook(order.dst),
                 )
             finally:

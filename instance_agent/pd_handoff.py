@@ -4,19 +4,26 @@ first token, through the agent's live migration.
 Contract:
 - A generation request sent with ``X-Kvherd-Handoff: URL`` (`HANDOFF_HEADER`; the proxy's P/D
   pairing names the decode instance) runs here like any other. `PDHandoffs.start(stream, url)`
-  waits until its first token is in its stream (so TTFT pays no transfer), then live-migrates it
-  to the instance at URL with this agent's `MigrationService`: the same multi-stage, cache-aware
-  session as every migration (only the blocks the decode instance lacks are sent; its stage 0
-  reserves them there, at handoff time). The client's stream goes on from the decode instance
+  waits until its first token is in its stream (so TTFT pays no transfer), then migrates it
+  to the instance at URL with this agent's `MigrationService`: the same cache-aware session as
+  every migration (only the blocks the decode instance lacks are sent; its stage 0 reserves them
+  there, at handoff time). The stages are `migration.core.handoff`'s, as in the simulator: on a
+  prefill-only agent (`holds_first_token`) the server asks the engine to hold the request at its
+  first token (`BatchScheduler.hold_at_first_token`, in the same engine command that adds it), so
+  it is suspended before any decode step here and its KV moves in one stop-and-copy stage; on a
+  mixed agent live stages copy while it decodes. The client's stream goes on from the decode instance
   (the proxy reattaches there; a non-streamed request is relayed here), no token lost or
   repeated. A stream that ends before its first token (client gone, request aborted) is not
   handed off.
 - When the migration aborts (the decode instance refuses, is unreachable, dies before the
-  commit) the request keeps decoding here and the client sees nothing: the migration's abort
-  path leaves it running and frees the destination's reservation.
+  commit) or cannot start, the request decodes here and the client sees nothing: the
+  migration's abort path resumes it (a held request is resumed here otherwise) and frees the
+  destination's reservation.
 - The outcome (`Handoff.report`: ``outcome`` ``ok`` or ``fallback``, the abort reason, bytes and
-  blocks sent and skipped, downtime, ``duration_s`` from the first token to the commit or abort,
-  ``prefill_s`` from admission to the first token) reaches the proxy
+  blocks sent and skipped, ``stages``, downtime, ``duration_s`` from the first token to the
+  commit or abort, ``queued_s`` of it waiting for a turn, ``in_flight`` handoffs out of this
+  agent when it started, itself included, ``prefill_s`` from admission to the first token)
+  reaches the proxy
   as one token-ledger comment line ``: kvherd {"handoff": {...}}`` (`annotate`, streamed requests
   with the ledger only): right before the migration notice, or on a fallback before the next
   frame; a stream that finishes before the handoff resolved reports ``fallback`` with reason
@@ -25,8 +32,8 @@ Contract:
 - The header is honoured only with the fleet token (``Authorization: Bearer FLEET_TOKEN``, which
   the proxy adds to such requests) when the agent has one (`PDHandoffs.authorized`): the OpenAI
   routes are open, and a handoff sends KV and the token to the URL it names.
-- Handoffs out of one instance run one at a time, in arrival order (the migration service's
-  outgoing limit); a request waiting for its turn keeps decoding here.
+- Up to `MAX_HANDOFFS_OUT` handoffs out of one instance run at once, the others wait for a turn
+  in order of first tokens (held, not decoding, on a prefill-only agent).
 """
 
 from __future__ import annotations
@@ -40,7 +47,13 @@ from typing import TYPE_CHECKING, Any
 
 from kvherd import wire
 from kvherd.fleet_token import authorized
-from migration.core.protocol import MigrateOrder, MigrationOutcome, MigrationStatus
+from migration.core.handoff import MAX_HANDOFFS_OUT, handoff_stages, holds_first_token
+from migration.core.protocol import (
+    MigratableEngine,
+    MigrateOrder,
+    MigrationOutcome,
+    MigrationStatus,
+)
 
 if TYPE_CHECKING:
     from instance_agent.engine_loop import RequestStream
@@ -61,6 +74,7 @@ class Handoff:
         self.outcome: MigrationOutcome | None = None
         self.prefill_s = 0.0  # from admission to the first token (the handoff's start)
         self.queued_s = 0.0  # from the first token to the migration's start (its turn)
+        self.in_flight = 0  # handoffs out of this agent as it started, itself included
         self.skipped = ""  # why no migration was tried
 
     def report(self) -> dict[str, Any]:
@@ -73,12 +87,15 @@ class Handoff:
             "outcome": "ok" if committed else "fallback",
             "reason": None if committed or out.reason is None else out.reason.value,
             "dst": self.dst,
+            "stages": out.stages,
             "blocks_sent": out.blocks_sent,
             "blocks_skipped": out.blocks_skipped,
             "bytes_sent": out.bytes_sent,
             "bytes_skipped": out.bytes_skipped,
             "downtime_s": out.downtime_s,
             "duration_s": self.queued_s + out.duration_s,
+            "queued_s": self.queued_s,
+            "in_flight": self.in_flight,
             "prefill_s": self.prefill_s,
         }
 
@@ -89,10 +106,15 @@ class Handoff:
 class PDHandoffs:
     """This agent's handoffs in flight."""
 
-    def __init__(self, service: MigrationService, fleet_token: str | None = None) -> None:
+    def __init__(
+        self, service: MigrationService, fleet_token: str | None = None, role: str = "mixed"
+    ) -> None:
         self.service = service
         self._token = fleet_token
-        self._turn = asyncio.Lock()
+        self.holds_first_token = holds_first_token(role)  # the server holds such requests
+        self._stages = handoff_stages(role, service.settings.stages)
+        self._turns = asyncio.Semaphore(MAX_HANDOFFS_OUT)
+        self._in_flight = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self.outcomes: dict[str, int] = {}  # "ok" / "fallback" -> count
 
@@ -115,22 +137,49 @@ class PDHandoffs:
             await stream.started.wait()
             first_token = time.perf_counter()
             handoff.prefill_s = first_token - began
-            async with self._turn:
+            async with self._turns:
                 handoff.queued_s = time.perf_counter() - first_token
                 loop = self.service.engine_loop
                 if loop.stream_of(handoff.request_id) is not stream:
                     handoff.skipped = "stream_ended"  # the client left, or it finished and closed
                     return
-                handoff.outcome = await self.service.migrate(
-                    MigrateOrder(handoff.request_id, handoff.dst)
-                )
+                self._in_flight += 1
+                handoff.in_flight = self._in_flight
+                try:
+                    handoff.outcome = await self.service.migrate(
+                        MigrateOrder(handoff.request_id, handoff.dst),
+                        self._stages,
+                        MAX_HANDOFFS_OUT,
+                    )
+                finally:
+                    self._in_flight -= 1
         except Exception:  # a handoff must never take the request down: it decodes here
             log.exception("handoff of %s failed", handoff.request_id)
             handoff.skipped = "error"
         finally:
+            out = handoff.outcome
+            if self.holds_first_token and (
+                out is None or out.status is not MigrationStatus.COMMITTED
+            ):
+                await self._resume_held(handoff.request_id)
             key = handoff.report()["outcome"]
             self.outcomes[key] = self.outcomes.get(key, 0) + 1
             handoff.done.set()
+
+    async def _resume_held(self, request_id: str) -> None:
+        """A held request whose handoff did not commit decodes here (the migration's abort path
+        resumed it already, unless it never started)."""
+        if self.service.migrating(request_id):
+            return  # another migration of it runs (and suspended it)
+
+        def resume(engine: MigratableEngine) -> None:
+            if engine.request_phase(request_id) == "suspended":
+                engine.resume(request_id)
+
+        try:
+            await self.service.call(resume)
+        except Exception:
+            log.exception("resuming %s after its handoff failed", request_id)
 
 
 async def annotate(frames: AsyncIterator[bytes], handoff: Handoff) -> AsyncIterator[bytes]:

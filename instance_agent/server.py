@@ -421,7 +421,8 @@ async def _generate(
     try:
         if body.kvherd_continuation is not None and not body.stream:
             raise bad_request("only a streamed request can be continued", "kvherd_continuation")
-        stream, meta = await _submit(agent, body, request_id)
+        hold = bool(handoff_dst) and agent.handoffs is not None and agent.handoffs.holds_first_token
+        stream, meta = await _submit(agent, body, request_id, hold)
     except OpenAIError as exc:
         return _error_response(exc, headers)
     except InvalidRequestError as exc:
@@ -496,8 +497,13 @@ class _Meta:
 
 
 async def _submit(
-    agent: Agent, body: CompletionRequest | ChatCompletionRequest, request_id: str
+    agent: Agent,
+    body: CompletionRequest | ChatCompletionRequest,
+    request_id: str,
+    hold: bool = False,
 ) -> tuple[RequestStream, _Meta]:
+    """Open the request's stream; `hold`: suspend it at its first token (a P/D handoff out of a
+    prefill-only agent, `pd_handoff`), set in the very engine command that adds it."""
     if agent.draining:
         raise OpenAIError(
             503, "the instance is draining and accepts no new requests", type="server_error"
@@ -538,6 +544,8 @@ async def _submit(
                 cache_salt=body.cache_salt,
             )
         seeds.append(request.sampling_seed)
+        if hold:
+            engine.scheduler.hold_at_first_token(request_id)
 
     if continuation is None:
         prefix = "chatcmpl-" if chat else "cmpl-"

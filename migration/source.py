@@ -11,7 +11,8 @@ Contract:
   it finished or was preempted meanwhile) and the destination is told to free its reservation
   (best effort: if the destination is unreachable it frees on its own after its timeout).
 - Downtime is measured from the suspension to the commit (or to the resume, on abort): the time
-  the request makes no progress.
+  the request makes no progress (for a request its engine held at its first token, from the
+  first snapshot that found it suspended).
 """
 
 from __future__ import annotations
@@ -93,7 +94,10 @@ async def migrate_out(
         try:
             match action:
                 case Snapshot():
-                    action = session.on_snapshot(await call(_snapshot(request_id)))
+                    snapshot = await call(_snapshot(request_id))
+                    if snapshot.phase == "suspended" and suspended_at is None:
+                        suspended_at = time.perf_counter()  # held at its first token (P/D)
+                    action = session.on_snapshot(snapshot)
                 case Suspend():
                     await call(lambda e: e.suspend(request_id))
                     suspended_at = time.perf_counter()

@@ -74,6 +74,7 @@ import numpy as np
 from instance_agent.engine.core.load import engine_load
 from instance_agent.engine.core.request import InvalidRequestError, Request, RequestStatus
 from kvherd.kv_events import KVEvent
+from migration.core.handoff import handoff_stages, holds_first_token
 from migration.core.protocol import AbortReason
 from migration.core.session import (
     Abort,
@@ -395,6 +396,9 @@ class SimCluster:
             self.metrics.on_failed(rid)
             self._done_one()
             return
+        pair = self.handoffs.paired(rid)
+        if pair is not None and holds_first_token(self._role(pair[0])):
+            instance.scheduler.hold_at_first_token(rid)  # it never decodes on a prefill instance
         # Admissions arrive in arrival order at one priority, so they queue behind the head: a
         # decode run planned behind a waiting head stays exact (see `_start_step`).
         assert head is None or waiting[0] is head, "an admission overtook the waiting head"
@@ -593,7 +597,29 @@ class SimCluster:
             self.handoffs.on_done(order.request_id, FINISHED_FIRST)
             return
         link = self.config.transfer.link(order.src, order.dst)
-        self._open_migration(order, self.handoff_stats, link, self.handoffs.on_done)
+        stages = handoff_stages(self._role(order.src), self.config.migration_stages)
+        self._open_migration(order, self.handoff_stats, link, self._handoff_done, stages)
+
+    def _handoff_done(self, request_id: str, reason: str | None) -> None:
+        """A handoff ended; one that did not commit leaves its request decoding where it was
+        prefilled (a held request that no session suspended is resumed here)."""
+        pair = self.handoffs.paired(request_id)
+        src = None if pair is None else self.instances[pair[0]]
+        request = None if src is None else src.scheduler.requests.get(request_id)
+        if (
+            reason is not None
+            and src is not None
+            and request is not None
+            and request.status is RequestStatus.SUSPENDED
+            and request_id not in self._migrating
+        ):
+            src.scheduler.resume(request_id)
+            if src.idle:
+                self._start_step(src)
+        self.handoffs.on_done(request_id, reason)
+
+    def _role(self, instance_id: str) -> str:
+        return self.state.get(instance_id).role or "mixed"
 
     def _open_migration(
         self,
@@ -601,8 +627,11 @@ class SimCluster:
         stats: MigrationStats,
         link: TransferLink,
         on_done: Callable[[str, str | None], None],
+        stages: StageConfig | None = None,
     ) -> None:
-        """Start one migration through the sessions, or report it failed at once."""
+        """Start one migration through the sessions (`stages`: the migrations' unless given; a
+        handoff's may find its request held, suspended at its first token), or report it failed
+        at once."""
         src = self.instances.get(order.src)
         dst = self.instances.get(order.dst)
         request = None if src is None else src.scheduler.requests.get(order.request_id)
@@ -610,7 +639,10 @@ class SimCluster:
             src is None
             or dst is None
             or request is None
-            or request.status is not RequestStatus.RUNNING
+            or (
+                request.status is not RequestStatus.RUNNING
+                and (stages is None or request.status is not RequestStatus.SUSPENDED)
+            )
             or order.request_id in self._migrating
         ):
             on_done(order.request_id, AbortReason.REQUEST_NOT_RUNNING.value)
@@ -619,7 +651,7 @@ class SimCluster:
         rid = request.request_id
         m = _Migration(
             order,
-            SourceSession(rid, block_size, self.config.migration_stages),
+            SourceSession(rid, block_size, stages or self.config.migration_stages),
             DestinationSession(rid, dst.block_manager.block_size),
             owner=f"migration:{rid}",
             stats=stats,
@@ -647,6 +679,12 @@ class SimCluster:
             match action:
                 case Snapshot():
                     request = src.scheduler.requests.get(rid)
+                    if (
+                        request is not None
+                        and request.status is RequestStatus.SUSPENDED
+                        and math.isnan(m.suspended_at)
+                    ):
+                        m.suspended_at = self.loop.now  # held at its first token (P/D)
                     action = session.on_snapshot(
                         RequestSnapshot(None)
                         if request is None

@@ -6,9 +6,11 @@ Contract:
   arrival, and `Routed.decode_id` names the decode instance (None: no handoff, e.g. conditional
   disaggregation ran it where it decodes). `expect(request_id, prefill, decode)` records one.
 - `on_first_token(request_id)`: the prefill instance sampled the first token (so TTFT is recorded
-  there and pays no transfer). The handoff joins its prefill instance's queue: handoffs out of one
-  instance run one at a time, in arrival order, as in the agents (`instance_agent.pd_handoff`); a
-  request waiting for its turn keeps decoding where it was prefilled.
+  there and pays no transfer). The handoff joins its prefill instance's queue: up to
+  `MAX_HANDOFFS_OUT` handoffs out of one instance run at once, the rest wait in order of first
+  tokens, as in the agents (`instance_agent.pd_handoff`). Out of a prefill-only instance the
+  request is held (suspended) from its first token, so it never decodes there meanwhile
+  (`migration.core.handoff`; the cluster asks the engine for the hold at admission).
 - A handoff is the `MigrationOrder(request, prefill, decode, "pd_handoff")` given to `start`: the
   cluster's migration driver, i.e. the agents' `SourceSession`/`DestinationSession` (cache-aware
   stages that copy only the blocks the decode instance lacks, the stop-and-copy stage, the commit
@@ -27,6 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from migration.core.handoff import MAX_HANDOFFS_OUT
 from policies.views import MigrationOrder
 
 HANDOFF_REASON = "pd_handoff"
@@ -47,12 +50,19 @@ class HandoffStats:
 class SimHandoffs:
     """The fleet's handoffs: pairings waiting for a first token, per-instance queues, outcomes."""
 
-    def __init__(self, start: Callable[[MigrationOrder], None]) -> None:
+    def __init__(
+        self, start: Callable[[MigrationOrder], None], max_out: int = MAX_HANDOFFS_OUT
+    ) -> None:
         self._start = start
+        self._max_out = max_out
         self._paired: dict[str, tuple[str, str]] = {}  # request id -> (prefill, decode)
         self._queues: dict[str, deque[str]] = {}  # prefill instance -> requests waiting a turn
-        self._active: dict[str, str] = {}  # prefill instance -> the request handed off now
+        self._active: dict[str, set[str]] = {}  # prefill instance -> the requests handed off now
         self.stats = HandoffStats()
+
+    def paired(self, request_id: str) -> tuple[str, str] | None:
+        """(prefill, decode) of a request whose handoff has not ended."""
+        return self._paired.get(request_id)
 
     def expect(self, request_id: str, prefill: str, decode: str) -> None:
         self._paired[request_id] = (prefill, decode)
@@ -64,13 +74,12 @@ class SimHandoffs:
             return
         prefill = pair[0]
         self._queues.setdefault(prefill, deque()).append(request_id)
-        if prefill not in self._active:
-            self._next(prefill)
+        self._next(prefill)
 
     def on_finished(self, request_id: str) -> None:
         """The request ended; if its handoff never started, it finished first."""
         pair = self._paired.get(request_id)
-        if pair is None or self._active.get(pair[0]) == request_id:
+        if pair is None or request_id in self._active.get(pair[0], ()):
             return  # no handoff, or one in flight (its session sees the end and aborts)
         del self._paired[request_id]
         queue = self._queues.get(pair[0])
@@ -80,7 +89,7 @@ class SimHandoffs:
 
     def on_done(self, request_id: str, reason: str | None) -> None:
         prefill, _ = self._paired.pop(request_id)
-        del self._active[prefill]
+        self._active[prefill].discard(request_id)
         if reason is None:
             self.stats.ok += 1
         else:
@@ -89,9 +98,10 @@ class SimHandoffs:
 
     def _next(self, prefill: str) -> None:
         queue = self._queues.get(prefill)
-        if queue:
+        active = self._active.setdefault(prefill, set())
+        while queue and len(active) < self._max_out:
             request_id = queue.popleft()
-            self._active[prefill] = request_id
+            active.add(request_id)
             decode = self._paired[request_id][1]
             self._start(MigrationOrder(request_id, prefill, decode, HANDOFF_REASON))
 

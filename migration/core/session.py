@@ -10,6 +10,9 @@ Contract:
   `Abort(reason, resume, notify_destination)`. Order: snapshot; if the next stage is the
   stop-and-copy one, suspend and snapshot again (the request may have decoded meanwhile); plan the
   stage; reserve it on the destination; copy; repeat until the final stage landed; commit; release.
+  A request whose first snapshot finds it suspended already (held by its engine at its first
+  token: a P/D handoff out of a prefill-only instance) goes straight to the stop-and-copy stage,
+  with no `Suspend`.
 - A snapshot is checked before every stage: a finished request aborts `REQUEST_FINISHED`; one no
   longer decoding (waiting or prefilling again after stages landed: preempted) aborts
   `REQUEST_PREEMPTED`, before any stage `REQUEST_NOT_RUNNING`.
@@ -130,6 +133,9 @@ class SourceSession:
     def on_snapshot(self, snapshot: RequestSnapshot) -> SourceAction:
         planner = self.planner
         try:
+            if snapshot.phase == "suspended" and planner.phase is Phase.LIVE and not planner.stages:
+                planner.suspended()  # held at its first token: nothing can change it now
+                self._resnapshot = True
             _check_live(snapshot.phase, planner)
             if (
                 not self._resnapshot

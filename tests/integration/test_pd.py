@@ -432,3 +432,57 @@ async def test_handoff_header_needs_the_fleet_token() -> None:
             )
             assert state.json()["integrity"] == "ok"
             assert state.json()["block_owners"] == []
+
+
+async def handed_off(
+    client: httpx.AsyncClient, prefill: AgentProcess, decode: AgentProcess, prompt: list[int]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A plain request sent to the prefill agent with the handoff header (as the proxy sends
+    it): the output and the agent's handoff report."""
+    body = completion(prompt, SEEDED, False)
+    got = await client.post(
+        f"{prefill.url}/v1/completions", json=body, headers={"X-Kvherd-Handoff": decode.url}
+    )
+    assert got.status_code == 200, got.text
+    data = got.json()
+    output = {
+        "tokens": data["choices"][0]["token_ids"],
+        "text": data["choices"][0]["text"],
+        "usage": data["usage"],
+        "finish": data["choices"][0]["finish_reason"],
+    }
+    return output, json.loads(got.headers["x-kvherd-handoff"])
+
+
+async def test_prefill_agent_hands_off_in_one_stop_and_copy_stage(
+    pd_pair: list[AgentProcess],
+) -> None:
+    """Held at its first token, the request's KV moves in one stage (no live stage)."""
+    prefill, decode = pd_pair
+    prompt = fresh_prompt()
+    async with httpx.AsyncClient(timeout=60) as client:
+        got, report = await handed_off(client, prefill, decode, prompt)
+        expected = await run(client, prefill.url, completion(prompt, SEEDED, False))
+    assert report["outcome"] == "ok", report
+    assert report["stages"] == 1, report
+    assert report["blocks_sent"] + report["blocks_skipped"] == -(-PROMPT_TOKENS // 16), report
+    same_output(got, expected)
+    await assert_agents_clean(pd_pair)
+
+
+async def test_handoffs_out_of_one_prefill_agent_run_concurrently(
+    pd_pair: list[AgentProcess],
+) -> None:
+    """Requests prefilled together leave together (up to MAX_HANDOFFS_OUT at once), each in one
+    stage, with the outputs a colocated run gives."""
+    prefill, decode = pd_pair
+    prompts = [fresh_prompt() for _ in range(4)]
+    async with httpx.AsyncClient(timeout=120) as client:
+        results = await asyncio.gather(*(handed_off(client, prefill, decode, p) for p in prompts))
+        expected = [await run(client, prefill.url, completion(p, SEEDED, False)) for p in prompts]
+    reports = [report for _, report in results]
+    assert all(r["outcome"] == "ok" and r["stages"] == 1 for r in reports), reports
+    assert max(r["in_flight"] for r in reports) >= 2, reports
+    for (got, _), reference in zip(results, expected, strict=True):
+        same_output(got, reference)
+    await assert_agents_clean(pd_pair)

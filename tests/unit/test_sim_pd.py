@@ -1,16 +1,21 @@
 """P/D disaggregation in the simulator: production's pairing, the agents' migration session for the
-handoff, the same tokens as colocated serving, no leaked blocks, conditional disaggregation,
-refused handoffs and the link's bandwidth."""
+handoff (one stop-and-copy stage out of a prefill-only instance, live stages out of a mixed one),
+the request never decoding on a prefill instance, concurrent handoffs, the same tokens as colocated
+serving, no leaked blocks, conditional disaggregation, refused handoffs and the link's bandwidth."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import pytest
 
 import simulator.cluster as sim_cluster
+from instance_agent.engine.core.batch_scheduler import SchedulerOutput
 from instance_agent.engine.core.request import Request
+from migration.core.handoff import MAX_HANDOFFS_OUT, handoff_stages
 from migration.core.session import (
+    Abort,
     Commit,
     Copy,
     Done,
@@ -56,6 +61,7 @@ def _run(
     num_blocks: int = 4000,
     transfer: TransferModel | None = None,
     stages: StageConfig | None = None,
+    prepare: Callable[[SimCluster], None] | None = None,
 ) -> _TokenCluster:
     config = ClusterConfig(
         num_instances=mixed,
@@ -71,6 +77,8 @@ def _run(
         load_dispatch_policy("kvherd"),
         pd_policy=load_pd_policy("kvherd"),
     )
+    if prepare is not None:
+        prepare(cluster)
     cluster.run(Trace("t", trace, block_size=BS))
     return cluster
 
@@ -101,12 +109,19 @@ class _RecordingSession(SourceSession):
     """The agents' source session, keeping every input it got and action it returned."""
 
     log: ClassVar[list[tuple[str, object, SourceAction]]] = []
+    in_flight: ClassVar[int] = 0
+    most_in_flight: ClassVar[int] = 0
 
     def _note(self, event: str, given: object, action: SourceAction) -> SourceAction:
         self.log.append((event, given, action))
+        if isinstance(action, Done | Abort):
+            type(self).in_flight -= 1
         return action
 
     def start(self) -> SourceAction:
+        cls = type(self)
+        cls.in_flight += 1
+        cls.most_in_flight = max(cls.most_in_flight, cls.in_flight)
         return self._note("start", None, super().start())
 
     def on_snapshot(self, snapshot: RequestSnapshot) -> SourceAction:
@@ -131,9 +146,12 @@ class _RecordingSession(SourceSession):
         return self._note("released", None, super().on_released())
 
 
-def _replay(log: list[tuple[str, object, SourceAction]], request_id: str) -> list[SourceAction]:
-    """Feed a fresh session the same events, as `migration.source.migrate_out` feeds them."""
-    session = SourceSession(request_id, BS)
+def _replay(
+    log: list[tuple[str, object, SourceAction]], request_id: str, role: str
+) -> list[SourceAction]:
+    """Feed a fresh session the same events, as `migration.source.migrate_out` feeds them (with
+    the stages `instance_agent.pd_handoff` picks for a source of `role`)."""
+    session = SourceSession(request_id, BS, handoff_stages(role, StageConfig()))
     out: list[SourceAction] = []
     for event, given, _ in log:
         if event == "start":
@@ -152,11 +170,37 @@ def _replay(log: list[tuple[str, object, SourceAction]], request_id: str) -> lis
     return out
 
 
-def test_the_handoff_runs_the_agents_session(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_prefill_instance_hands_off_in_one_stop_and_copy_stage(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     _RecordingSession.log = []
     monkeypatch.setattr(sim_cluster, "SourceSession", _RecordingSession)
     cluster = _run(_trace(1, 800, 40), prefill=1, decode=1)
     assert cluster.handoffs.stats.ok == 1 and cluster.handoffs.stats.expected == 1
+    log = _RecordingSession.log
+    actions = [action for _, _, action in log]
+    # Held at its first token, the request is suspended already: no live stage, no Suspend; one
+    # stop-and-copy stage carries every block (hashes offered: cache-aware).
+    assert [type(a) for a in actions] == [Snapshot, Reserve, Copy, Commit, Release, Done]
+    (only,) = [a for a in actions if isinstance(a, Reserve)]
+    assert only.stage.index == 0 and only.stage.final
+    assert only.stage.num_blocks == 800 // BS and len(only.stage.block_hashes) == 800 // BS
+    first_snapshot = log[1][1]
+    assert isinstance(first_snapshot, RequestSnapshot) and first_snapshot.phase == "suspended"
+    assert first_snapshot.num_kv_tokens == 800  # the first token's KV is not computed yet
+    assert _replay(log, "0", "prefill") == actions
+    stats = cluster.handoff_stats
+    kv = load_latency_model(LATENCY).kv_bytes_per_token or 0.0
+    assert stats.bytes_sent == pytest.approx(only.stage.num_blocks * BS * kv)
+    _no_leaks(cluster)
+
+
+def test_a_mixed_instance_hands_off_with_live_stages(monkeypatch: pytest.MonkeyPatch) -> None:
+    _RecordingSession.log = []
+    monkeypatch.setattr(sim_cluster, "SourceSession", _RecordingSession)
+    cluster = _run(_trace(1, 800, 40), mixed=1, decode=1)
+    assert cluster.handoffs.stats.ok == 1 and cluster.handoffs.stats.expected == 1
+    assert cluster.metrics.columns()["instance"].tolist() == ["decode-0"]
     log = _RecordingSession.log
     actions = [action for _, _, action in log]
     # Llumnix's stages as the agents run them: a live stage of the prompt's full blocks (hashes
@@ -183,11 +227,48 @@ def test_the_handoff_runs_the_agents_session(monkeypatch: pytest.MonkeyPatch) ->
     first_snapshot = log[1][1]
     assert isinstance(first_snapshot, RequestSnapshot) and first_snapshot.phase == "decoding"
     # The same events give the same actions from a plain session: nothing simulator-specific.
-    assert _replay(log, "0") == actions
+    assert _replay(log, "0", "mixed") == actions
     stats = cluster.handoff_stats
     kv = load_latency_model(LATENCY).kv_bytes_per_token or 0.0
     sent = live.stage.num_blocks + final.stage.num_blocks
     assert stats.bytes_sent == pytest.approx(sent * BS * kv)
+    _no_leaks(cluster)
+
+
+def test_a_prefill_instance_never_decodes_a_handed_off_request() -> None:
+    decodes: list[str] = []
+
+    def watch(cluster: SimCluster) -> None:
+        scheduler = cluster.instances["prefill-0"].scheduler
+        schedule = scheduler.schedule
+
+        def scheduled() -> SchedulerOutput:
+            out = schedule()
+            decodes.extend(
+                s.request.request_id for s in out.scheduled if s.request.output_token_ids
+            )
+            return out
+
+        scheduler.schedule = scheduled  # type: ignore[method-assign]
+
+    # A burst of long prompts: the prefill instance computes prompts while handoffs queue.
+    cluster = _run(_trace(24, 900, 30, gap_s=0.005), prefill=1, decode=1, prepare=watch)
+    assert cluster.handoffs.stats.ok == 24
+    assert cluster.instances["prefill-0"].num_steps > 0
+    assert decodes == []
+    _no_leaks(cluster)
+
+
+def test_handoffs_out_of_one_prefill_instance_run_concurrently(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _RecordingSession.log = []
+    _RecordingSession.in_flight = _RecordingSession.most_in_flight = 0
+    monkeypatch.setattr(sim_cluster, "SourceSession", _RecordingSession)
+    # Eight prompts prefilled in the same steps: their first tokens come together.
+    cluster = _run(_trace(8, 300, 30, gap_s=0.0), prefill=1, decode=1)
+    assert cluster.handoffs.stats.ok == 8
+    assert _RecordingSession.most_in_flight == MAX_HANDOFFS_OUT
     _no_leaks(cluster)
 
 

@@ -20,7 +20,10 @@ Contract (vLLM v1's unified token-budget design):
   the waiting queue, O(1) to read; `running_prefill_tokens` sums the rest of the running requests
   still in prefill (admitted, not yet sampled: a prompt in chunked prefill), kept as a small set.
 - Migration support: a request can be suspended (kept with its blocks, not scheduled), resumed,
-  released (it left for another instance), or adopted with blocks already filled.
+  released (it left for another instance), or adopted with blocks already filled. A request held
+  at its first token (`hold_at_first_token`: a P/D handoff out of a prefill-only instance) is
+  suspended by the very `update_from_output` that samples it (unless that token ends it), so it
+  never decodes here; suspended requests are in no step's batch.
 The scheduler is pure Python: the engine drives it with a model, the simulator with a latency model.
 """
 
@@ -91,6 +94,7 @@ class BatchScheduler:
         # Running requests still in prefill (admitted, no token sampled since), by id.
         self._prefilling: dict[str, Request] = {}
         self.suspended: dict[str, Request] = {}
+        self._hold_at_first_token: set[str] = set()  # ids to suspend once they sample
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self._admission_seq: dict[str, int] = {}
         self._seq = itertools.count()
@@ -183,6 +187,7 @@ class BatchScheduler:
             self.waiting.remove(request)
             self._dequeued(request)
         self.suspended.pop(request_id, None)
+        self._hold_at_first_token.discard(request_id)
         self._admission_seq.pop(request_id, None)
         request.status = status
         request.finish_reason = status.finish_reason
@@ -193,6 +198,12 @@ class BatchScheduler:
         return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
 
     # -- migration support -------------------------------------------------------------------
+    def hold_at_first_token(self, request_id: str) -> None:
+        """Suspend the request in the step that samples its next token (see the contract)."""
+        if request_id not in self.requests:
+            raise KeyError(request_id)
+        self._hold_at_first_token.add(request_id)
+
     def suspend(self, request_id: str) -> Request:
         """Stop scheduling a running request; it keeps its blocks and state."""
         request = self.requests[request_id]
@@ -333,6 +344,7 @@ class BatchScheduler:
         max_model_len = self.config.max_model_len
         running_status = RequestStatus.RUNNING
         prefilling = self._prefilling
+        holds = self._hold_at_first_token
         for item in output.scheduled:
             request = item.request
             if request.status is not running_status:
@@ -355,6 +367,9 @@ class BatchScheduler:
                     done = self.finish_request(request.request_id, stop)
                     assert done is not None
                     finished.append(done)
+                elif holds and request.request_id in holds:
+                    holds.discard(request.request_id)
+                    self.suspend(request.request_id)
         return finished
 
     # -- decode fast-forward -----------------------------------------------------------------
