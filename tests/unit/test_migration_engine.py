@@ -207,7 +207,11 @@ async def test_long_request_migrates_in_several_live_stages(
     expected = reference(params)
     await start(src, "r", params)
     await wait_for(lambda: len(src.thread.tokens.get("r", [])) >= 2)
-    slow = SlowLink(dst.destination, delay_s=0.05)
+    # The first two stages answer only once the request has filled two more blocks, however
+    # loaded the machine is: each live stage leaves more than one block behind.
+    slow = DecodingLink(
+        dst.destination, lambda: len(src.thread.tokens.get("r", [])), 2 * BLOCK_SIZE + 1, stages=2
+    )
     outcome = await migrate(src, slow, "r", StageConfig(last_stage_max_blocks=1))
     assert outcome.status is MigrationStatus.COMMITTED, outcome
     assert outcome.stages >= 3  # at least two live stages, then stop-and-copy
@@ -234,6 +238,29 @@ class SlowLink:
 
     async def abort(self, msg: AbortRequest) -> AckResponse:
         return await self.destination.abort(msg)
+
+
+class DecodingLink(SlowLink):
+    """A destination whose first `stages` reserve answers wait until the request decoded `tokens`
+    more tokens: a slow network, measured in the request's own progress rather than in seconds."""
+
+    def __init__(
+        self,
+        destination: MigrationDestination,
+        decoded: Callable[[], int],
+        tokens: int,
+        stages: int,
+    ) -> None:
+        super().__init__(destination, delay_s=0.0)
+        self.decoded = decoded
+        self.tokens = tokens
+        self.stages = stages
+
+    async def reserve(self, msg: ReserveRequest) -> ReserveResponse:
+        if msg.stage < self.stages:
+            target = self.decoded() + self.tokens
+            await wait_for(lambda: self.decoded() >= target)
+        return await self.destination.reserve(msg)
 
 
 class FailingLink:
