@@ -713,7 +713,7 @@ class SimCluster:
                     src.scheduler.finish_request(rid, RequestStatus.FINISHED_MIGRATED)
                     action = session.on_released()
                 case Done():
-                    self._committed(m, dst)
+                    self._committed(m, src, dst)
                     return
                 case Abort():
                     self._aborted(m, src, dst, action)
@@ -771,7 +771,7 @@ class SimCluster:
         dst.scheduler.adopt(adopted)
         return session.on_commit_answer(True)
 
-    def _committed(self, m: _Migration, dst: SimInstance) -> None:
+    def _committed(self, m: _Migration, src: SimInstance, dst: SimInstance) -> None:
         rid = m.session.request_id
         del self._migrating[rid]
         stats = m.stats
@@ -781,6 +781,10 @@ class SimCluster:
         m.on_done(rid, None)
         if dst.idle:
             self._start_step(dst)
+        if src.idle and src.scheduler.waiting:
+            # The released blocks may admit its queue (an idle source held only suspended
+            # requests: P/D handoffs held at their first token).
+            self._start_step(src)
 
     def _aborted(self, m: _Migration, src: SimInstance, dst: SimInstance, abort: Abort) -> None:
         rid = m.session.request_id

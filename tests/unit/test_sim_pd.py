@@ -336,3 +336,15 @@ def test_a_slower_link_takes_longer_to_hand_off(monkeypatch: pytest.MonkeyPatch)
         downtimes[name] = downtime
     assert downtimes["rdma100"] > 5 * downtimes["nvlink"]
     assert link("rdma100").bandwidth == 12.5e9 and link("nvlink").bandwidth == 450e9
+
+
+@pytest.mark.timeout(60)
+def test_a_committed_handoff_lets_its_prefill_instance_admit_its_queue() -> None:
+    # Two held prompts fill the prefill instance (120 blocks); the rest wait there until the
+    # handoffs release their blocks, while the instance runs no step (it holds only suspended
+    # requests): the commit must start its next step.
+    cluster = _run(_trace(6, 800, 10, gap_s=0.0), prefill=1, decode=3, num_blocks=120)
+    stats = cluster.handoffs.stats
+    assert stats.ok + stats.num_fallback == stats.expected == 6
+    assert len(cluster.metrics.columns()["instance"]) == 6
+    _no_leaks(cluster)
