@@ -135,7 +135,7 @@ def main() -> None:
     cluster, documents, traced, indexed = build(args)
     print(
         f"index: {args.instances} instances, {indexed:,} indexed blocks, "
-        f"{len(cluster.prefix_index.owners.owners):,} distinct; built in "
+        f"{len(cluster.prefix_index.owners):,} distinct; built in "
         f"{time.perf_counter() - t0:.1f} s (under tracemalloc)"
     )
     print(

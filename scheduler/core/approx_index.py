@@ -15,10 +15,11 @@ Contract:
   heap, so a call with nothing due costs O(1), and drops at most `max_expire_per_call` entries per
   call: a backlog (a burst's entries all expiring together) is spread over the next calls instead of
   landing in one routing decision, and an entry may outlive its TTL until the backlog is worked off.
-  Its block -> instances map is sharded (`ShardedBlockOwners`): it grows inside routing
-  decisions, and one big dict would stall a decision for milliseconds each time it grows.
-  `num_shards=1` keeps one plain dict instead: the same answers for 20-30% less work per
-  block, for a caller that counts total time rather than the worst decision (the simulator).
+  Its block -> instances map (`BlockOwners`, the precise index's class) is split over
+  `num_shards` dicts: it grows inside routing decisions, and one big dict would stall a decision
+  for milliseconds each time it grows. `num_shards=1` keeps one plain dict instead: the same
+  answers for 20-30% less work per block, for a caller that counts total time rather than the
+  worst decision (the simulator).
   Pure: the caller supplies `now`.
 """
 
@@ -30,13 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import count, islice, repeat, takewhile
 
-from scheduler.core.prefix_index import (
-    BlockOwners,
-    InstanceSlots,
-    OwnerMap,
-    ShardedBlockOwners,
-    match_chain,
-)
+from scheduler.core.prefix_index import BlockOwners, InstanceSlots, match_chain
 
 
 @dataclass(slots=True)
@@ -62,7 +57,7 @@ class ApproxIndex:
         self.default_ttl_s = ttl_s
         self.max_blocks_per_instance = max_blocks_per_instance
         self.max_expire_per_call = max_expire_per_call
-        self.owners: OwnerMap = BlockOwners() if num_shards == 1 else ShardedBlockOwners(num_shards)
+        self.owners = BlockOwners(num_shards)
         self._own_slots = slots is None
         self.slots = InstanceSlots() if slots is None else slots
         self._instances: dict[str, _Entries] = {}

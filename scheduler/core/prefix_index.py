@@ -1,10 +1,11 @@
 """Precise prefix index: which instance caches which block, fed by KV events.
 
 Contract:
-- `BlockOwners` is the shared core: kvherd block hash -> bitmask of instance slots
-  (`InstanceSlots`), so `match(chain)` walks the request's chain once, AND-ing masks until no
-  instance still matches, and returns ``{instance_id: leading blocks matched}`` (instances with 0
-  are absent). Cost is one dict lookup per matched block, independent of the number of instances.
+- `BlockOwners` is the shared core of both indexes (one class, one dict or split over shards):
+  kvherd block hash -> bitmask of instance slots (`InstanceSlots`), so `match(chain)` walks the
+  request's chain once, AND-ing masks until no instance still matches, and returns
+  ``{instance_id: leading blocks matched}`` (instances with 0 are absent). Cost is one dict
+  lookup per matched block, independent of the number of instances.
 - `PrefixIndex` applies vLLM-format KV event batches per instance:
   `BlockStored` (re-hashed with kvherd's own `block_hash_chain`, because an engine's hash function
   may differ; the per-instance map engine hash -> kvherd hash resolves later removals and parent
@@ -28,7 +29,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, compress, count, islice, repeat
-from operator import and_, ne, not_, or_
+from operator import and_, ne, or_
 from typing import cast
 
 from kvherd.block_hash import HashAlgo, block_extra_keys, block_hash_chain, hash_block
@@ -83,80 +84,34 @@ class InstanceSlots:
 
 
 class BlockOwners:
-    """kvherd block hash -> bitmask of the instances holding it.
+    """kvherd block hash -> bitmask of the instances holding it, split over `num_shards` dicts by
+    the hash's low bits.
 
-    The bulk forms (`add_many`, `discard_many`) take a run of blocks at once: a KV event or a routed
-    chain names tens to thousands of blocks, and their lookups and updates run in C iterators.
+    Every update takes a run of blocks at once (a KV event or a routed chain names one to
+    thousands), and its lookups and updates run in C iterators, written once for any shard count.
+    One shard (the precise index, the simulator) is one plain dict. Several: the approximate index
+    grows inside routing decisions (every routed chain is recorded), and a CPython dict grows by
+    rebuilding its whole table: one dict of ~170k entries (a few hundred routed 32k-token prompts)
+    costs one decision several milliseconds. Split, each rebuild touches 1/`num_shards` of the
+    entries; a lookup costs one extra C-level step per block.
     """
 
-    def __init__(self) -> None:
-        self.owners: dict[int, int] = {}
-
-    def add(self, block_hash: int, bit: int) -> bool:
-        """Set `bit` for the block; False when it was already set."""
-        mask = self.owners.get(block_hash, 0)
-        if mask & bit:
-            return False
-        self.owners[block_hash] = mask | bit
-        return True
-
-    def add_many(self, block_hashes: Sequence[int], bit: int) -> None:
-        """Set `bit` for every block of `block_hashes`."""
-        owners = self.owners
-        if owners.keys().isdisjoint(block_hashes):  # the usual run: blocks nobody holds yet
-            owners.update(zip(block_hashes, repeat(bit)))
-            return
-        masks = map(owners.get, block_hashes, repeat(0))
-        owners.update(zip(block_hashes, map(or_, masks, repeat(bit)), strict=True))
-
-    def discard(self, block_hash: int, bit: int) -> None:
-        mask = self.owners.get(block_hash, 0) & ~bit
-        if mask:
-            self.owners[block_hash] = mask
-        else:
-            self.owners.pop(block_hash, None)
-
-    def discard_many(self, block_hashes: Sequence[int], bit: int) -> None:
-        """Clear `bit` for every block; blocks no instance holds any more are dropped."""
-        owners = self.owners
-        # Pop first: in the usual run no other instance holds any of them, so none goes back.
-        popped = list(map(owners.pop, block_hashes, repeat(0)))
-        if popped.count(bit) != len(popped):  # some are held elsewhere too (or nowhere)
-            kept = list(map(and_, popped, repeat(~bit)))
-            owners.update(compress(zip(block_hashes, kept, strict=True), kept))
-
-    def masks(self, chunk: Sequence[int]) -> list[int]:
-        """Each block's mask (0: nobody holds it)."""
-        return list(map(self.owners.get, chunk, repeat(0)))
-
-    def holds_none(self, chunk: Sequence[int]) -> bool:
-        """True when no instance holds any block of `chunk`."""
-        return self.owners.keys().isdisjoint(chunk)
-
-    def __len__(self) -> int:
-        return len(self.owners)
-
-
-class ShardedBlockOwners:
-    """`BlockOwners` split over `num_shards` dicts by the hash's low bits.
-
-    The approximate index grows inside routing decisions (every routed chain is recorded), and a
-    CPython dict grows by rebuilding its whole table: one dict of ~170k entries (a few hundred
-    routed 32k-token prompts) costs one decision several milliseconds. Split, each rebuild touches
-    1/`num_shards` of the entries; a lookup costs one extra C-level step per block.
-    """
-
-    def __init__(self, num_shards: int = 64) -> None:
+    def __init__(self, num_shards: int = 1) -> None:
         if num_shards <= 0 or num_shards & (num_shards - 1):
             raise ValueError("num_shards must be a power of two")
         self._low = num_shards - 1
         self.shards: list[dict[int, int]] = [{} for _ in range(num_shards)]
+        # One shard: every block's dict is the one dict (`repeat` can be walked again and again).
+        self._one = repeat(self.shards[0]) if num_shards == 1 else None
 
-    def _shards_of(self, block_hashes: Iterable[int]) -> list[dict[int, int]]:
+    def _shards_of(self, block_hashes: Sequence[int]) -> Iterable[dict[int, int]]:
+        """Each block's dict, as an iterable that can be walked again."""
+        if self._one is not None:
+            return self._one
         return list(map(self.shards.__getitem__, map(and_, block_hashes, repeat(self._low))))
 
     def add_many(self, block_hashes: Sequence[int], bit: int) -> None:
-        """Set `bit` for every block of `block_hashes`."""
+        """Set `bit` for every block of `block_hashes` (distinct hashes)."""
         shards = self._shards_of(block_hashes)
         masks = map(or_, map(dict.get, shards, block_hashes, repeat(0)), repeat(bit))
         deque(map(dict.__setitem__, shards, block_hashes, masks), 0)
@@ -164,22 +119,15 @@ class ShardedBlockOwners:
     def discard_many(self, block_hashes: Sequence[int], bit: int) -> None:
         """Clear `bit` for every block; blocks no instance holds any more are dropped."""
         shards = self._shards_of(block_hashes)
-        masks = list(map(and_, map(dict.get, shards, block_hashes, repeat(0)), repeat(~bit)))
-        if not any(masks):  # the usual run: no other instance holds any of these blocks
-            deque(map(dict.pop, shards, block_hashes, repeat(None)), 0)
-            return
-        kept = list(map(bool, masks))
-        deque(
-            map(dict.__setitem__, compress(shards, kept), compress(block_hashes, kept),
-                compress(masks, kept)),
-            0,
-        )  # fmt: skip
-        if not all(kept):
-            gone = list(map(not_, kept))
+        # Pop first: in the usual run no other instance holds any of them, so none goes back.
+        popped = list(map(dict.pop, shards, block_hashes, repeat(0)))
+        if popped.count(bit) != len(popped):  # some are held elsewhere too (or nowhere)
+            kept = list(map(and_, popped, repeat(~bit)))
             deque(
-                map(dict.pop, compress(shards, gone), compress(block_hashes, gone), repeat(None)),
+                map(dict.__setitem__, compress(shards, kept), compress(block_hashes, kept),
+                    compress(kept, kept)),
                 0,
-            )
+            )  # fmt: skip
 
     def masks(self, chunk: Sequence[int]) -> list[int]:
         """Each block's mask (0: nobody holds it)."""
@@ -193,10 +141,7 @@ class ShardedBlockOwners:
         return sum(map(len, self.shards))
 
 
-OwnerMap = BlockOwners | ShardedBlockOwners
-
-
-def match_groups(chain: Sequence[int], maps: Sequence[OwnerMap]) -> list[tuple[int, int]]:
+def match_groups(chain: Sequence[int], maps: Sequence[BlockOwners]) -> list[tuple[int, int]]:
     """The walk itself: ``[(instance bits, leading blocks matched), ...]`` by increasing depth, a
     block counting if any of `maps` holds it. Each bit appears in at most one group.
 
@@ -245,7 +190,7 @@ def match_groups(chain: Sequence[int], maps: Sequence[OwnerMap]) -> list[tuple[i
 
 
 def match_chain(
-    chain: Sequence[int], maps: Sequence[OwnerMap], slots: InstanceSlots
+    chain: Sequence[int], maps: Sequence[BlockOwners], slots: InstanceSlots
 ) -> dict[str, int]:
     """Leading blocks of `chain` held per instance, a block counting if any map holds it."""
     result: dict[str, int] = {}
@@ -314,7 +259,8 @@ class PrefixIndex:
         self.hash_algo: HashAlgo = hash_algo
         self.max_blocks_per_instance = max_blocks_per_instance
         self.max_blocks_total = max_blocks_total
-        self.owners = BlockOwners()
+        self.owners = BlockOwners()  # one shard: the per-block loops below update its dict
+        self._masks = self.owners.shards[0]
         self._own_slots = slots is None
         self.slots = InstanceSlots() if slots is None else slots
         self._instances: dict[str, _InstanceBlocks] = {}
@@ -437,7 +383,7 @@ class PrefixIndex:
         # A plain loop: each block costs four dict operations, memory-bound on a large index;
         # C-iterator passes over the run (measured on the simulator's event stream) only add
         # passes over the same dicts.
-        entries, dups, owners, bit = inst.entries, inst.dups, self.owners.owners, inst.bit
+        entries, dups, owners, bit = inst.entries, inst.dups, self._masks, inst.bit
         size = before = len(entries)
         for engine_hash, kv_hash in zip(engine_hashes, kv_hashes, strict=True):
             previous = entries.setdefault(engine_hash, kv_hash)
@@ -480,7 +426,7 @@ class PrefixIndex:
         """`_stored` for engine hashes that are kvherd's own: an entry names itself and the
         instance's bit is set exactly for its entries (never a dup), so a block costs three dict
         operations and no mask test (the simulator's whole event stream comes this way)."""
-        entries, owners, bit = inst.entries, self.owners.owners, inst.bit
+        entries, owners, bit = inst.entries, self._masks, inst.bit
         before = len(entries)
         if len(block_hashes) >= _BULK_RUN and entries.keys().isdisjoint(block_hashes):
             # A prefill's run of new blocks: C-iterator passes instead of a loop per block.
@@ -509,7 +455,7 @@ class PrefixIndex:
         if event.medium not in _GPU_MEDIA:
             self.stats.other_medium += 1
             return
-        entries, dups, owners, keep = inst.entries, inst.dups, self.owners.owners, ~inst.bit
+        entries, dups, owners, keep = inst.entries, inst.dups, self._masks, ~inst.bit
         hashes = event.block_hashes
         if inst.trust_engine_hashes and len(hashes) >= _BULK_RUN:
             # An entry names itself (never a dup), so the popped values are the blocks to release.

@@ -21,7 +21,6 @@ from scheduler.core.prefix_index import (
     BlockOwners,
     InstanceSlots,
     PrefixIndex,
-    ShardedBlockOwners,
     match_chain,
 )
 
@@ -319,7 +318,7 @@ def check_trusted_against_lru_model(
         for block in range(universe):
             owners = {n for n in INSTANCES if block in model[n]}
             expected = sum(index.slots.bit(n) for n in owners)
-            assert index.owners.owners.get(block, 0) == expected
+            assert index.owners.masks([block]) == [expected]
 
 
 def test_events_for_an_unregistered_instance_name_it() -> None:
@@ -388,7 +387,7 @@ def test_two_engine_hashes_for_the_same_tokens_are_counted() -> None:
     index.apply_batch("a", batch(2, BlockRemoved([*other[4:], 12345])))
     assert index.match(chain) == {"a": 4} and index.num_blocks("a") == 7
     index.apply_batch("a", batch(3, BlockRemoved(other[:4] + engine_chain(PROMPT)[:3])))
-    assert index.match(chain) == {} and index.owners.owners == {}
+    assert index.match(chain) == {} and len(index.owners) == 0
 
 
 # -- property: the approximate index equals a brute-force model --------------------------------
@@ -467,7 +466,8 @@ def test_approx_index_equals_brute_force_model(
     )
 )
 def test_sharded_owners_equal_one_dict(ops: list[tuple[bool, int, list[int]]]) -> None:
-    plain, sharded = BlockOwners(), ShardedBlockOwners(num_shards=4)
+    """One class for any shard count: split over shards, the answers are one dict's."""
+    plain, sharded = BlockOwners(), BlockOwners(num_shards=4)
     universe = list(range(41))
     for add, slot, hashes in ops:
         if add:
@@ -483,7 +483,7 @@ def test_sharded_owners_equal_one_dict(ops: list[tuple[bool, int, list[int]]]) -
             nobody = not any(plain.masks(chunk))
             assert plain.holds_none(chunk) == sharded.holds_none(chunk) == nobody
     with pytest.raises(ValueError):
-        ShardedBlockOwners(num_shards=3)
+        BlockOwners(num_shards=3)
 
 
 # -- property: the chunked walk over long chains equals a block-by-block walk ------------------
