@@ -39,6 +39,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -62,6 +63,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HANDOFF_HEADER = "x-kvherd-handoff"
+# The longest a handoff waits for its first token's frame to be written (a client that reads
+# nothing must not keep the request on the prefill instance).
+FIRST_FRAME_WAIT_S = 1.0
+_TOKEN_LEDGER = b'"token_ids"'
 
 
 class Handoff:
@@ -71,6 +76,10 @@ class Handoff:
         self.request_id = request_id
         self.dst = dst
         self.done = asyncio.Event()
+        # A streamed request's first token frame has been handed to the client's connection: the
+        # handoff waits for it, so TTFT never pays for the transfer.
+        self.streamed = False
+        self.first_frame_sent = asyncio.Event()
         self.outcome: MigrationOutcome | None = None
         self.prefill_s = 0.0  # from admission to the first token (the handoff's start)
         self.queued_s = 0.0  # from the first token to the migration's start (its turn)
@@ -137,6 +146,9 @@ class PDHandoffs:
             await stream.started.wait()
             first_token = time.perf_counter()
             handoff.prefill_s = first_token - began
+            if handoff.streamed:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(handoff.first_frame_sent.wait(), FIRST_FRAME_WAIT_S)
             async with self._turns:
                 handoff.queued_s = time.perf_counter() - first_token
                 loop = self.service.engine_loop
@@ -182,8 +194,14 @@ class PDHandoffs:
             log.exception("resuming %s after its handoff failed", request_id)
 
 
-async def annotate(frames: AsyncIterator[bytes], handoff: Handoff) -> AsyncIterator[bytes]:
-    """`frames` (a streamed request's SSE with the token ledger) with the handoff's ledger line."""
+def annotate(frames: AsyncIterator[bytes], handoff: Handoff) -> AsyncIterator[bytes]:
+    """`frames` (a streamed request's SSE with the token ledger) with the handoff's ledger line;
+    the handoff starts once the first token's frame has been sent."""
+    handoff.streamed = True
+    return _annotated(frames, handoff)
+
+
+async def _annotated(frames: AsyncIterator[bytes], handoff: Handoff) -> AsyncIterator[bytes]:
     reported = False
     async for chunk in frames:
         if not reported:
@@ -196,6 +214,9 @@ async def annotate(frames: AsyncIterator[bytes], handoff: Handoff) -> AsyncItera
                 chunk = handoff.ledger_line() + chunk
                 reported = True
         yield chunk
+        # Resumed: the server has written `chunk`. A frame with tokens names them in its ledger.
+        if not handoff.first_frame_sent.is_set() and _TOKEN_LEDGER in chunk:
+            handoff.first_frame_sent.set()
 
 
 def header_value(handoff: Handoff) -> str:
