@@ -47,7 +47,6 @@ from pydantic import (
 from instance_agent.engine.core.request import InvalidRequestError, SamplingParams
 from kvherd.chat_render import ChatPrompt, ChatRenderError, parse_chat
 from kvherd.tokenizer import Tokenizer, chat_token_ids
-from kvherd.wire import MAX_BODY_BYTES as MAX_BODY_BYTES  # the agent's body limit is the proxy's
 from kvherd.wire import OpenAIError, bad_request
 
 Number = StrictFloat | StrictInt

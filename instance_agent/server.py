@@ -10,7 +10,7 @@ Contract (`create_app(agent)` returns the FastAPI app):
   response. A client that disconnects, streamed or not, aborts its request, freeing its blocks.
 - Every error is the OpenAI error object: 400 for any invalid body (FastAPI's 422 is replaced, in
   the OpenAPI schema too), 404 for an unknown model or route, 413 for a body over
-  `MAX_BODY_BYTES`, 503 while draining, 500 if the engine died.
+  `kvherd.wire.MAX_BODY_BYTES`, 503 while draining, 500 if the engine died.
 - ``GET /health`` (200 ok, 503 draining, 500 engine dead), ``GET /version``, ``GET /metrics``
   (Prometheus, vLLM names), ``GET /kvherd/v1/state`` (see `state.snapshot`;
   ``?block_hashes=true`` adds the cached block hashes; ``?check_integrity=true`` adds
@@ -309,7 +309,7 @@ def create_app(
         log.exception("unhandled error on %s", request.url.path)
         return _error_response(OpenAIError(500, f"internal error: {exc!r}", type="server_error"))
 
-    app.add_middleware(BodyLimitMiddleware, limit=protocol.MAX_BODY_BYTES)
+    app.add_middleware(BodyLimitMiddleware, limit=wire.MAX_BODY_BYTES)
     if fleet_token:
         app.add_middleware(FleetTokenMiddleware, token=fleet_token)
 

@@ -299,18 +299,15 @@ class _Connection(asyncio.Protocol):
                 raise self._error
             if self._state == _DONE:
                 return None
-            waiter = self._chunk_waiter = self._loop.create_future()
-            timer = self._loop.call_later(timeout, _expire, waiter)
-            try:
-                await waiter
-            finally:
-                timer.cancel()
-                self._chunk_waiter = None
+            await self._wait_chunk(timeout)
 
     async def wait_data(self, timeout: float) -> None:
         """Wait up to `timeout` for `pending()` (TimeoutError if it stays false)."""
-        if self.pending():
-            return
+        if not self.pending():
+            await self._wait_chunk(timeout)
+
+    async def _wait_chunk(self, timeout: float) -> None:
+        """Until the next chunk, error or end arrives (TimeoutError after `timeout`)."""
         waiter = self._chunk_waiter = self._loop.create_future()
         timer = self._loop.call_later(timeout, _expire, waiter)
         try:

@@ -55,7 +55,7 @@ Contract:
   ``queue_timeout_s``; past either bound it gets 429 (with ``Retry-After``) too. With no
   dispatchable instance at all it gets 503. Retries and continuations of admitted requests are
   never refused by the expected wait.
-- Bounded work per request on the loop: bodies over `MAX_BODY_BYTES` (the agents' limit,
+- Bounded work per request on the loop: bodies over `kvherd.wire.MAX_BODY_BYTES` (the agents' limit,
   `kvherd.wire`) are refused unread; a prompt longer than every instance's ``max_model_len`` (read
   from their ``/v1/models`` at start-up; unchecked while some instance did not say) gets vLLM's
   400 (``code: context_length_exceeded``) before it is hashed; bodies over
@@ -135,7 +135,6 @@ def _notice_prefix(data: bytes) -> int:
     return 0
 
 
-MAX_BODY_BYTES = wire.MAX_BODY_BYTES  # the agents' own limit: never forward what they refuse
 # Bodies and prompts past these sizes are parsed, tokenized and hashed in a worker thread (at most
 # `_OFF_LOOP_WORKERS` at once), so a few huge prompts cannot stall every other request on the loop.
 OFF_LOOP_BODY_BYTES = 64 * 1024
@@ -154,7 +153,7 @@ class ProxyConfig:
     request_timeout_s: float = 600.0  # until the response head (whole request when not streamed)
     stream_idle_timeout_s: float = 300.0  # between streamed chunks
     expose_instance: bool = False
-    max_body_bytes: int = MAX_BODY_BYTES
+    max_body_bytes: int = wire.MAX_BODY_BYTES  # the agents' own: never forward what they refuse
     max_continuations: int = 2  # attempts to continue one stream whose instance was lost
     deadlines: DeadlineSettings = field(default_factory=DeadlineSettings)
     fleet_token: str | None = None  # the agents' control routes (resume) require it
