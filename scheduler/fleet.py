@@ -141,6 +141,7 @@ class FleetInstance:
     def inflight(self) -> int:
         """Requests in flight here: the one count, derived from the keys."""
         return len(self.keys)
+
     block_size_mismatch: dict[str, Any] | None = None
     kv_fallback: str | None = None  # why it is routed with the approximate index despite events
 
