@@ -45,6 +45,22 @@ log = logging.getLogger("kvherd.serve")
 ADMIN_TOKEN_ENV = "KVHERD_ADMIN_TOKEN"
 
 
+class _DeadlineRange(argparse.Action):
+    """``FLOOR CAP`` seconds with 0 < FLOOR <= CAP (finite): anything else is a usage error."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        floor, cap = values
+        if not 0 < floor <= cap < float("inf"):
+            parser.error(f"{option_string}: need 0 < FLOOR <= CAP seconds, got {floor:g} {cap:g}")
+        setattr(namespace, self.dest, [floor, cap])
+
+
 def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared by ``kvherd serve`` and ``kvherd up``."""
     parser.add_argument("--policy", default=None, help="dispatch policy: name, module:attr or YAML")
@@ -178,6 +194,7 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         "--first-byte-deadline",
         type=float,
         nargs=2,
+        action=_DeadlineRange,
         default=[10.0, 120.0],
         metavar=("FLOOR", "CAP"),
         help="seconds a stream may wait for its first chunk: derived from the instance's queue "
@@ -187,6 +204,7 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         "--inter-chunk-deadline",
         type=float,
         nargs=2,
+        action=_DeadlineRange,
         default=[2.0, 30.0],
         metavar=("FLOOR", "CAP"),
         help="seconds between a stream's chunks: derived from the instance's step time, "
@@ -276,7 +294,7 @@ async def probe_instance(
 
     from kvherd.fleet_token import auth_headers
     from scheduler.core.load_report import parse_prometheus
-    from scheduler.fleet import InstanceSpec
+    from scheduler.fleet import FleetError, InstanceSpec
 
     url = raw["url"]
     bind = raw.get("kv_events_bind")
@@ -295,6 +313,8 @@ async def probe_instance(
     async with httpx.AsyncClient(timeout=5.0, trust_env=False, headers=headers) as client:
         try:
             state = await client.get(url + "/kvherd/v1/state")
+            if state.status_code == 401:  # a kvherd agent whose control routes need the token
+                raise FleetError(401, _token_refused(fleet_token))
             if state.status_code == 200:
                 body = state.json()
                 spec.kvherd_agent = True
@@ -317,6 +337,20 @@ async def probe_instance(
     if override is not None:  # the operator's word wins; a differing report is still warned of
         spec.block_size = int(override)
     return spec
+
+
+def _token_refused(fleet_token: str | None) -> str:
+    from kvherd.fleet_token import FLEET_TOKEN_ENV
+
+    if fleet_token is None:
+        return (
+            "the agent guards its control routes with a fleet token and none was given: pass "
+            f"the fleet's token with --fleet-token or ${FLEET_TOKEN_ENV}"
+        )
+    return (
+        "the agent refused the fleet token (401): --fleet-token / "
+        f"${FLEET_TOKEN_ENV} must be the token its agents were started with"
+    )
 
 
 def foreign_without_tokenizer(spec: InstanceSpec) -> str | None:

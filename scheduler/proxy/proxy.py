@@ -227,6 +227,7 @@ class Proxy:
         self._id_counter = itertools.count(1)
         fleet.on_capacity = self._on_capacity
         fleet.on_lost = self._instance_lost
+        fleet.prober.lag_owed = self.lag.owed  # a probe's timeout excludes the loop's lag too
 
     def _on_capacity(self) -> None:
         self._admission.wake_one()
