@@ -13,7 +13,7 @@ Contract:
   manager emits for the cluster to deliver (with delay) to the scheduler's prefix index.
 - Decode fast-forward (`start_decode_run`): when the scheduler guarantees a run of pure-decode
   steps and they all end before `horizon` (the next event that could observe or change the
-  instance), the instance applies them at once (`BatchScheduler.advance_decode`) with the same step
+  instance), the instance applies them at once (`simulator.fast_forward`) with the same step
   times, token times, block allocations and per-step KV events as stepping one by one.
   `continue_decode_run` applies the next steps of the same guaranteed run, up to a new horizon,
   as long as no request was added since (an admission ends the guarantee).
@@ -35,6 +35,7 @@ from instance_agent.engine.core.batch_scheduler import (
 from instance_agent.engine.core.block_manager import BlockManager
 from instance_agent.engine.core.request import Request, SamplingParams
 from kvherd.kv_events import KVEvent
+from simulator.fast_forward import advance_decode, decode_run_length
 from simulator.latency.base import LatencyModel
 from simulator.prompts import DEFAULT_LOW_TOKEN, DEFAULT_VOCAB_SIZE, synthesize_prompt
 from simulator.traces import TraceRequest
@@ -95,6 +96,9 @@ class InstanceConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 1 << 20
     enable_prefix_caching: bool = True
+    # Off: a prompt is admitted only whole (vLLM before chunked prefill); then
+    # max_num_batched_tokens must cover max_model_len (`SchedulerConfig.validate`).
+    enable_chunked_prefill: bool = True
     watermark: float = 0.01
     # Serving-loop cost per step outside the forward pass (HTTP streaming, thread hand-offs).
     step_overhead_s: float = 0.0
@@ -104,7 +108,7 @@ class InstanceConfig:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
-            enable_chunked_prefill=True,
+            enable_chunked_prefill=self.enable_chunked_prefill,
         )
 
 
@@ -258,7 +262,7 @@ class SimInstance:
         self._plan(now, horizon, straddle, min_steps, starts, ends, durations)
         if len(ends) < min_steps:
             return None
-        k = scheduler.decode_run_length(max_steps)
+        k = decode_run_length(scheduler, max_steps)
         if k < min_steps:
             return None
         self._plan(now, horizon, straddle, k, starts, ends, durations)
@@ -327,8 +331,8 @@ class SimInstance:
     ) -> DecodeRun:
         events: list[list[KVEvent]] = []
         pool: list[tuple[int, int]] = []
-        applied = self.scheduler.advance_decode(
-            len(ends), sampled_tokens, pools=pool, step_events=events
+        applied = advance_decode(
+            self.scheduler, len(ends), sampled_tokens, pools=pool, step_events=events
         )
         if applied < len(ends):  # the waiting head must see a block this run cached
             self._steps_left = 0

@@ -62,10 +62,11 @@ def _run(
     transfer: TransferModel | None = None,
     stages: StageConfig | None = None,
     prepare: Callable[[SimCluster], None] | None = None,
+    instance: InstanceConfig | None = None,
 ) -> _TokenCluster:
     config = ClusterConfig(
         num_instances=mixed,
-        instance=InstanceConfig(num_blocks=num_blocks, block_size=BS),
+        instance=instance or InstanceConfig(num_blocks=num_blocks, block_size=BS),
         prefill_instances=prefill,
         decode_instances=decode,
         transfer=transfer or TransferModel(),
@@ -256,6 +257,51 @@ def test_a_prefill_instance_never_decodes_a_handed_off_request() -> None:
     assert cluster.handoffs.stats.ok == 24
     assert cluster.instances["prefill-0"].num_steps > 0
     assert decodes == []
+    _no_leaks(cluster)
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+@pytest.mark.parametrize("fleet", [(2, 0, 0), (0, 1, 1)])
+def test_without_chunked_prefill_every_prompt_is_computed_whole(
+    chunked: bool, fleet: tuple[int, int, int]
+) -> None:
+    """The DistServe-era baseline (vLLM without chunked prefill) runs end to end, colocated and
+    disaggregated: a prompt joins a step only whole; with chunking the same burst is split."""
+    chunks: list[tuple[int, int, int]] = []  # (new tokens, computed before, prompt length)
+
+    def watch(cluster: SimCluster) -> None:
+        for inst in cluster.instances.values():
+            schedule = inst.scheduler.schedule
+
+            def scheduled(schedule: Callable[[], SchedulerOutput] = schedule) -> SchedulerOutput:
+                out = schedule()
+                chunks.extend(
+                    (s.num_new_tokens, s.num_computed_before, s.request.num_prompt_tokens)
+                    for s in out.scheduled
+                    if not s.request.output_token_ids
+                )
+                return out
+
+            inst.scheduler.schedule = scheduled  # type: ignore[method-assign]
+
+    config = InstanceConfig(
+        num_blocks=4000,
+        block_size=BS,
+        max_num_batched_tokens=1024,
+        max_model_len=1024,
+        enable_chunked_prefill=chunked,
+    )
+    mixed, prefill, decode = fleet
+    trace = _trace(8, 700, 20, gap_s=0.0)  # two prompts never fit one 1,024-token step
+    cluster = _run(trace, mixed, prefill, decode, prepare=watch, instance=config)
+    assert cluster.metrics.columns()["output_tokens"].tolist() == [20] * len(trace)
+    split = [c for c in chunks if c[0] + c[1] < c[2]]
+    if chunked:
+        assert split
+    else:
+        assert not split and len(chunks) == len(trace)
+    if prefill:
+        assert cluster.handoffs.stats.ok == len(trace)
     _no_leaks(cluster)
 
 
