@@ -7,11 +7,24 @@ Contract:
   relayed is kept, raw, and parsed only when a continuation is needed, so the happy path costs a
   search per chunk. An error frame from the instance (its engine died, its request was aborted)
   is not relayed: `feed` raises `UpstreamError` and the stream is continued like a broken one.
-- `continuation_body(body)` reads what the client has: the original body (a dict) plus
-  ``kvherd_continuation`` (`instance_agent.protocol.Continuation`: the output token ids, the text
-  the client has seen, the sampling seed, the resume object with ``from`` = tokens relayed). None
-  when the stream cannot be continued exactly: no ledger (not a kvherd agent) or a gap in the
-  token indexes. The continuation's own ledger lines extend the same ledger.
+- A stream from a vLLM instance (`StreamLedger.from_vllm`) went out with ``return_token_ids``
+  (`with_token_ids`: vLLM then names each chunk's ``token_ids`` and, once, the
+  ``prompt_token_ids``); when the client did not ask for them they are relayed as ``null``, the
+  bytes vLLM sends without the flag (one regular-expression substitution per chunk, no parsing).
+- `continuation(body)` reads what the client has and says how to continue (`Continued`), or None
+  when the stream cannot be continued exactly. From a kvherd agent's ledger: the original body
+  plus ``kvherd_continuation`` (`instance_agent.protocol.Continuation`: the output token ids, the
+  text the client has seen, the sampling seed, the resume object with ``from`` = tokens relayed),
+  for another agent; None without a ledger or with a gap in the token indexes. From vLLM: a
+  streamed ``/v1/completions`` request for another vLLM instance with prompt = the prompt's token
+  ids (as vLLM reported them) + the tokens relayed, ``max_tokens``/``min_tokens`` reduced by them
+  and the same sampling parameters; its chunks are re-framed as the original stream's (its id,
+  created, model; chat chunks for a chat stream; usage counting the original prompt and every
+  generated token). Exact for greedy decoding; unseeded random sampling continues (a sample of the
+  same distribution given the same tokens); None (the error frame) for what a continuation
+  cannot reproduce: a seed with random sampling (vLLM's seeded generator is not resumable),
+  presence/frequency penalties (they count output tokens only), ``n`` > 1, logprobs, echo,
+  structured output or tool calls. The continuation's own chunks extend the same ledger.
 - `complete()`: the ``[DONE]`` frame was relayed. `finished`: a frame with a ``finish_reason``
   was; `closing_frames()` then end the client's stream when the instance was lost before its end
   (the usage chunk when asked for and not yet relayed, ``[DONE]``).
@@ -21,6 +34,7 @@ Contract:
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -29,20 +43,63 @@ from kvherd import wire
 from scheduler.proxy.forwarding import UpstreamError
 
 _LEDGER = re.compile(rb"^" + re.escape(wire.LEDGER_PREFIX) + rb"[^\n]*\n", re.MULTILINE)
+# vLLM's token id lists. A quote inside a JSON string is escaped, so only keys match.
+_TOKEN_IDS = re.compile(rb'("(?:prompt_)?token_ids":)\[[^\]]*\]')
 _ERROR = b'data: {"error"'
 _DONE = b"data: [DONE]"
+
+# Request fields a vLLM continuation carries over as they are (sampling, stopping, caching).
+_CARRIED = (
+    "model", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
+    "logit_bias", "allowed_token_ids", "bad_words", "stop", "stop_token_ids",
+    "include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
+    "spaces_between_special_tokens", "cache_salt", "priority", "user",
+)  # fmt: skip
+# Fields whose effect a continuation cannot reproduce when they are set (not null/false/0).
+_NOT_CONTINUABLE = (
+    "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "prompt_logprobs",
+    "echo", "best_of", "response_format", "structured_outputs", "guided_json", "guided_regex",
+    "guided_choice", "guided_grammar", "use_beam_search",
+)  # fmt: skip
+
+
+def with_token_ids(body: dict[str, Any]) -> dict[str, Any] | None:
+    """`body` asking vLLM for its token ids; None when the client already asked."""
+    if body.get("return_token_ids") is True:
+        return None
+    return {**body, "return_token_ids": True}
+
+
+@dataclass(slots=True)
+class Continued:
+    """How to continue a stream: `body` for `path` (None: the stream's own) on a kvherd agent
+    (`on_agent`) or a vLLM instance, after `done` output tokens."""
+
+    body: dict[str, Any]
+    done: int
+    on_agent: bool
+    path: bytes | None = None
 
 
 class StreamLedger:
     """The events of one client stream, across the instances that served it."""
 
-    __slots__ = ("_done", "_events", "_pending", "finished")
+    __slots__ = ("_done", "_events", "_pending", "_reframe", "_vllm", "finished")
 
     def __init__(self) -> None:
         self._events: list[bytes] = []
         self._pending = b""
         self.finished = False
         self._done = False
+        self._vllm: _VllmStream | None = None
+        self._reframe: _Reframe | None = None
+
+    @classmethod
+    def from_vllm(cls, body: dict[str, Any], chat: bool) -> StreamLedger:
+        """The ledger of a stream a vLLM instance serves `body` (sent `with_token_ids`)."""
+        ledger = cls()
+        ledger._vllm = _VllmStream(body, chat)
+        return ledger
 
     def complete(self) -> bool:
         """The stream's ``[DONE]`` was relayed."""
@@ -73,6 +130,13 @@ class StreamLedger:
             self.finished = True
         if _DONE in events:
             self._done = True
+        vllm = self._vllm
+        if vllm is not None:
+            if self._reframe is not None:
+                return self._reframe.events(events)
+            if vllm.strip:
+                return _TOKEN_IDS.sub(rb"\1null", events)
+            return events
         if wire.LEDGER_PREFIX in events:
             return _LEDGER.sub(b"", events)
         return events
@@ -85,26 +149,35 @@ class StreamLedger:
                 if line.startswith(wire.LEDGER_PREFIX):
                     relayed.ledger(orjson.loads(line[len(wire.LEDGER_PREFIX) :]))
                 elif line.startswith(b"data: ") and not line.startswith(_DONE):
-                    relayed.data(orjson.loads(line[6:]))
+                    relayed.data(orjson.loads(line[6:]), self._vllm is not None)
+        if self._vllm is not None:
+            relayed.resume = self._vllm.resume(relayed)
         return relayed
 
-    def continuation_body(self, body: dict[str, Any]) -> dict[str, Any] | None:
+    def continuation(self, body: dict[str, Any]) -> Continued | None:
         try:
             relayed = self._parse()
         except (orjson.JSONDecodeError, TypeError, KeyError, IndexError, AttributeError):
             return None
         if relayed.resume is None or relayed.gap:
             return None
+        done = len(relayed.token_ids)
+        if self._vllm is not None:
+            continued = self._vllm.continuation(relayed)
+            if continued is None:
+                return None
+            self._reframe = _Reframe(relayed.resume, done, self._vllm)
+            return Continued(continued, done, False, b"/v1/completions")
         resume = dict(relayed.resume)
-        resume["from"] = len(relayed.token_ids)
-        continued = dict(body)
-        continued["kvherd_continuation"] = {
+        resume["from"] = done
+        agent_body = dict(body)
+        agent_body["kvherd_continuation"] = {
             "output_token_ids": relayed.token_ids,
             "emitted_text": relayed.text,
             "sampling_seed": relayed.sampling_seed,
             "resume": resume,
         }
-        return continued
+        return Continued(agent_body, done, True)
 
     def closing_frames(self) -> bytes:
         frames = b""
@@ -139,9 +212,11 @@ def error_frame(message: str) -> bytes:
 
 
 class _Relayed:
-    """The parsed events: ledger state, tokens, text."""
+    """The parsed events: ledger state, tokens, text (and what vLLM's chunks name)."""
 
-    __slots__ = ("gap", "resume", "sampling_seed", "text", "token_ids", "usage")
+    __slots__ = (
+        "first", "gap", "prompt_ids", "resume", "sampling_seed", "text", "token_ids", "usage",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self.resume: dict[str, Any] | None = None
@@ -150,6 +225,8 @@ class _Relayed:
         self.text = ""
         self.usage = False
         self.gap = False
+        self.first: dict[str, Any] | None = None  # vLLM: the stream's first chunk
+        self.prompt_ids: list[int] | None = None  # vLLM: the prompt's token ids
 
     def ledger(self, entry: dict[str, Any]) -> None:
         if "resume" in entry:
@@ -161,11 +238,157 @@ class _Relayed:
             self.gap = True
         self.token_ids.extend(int(t) for t in entry["token_ids"])
 
-    def data(self, chunk: dict[str, Any]) -> None:
+    def data(self, chunk: dict[str, Any], vllm: bool) -> None:
         if chunk.get("usage") and not chunk.get("choices"):
             self.usage = True
+        if vllm:
+            if self.first is None:
+                self.first = chunk
+            if self.prompt_ids is None and chunk.get("prompt_token_ids") is not None:
+                self.prompt_ids = [int(t) for t in chunk["prompt_token_ids"]]  # chat
         for choice in chunk.get("choices") or ():
             if "text" in choice:
                 self.text += choice["text"] or ""
             else:
                 self.text += (choice.get("delta") or {}).get("content") or ""
+            if vllm:
+                self._vllm_choice(choice)
+
+    def _vllm_choice(self, choice: dict[str, Any]) -> None:
+        if choice.get("index") != 0:
+            self.gap = True  # several choices: not continued
+        if self.prompt_ids is None and choice.get("prompt_token_ids") is not None:
+            self.prompt_ids = [int(t) for t in choice["prompt_token_ids"]]  # completions
+        if "token_ids" in choice:  # absent only from a chat stream's role chunk
+            ids = choice["token_ids"]
+            if ids is None:
+                self.gap = True
+            else:
+                self.token_ids.extend(int(t) for t in ids)
+
+
+class _VllmStream:
+    """A client's streamed request as a vLLM instance serves it."""
+
+    __slots__ = ("body", "chat", "strip")
+
+    def __init__(self, body: dict[str, Any], chat: bool) -> None:
+        self.body = body
+        self.chat = chat
+        self.strip = body.get("return_token_ids") is not True  # the proxy asked for the ids
+
+    def _options(self) -> dict[str, Any]:
+        options = self.body.get("stream_options")
+        return options if isinstance(options, dict) else {}
+
+    def resume(self, relayed: _Relayed) -> dict[str, Any] | None:
+        """The stream's resume object (`instance_agent`'s shape), from its first chunk."""
+        first, prompt_ids = relayed.first, relayed.prompt_ids
+        if first is None or prompt_ids is None:
+            return None
+        options = self._options()
+        return {
+            "from": len(relayed.token_ids),
+            "id": first["id"],
+            "created": first["created"],
+            "model": first["model"],
+            "chat": self.chat,
+            "prompt_tokens": len(prompt_ids),
+            "return_token_ids": not self.strip,
+            "continuous_usage_stats": options.get("continuous_usage_stats") is True,
+            "include_usage": options.get("include_usage") is True,
+        }
+
+    def continuation(self, relayed: _Relayed) -> dict[str, Any] | None:
+        """The ``/v1/completions`` body that continues the stream on vLLM (None: not exactly)."""
+        body = self.body
+        if any(body.get(name) for name in _NOT_CONTINUABLE):
+            return None
+        if body.get("n") not in (None, 1) or relayed.prompt_ids is None:
+            return None
+        if body.get("tools") and body.get("tool_choice") != "none":
+            return None
+        temperature = body.get("temperature")
+        greedy = isinstance(temperature, (int, float)) and temperature < 1e-5  # vLLM's test
+        if not greedy and body.get("seed") is not None:
+            return None  # vLLM's seeded generator cannot be resumed at an output position
+        done = len(relayed.token_ids)
+        continued: dict[str, Any] = {
+            name: body[name] for name in _CARRIED if body.get(name) is not None
+        }
+        continued["prompt"] = relayed.prompt_ids + relayed.token_ids
+        continued["stream"] = True
+        continued["return_token_ids"] = True
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if isinstance(max_tokens, int):
+            if max_tokens <= done:
+                return None
+            continued["max_tokens"] = max_tokens - done
+        min_tokens = body.get("min_tokens")
+        if isinstance(min_tokens, int) and min_tokens:
+            continued["min_tokens"] = max(0, min_tokens - done)
+        options = self._options()
+        if options:
+            continued["stream_options"] = {
+                "include_usage": options.get("include_usage") is True,
+                "continuous_usage_stats": options.get("continuous_usage_stats") is True,
+            }
+        return continued
+
+
+class _Reframe:
+    """A vLLM continuation's completion chunks as the original stream's."""
+
+    __slots__ = ("chat", "created", "done", "id", "keep_ids", "model", "prompt_tokens")
+
+    def __init__(self, resume: dict[str, Any], done: int, stream: _VllmStream) -> None:
+        self.id = resume["id"]
+        self.created = resume["created"]
+        self.model = resume["model"]
+        self.prompt_tokens = int(resume["prompt_tokens"])
+        self.chat = stream.chat
+        self.keep_ids = not stream.strip
+        self.done = done
+
+    def events(self, events: bytes) -> bytes:
+        out = []
+        for event in events.split(b"\n\n"):
+            if event.startswith(b"data: ") and not event.startswith(_DONE):
+                event = b"data: " + orjson.dumps(self._chunk(orjson.loads(event[6:])))
+            if event:
+                out.append(event + b"\n\n")
+        return b"".join(out)
+
+    def _chunk(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        usage = chunk.get("usage")
+        if usage:
+            completion = int(usage["completion_tokens"]) + self.done
+            usage["prompt_tokens"] = self.prompt_tokens
+            usage["total_tokens"] = self.prompt_tokens + completion
+            usage["completion_tokens"] = completion
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                details["cached_tokens"] = min(details["cached_tokens"], self.prompt_tokens)
+        framed = dict(chunk)  # vLLM's key order; usage and system_fingerprint stay
+        framed["id"] = self.id
+        if self.chat:
+            framed["object"] = "chat.completion.chunk"
+        framed["created"] = self.created
+        framed["model"] = self.model
+        framed["choices"] = [self._choice(choice) for choice in chunk.get("choices") or ()]
+        return framed
+
+    def _choice(self, choice: dict[str, Any]) -> dict[str, Any]:
+        ids = choice.get("token_ids") if self.keep_ids else None
+        if not self.chat:
+            return {**choice, "prompt_token_ids": None, "token_ids": ids}
+        framed: dict[str, Any] = {
+            "index": choice.get("index", 0),
+            "delta": {"content": choice.get("text") or ""},
+            "logprobs": None,
+            "finish_reason": choice.get("finish_reason"),
+        }
+        if choice.get("finish_reason") is not None:
+            framed["stop_reason"] = choice.get("stop_reason")
+        framed["token_ids"] = ids
+        return framed

@@ -25,9 +25,13 @@ Contract:
   ``kvherd_continuation`` (tokens and text the client has, sampling seed, resume object) to another
   kvherd agent, which recomputes and streams the rest of the same stream: no token lost or
   repeated, usage counting the original prompt and every generated token, bit-identical for
-  greedy and seeded sampling. At most ``max_continuations`` attempts; then the client gets an
-  OpenAI error frame and ``[DONE]``. Streams from instances without the ledger (vLLM) cannot be
-  continued exactly and end with the error frame. Outcomes are counted in
+  greedy and seeded sampling. Streams to vLLM instances go out with ``return_token_ids`` (the
+  ids the client did not ask for are relayed as vLLM's ``null``) and continue on another vLLM
+  instance as a ``/v1/completions`` request for the prompt's token ids + the tokens sent, re-framed
+  as the original stream (chat chunks for chat): exact for greedy decoding, unseeded sampling
+  continues, seeded sampling and what else a continuation cannot reproduce ends with the error
+  frame (`scheduler.proxy.continuation`). At most ``max_continuations`` attempts; then the
+  client gets an OpenAI error frame and ``[DONE]``. Outcomes are counted in
   ``kvherd_continuations_total``.
 - Deadlines (`scheduler.core.deadlines`): a streamed request's response head and first chunk must
   come within the instance's first-byte deadline, later chunks within its inter-chunk deadline;
@@ -96,7 +100,7 @@ from scheduler.core.deadlines import Deadlines, DeadlineSettings
 from scheduler.core.tenancy import Tenant, TenantRegistry
 from scheduler.fleet import Fleet, FleetInstance, NoCapacityError
 from scheduler.proxy import pd
-from scheduler.proxy.continuation import StreamLedger, error_frame
+from scheduler.proxy.continuation import StreamLedger, error_frame, with_token_ids
 from scheduler.proxy.forwarding import (
     UpstreamConnectTimeout,
     UpstreamError,
@@ -402,6 +406,7 @@ class Proxy:
         tried: set[str] = set()
         last_error: UpstreamError | None = None
         last_status: UpstreamResponse | None = None
+        vllm_raw: bytes | None = None  # the body asking vLLM for its token ids (continuation)
         for attempt in range(self.config.max_attempts):
             instance = await self._admit(
                 key, len(token_ids), block_hashes, tenant, max_tokens, tried, started
@@ -417,9 +422,15 @@ class Proxy:
                 sent = headers
             else:
                 sent = [*headers, *pd.handoff_headers(decode.url, self.config.fleet_token)]
+            payload = raw
+            if streamed and not instance.spec.kvherd_agent:
+                if vllm_raw is None:
+                    asked = with_token_ids(body)
+                    vllm_raw = raw if asked is None else orjson.dumps(asked)
+                payload = vllm_raw
             try:
                 response = await self.pool.send(
-                    instance.url, b"POST", path, sent, raw, head_timeout=first_byte
+                    instance.url, b"POST", path, sent, payload, head_timeout=first_byte
                 )
             except UpstreamError as exc:
                 self._failed(key, instance, exc)
@@ -658,7 +669,10 @@ class Proxy:
         if self.config.expose_instance:
             headers.append((b"x-kvherd-instance", instance.instance_id.encode()))
         self.fleet.first_token(key)
-        ledger = StreamLedger()
+        if instance.spec.kvherd_agent:
+            ledger = StreamLedger()
+        else:
+            ledger = StreamLedger.from_vllm(job.body, job.path == b"/v1/chat/completions")
         exchange.start_stream(response.status, headers)
         attempts = 0
         while True:
@@ -722,14 +736,17 @@ class Proxy:
     async def _continue(
         self, ledger: StreamLedger, job: _Job, key: str
     ) -> tuple[FleetInstance, UpstreamResponse, AsyncIterator[bytes], bytes] | None:
-        """One attempt to open the rest of the stream on another kvherd agent."""
-        body = ledger.continuation_body(job.body)
-        if body is None:
+        """One attempt to open the rest of the stream on another instance of its kind (a kvherd
+        agent for an agent's stream, vLLM for vLLM's)."""
+        continued = ledger.continuation(job.body)
+        if continued is None:
             self.metrics.continuation("unsupported")
             return None
-        done = len(body["kvherd_continuation"]["output_token_ids"])
+        done = continued.done
         exclude = job.tried | {
-            i for i, inst in self.fleet.instances.items() if not inst.spec.kvherd_agent
+            i
+            for i, inst in self.fleet.instances.items()
+            if inst.spec.kvherd_agent != continued.on_agent
         }
         max_tokens = job.max_tokens - done if isinstance(job.max_tokens, int) else None
         try:
@@ -745,8 +762,10 @@ class Proxy:
         job.tried.add(instance.instance_id)
         first_byte = self._first_byte_deadline(instance)
         try:
+            body = orjson.dumps(continued.body)
+            path = continued.path or job.path
             response = await self.pool.send(
-                instance.url, b"POST", job.path, job.headers, orjson.dumps(body), first_byte
+                instance.url, b"POST", path, job.headers, body, first_byte
             )
             if response.status != 200 or not response.streaming:
                 response.close()

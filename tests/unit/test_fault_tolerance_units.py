@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
 from kvherd import wire
 from scheduler.core.deadlines import Deadlines, DeadlineSettings
 from scheduler.core.outliers import Health, OutlierDetector
-from scheduler.proxy.continuation import StreamLedger
+from scheduler.proxy.continuation import StreamLedger, with_token_ids
 from scheduler.proxy.forwarding import UpstreamConnectError, UpstreamError, UpstreamPool
 from scheduler.proxy.loop_lag import LoopLag
 
@@ -42,8 +43,10 @@ def test_ledger_strips_its_lines_holds_partial_events_and_builds_the_continuatio
     assert b"kvherd" not in out
     ledger.feed(frame(2, [3], "c")[10:])
     assert not ledger.finished and not ledger.complete()
-    body = ledger.continuation_body({"prompt": "hello", "stream": True})
-    assert body is not None
+    continued = ledger.continuation({"prompt": "hello", "stream": True})
+    assert continued is not None and continued.on_agent and continued.path is None
+    assert continued.done == 3
+    body = continued.body
     assert body["prompt"] == "hello"
     cont = body["kvherd_continuation"]
     assert cont["output_token_ids"] == [1, 2, 3]
@@ -55,11 +58,11 @@ def test_ledger_strips_its_lines_holds_partial_events_and_builds_the_continuatio
 def test_ledger_refuses_what_it_cannot_continue_exactly() -> None:
     plain = StreamLedger()  # no ledger lines: not a kvherd agent
     plain.feed(wire.sse({"choices": [{"text": "a", "finish_reason": None}]}))
-    assert plain.continuation_body({"prompt": "p"}) is None
+    assert plain.continuation({"prompt": "p"}) is None
     gap = StreamLedger()
     gap.feed(wire.ledger_line({"resume": RESUME, "sampling_seed": 1}) + frame(0, [1], "a"))
     gap.feed(frame(5, [2], "b"))  # tokens 1-4 never relayed
-    assert gap.continuation_body({"prompt": "p"}) is None
+    assert gap.continuation({"prompt": "p"}) is None
 
 
 def test_ledger_turns_an_error_frame_into_an_upstream_failure() -> None:
@@ -68,8 +71,9 @@ def test_ledger_turns_an_error_frame_into_an_upstream_failure() -> None:
     error = wire.sse(wire.OpenAIError(500, "engine failed", type="server_error").body())
     with pytest.raises(UpstreamError):
         ledger.feed(good + error + wire.SSE_DONE)
-    body = ledger.continuation_body({"prompt": "p"})
-    assert body is not None and body["kvherd_continuation"]["output_token_ids"] == [1]
+    continued = ledger.continuation({"prompt": "p"})
+    assert continued is not None
+    assert continued.body["kvherd_continuation"]["output_token_ids"] == [1]
 
 
 def test_ledger_ends_a_stream_that_only_lost_its_end() -> None:
@@ -82,6 +86,128 @@ def test_ledger_ends_a_stream_that_only_lost_its_end() -> None:
     assert b'"usage":{"prompt_tokens":5,"completion_tokens":3,"total_tokens":8' in closing
     ledger.feed(wire.SSE_DONE)
     assert ledger.complete()
+
+
+# vLLM 0.32's streamed chunks with ``return_token_ids`` (bytes as a live server sent them).
+V_ID = "cmpl-99df0e3d496c8343"
+
+
+def v_chunk(text: str, ids: list[int], prompt: list[int] | None = None,
+            finish: str | None = None) -> bytes:  # fmt: skip
+    return (
+        b'data: {"id":"%s","object":"text_completion","created":1796123142,"model":"tiny",'
+        b'"choices":[{"index":0,"text":"%s","logprobs":null,"finish_reason":%s,'
+        b'"stop_reason":null,"prompt_token_ids":%s,"token_ids":%s}]}\n\n'
+        % (
+            V_ID.encode(),
+            text.encode(),
+            b"null" if finish is None else b'"%s"' % finish.encode(),
+            b"null" if prompt is None else str(prompt).replace(" ", "").encode(),
+            str(ids).replace(" ", "").encode(),
+        )
+    )
+
+
+def without_ids(frame: bytes) -> bytes:
+    """What vLLM sends when the client did not ask for token ids."""
+    return re.sub(rb'("(?:prompt_)?token_ids":)\[[^\]]*\]', rb"\1null", frame)
+
+
+def test_vllm_ledger_relays_the_bytes_vllm_sends_without_token_ids() -> None:
+    body = {"prompt": "hello", "stream": True, "temperature": 0, "max_tokens": 8}
+    asked = with_token_ids(body)
+    assert asked == {**body, "return_token_ids": True}
+    assert with_token_ids(asked) is None  # the client asked: sent as it is, relayed as it is
+    ledger = StreamLedger.from_vllm(body, chat=False)
+    first = v_chunk("D", [39], prompt=[1, 261, 79])
+    out = ledger.feed(first + v_chunk("u", [88]))
+    expected = without_ids(first + v_chunk("u", [88]))
+    assert out == expected
+    assert b'"prompt_token_ids":null,"token_ids":null' in out
+    keep = StreamLedger.from_vllm(asked, chat=False)
+    assert keep.feed(first) == first
+
+
+def test_vllm_continuation_is_a_token_prompt_with_the_rest_of_the_budget() -> None:
+    body = {"model": "tiny", "prompt": "hello", "stream": True, "temperature": 0,
+            "max_tokens": 8, "min_tokens": 3, "ignore_eos": True, "cache_salt": "s",
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    ledger = StreamLedger.from_vllm(body, chat=False)
+    ledger.feed(v_chunk("D", [39], prompt=[1, 261, 79]) + v_chunk("uFG", [88, 425]))
+    continued = ledger.continuation(body)
+    assert continued is not None and not continued.on_agent
+    assert continued.path == b"/v1/completions" and continued.done == 3
+    assert continued.body == {
+        "model": "tiny", "temperature": 0, "ignore_eos": True, "cache_salt": "s",
+        "prompt": [1, 261, 79, 39, 88, 425], "stream": True, "return_token_ids": True,
+        "max_tokens": 5, "min_tokens": 0,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": False},
+    }  # fmt: skip
+    # The continuation's chunks are the original stream's: its id, prompt and usage counts.
+    rest = v_chunk("am", [592], prompt=[1, 261, 79, 39, 88, 425]).replace(V_ID.encode(), b"cmpl-2")
+    usage = (b'data: {"id":"cmpl-2","object":"text_completion","created":5,"model":"tiny",'
+             b'"choices":[],"usage":{"prompt_tokens":6,"total_tokens":7,"completion_tokens":1,'
+             b'"prompt_tokens_details":{"cached_tokens":6}}}\n\n')  # fmt: skip
+    out = ledger.feed(rest + usage + wire.SSE_DONE)
+    assert (
+        out
+        == without_ids(v_chunk("am", [592]))
+        + (
+            b'data: {"id":"%s","object":"text_completion","created":1796123142,"model":"tiny",'
+            b'"choices":[],"usage":{"prompt_tokens":3,"total_tokens":7,"completion_tokens":4,'
+            b'"prompt_tokens_details":{"cached_tokens":3}}}\n\n' % V_ID.encode()
+        )
+        + wire.SSE_DONE
+    )
+    assert ledger.complete()
+    again = ledger.continuation(body)  # a second loss: every token relayed so far
+    assert again is not None and again.body["prompt"] == [1, 261, 79, 39, 88, 425, 592]
+
+
+def test_vllm_chat_continuation_is_reframed_as_chat_chunks() -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "temperature": 0, "max_completion_tokens": 4}  # fmt: skip
+    role = (b'data: {"id":"chatcmpl-a","object":"chat.completion.chunk","created":9,"model":"tiny",'
+            b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,'
+            b'"finish_reason":null}],"prompt_token_ids":[1,31,95],"prompt_text":null}\n\n')  # fmt: skip
+    token = (b'data: {"id":"chatcmpl-a","object":"chat.completion.chunk","created":9,"model":"tiny",'
+             b'"choices":[{"index":0,"delta":{"content":"x"},"logprobs":null,"finish_reason":null,'
+             b'"token_ids":[163]}]}\n\n')  # fmt: skip
+    ledger = StreamLedger.from_vllm(body, chat=True)
+    assert ledger.feed(role + token) == without_ids(role + token)
+    continued = ledger.continuation(body)
+    assert continued is not None
+    assert continued.body["prompt"] == [1, 31, 95, 163] and continued.body["max_tokens"] == 3
+    out = ledger.feed(v_chunk("yz", [232, 552], prompt=[1, 31, 95, 163], finish="length"))
+    assert out == (
+        b'data: {"id":"chatcmpl-a","object":"chat.completion.chunk","created":9,"model":"tiny",'
+        b'"choices":[{"index":0,"delta":{"content":"yz"},"logprobs":null,"finish_reason":"length",'
+        b'"stop_reason":null,"token_ids":null}]}\n\n'
+    )
+    assert ledger.finished
+
+
+def test_vllm_streams_that_a_continuation_cannot_reproduce_are_not_continued() -> None:
+    base = {"prompt": "p", "stream": True, "max_tokens": 8}
+    for body in (
+        {**base, "temperature": 0.8, "seed": 7},  # seeded sampling: vLLM's generator restarts
+        {**base, "temperature": 0, "presence_penalty": 0.5},  # counts output tokens only
+        {**base, "temperature": 0, "logprobs": 2},
+        {**base, "temperature": 0, "n": 2},
+    ):
+        ledger = StreamLedger.from_vllm(body, chat=False)
+        ledger.feed(v_chunk("D", [39], prompt=[1]))
+        assert ledger.continuation(body) is None, body
+    unseeded = {**base, "temperature": 0.8}  # a sample of the same distribution: continued
+    ledger = StreamLedger.from_vllm(unseeded, chat=False)
+    ledger.feed(v_chunk("D", [39], prompt=[1]))
+    assert ledger.continuation(unseeded) is not None
+    spent = StreamLedger.from_vllm({**base, "temperature": 0, "max_tokens": 1}, chat=False)
+    spent.feed(v_chunk("D", [39], prompt=[1]))
+    assert spent.continuation({**base, "temperature": 0, "max_tokens": 1}) is None
+    blind = StreamLedger.from_vllm(base, chat=False)  # ids missing: nothing to continue from
+    blind.feed(without_ids(v_chunk("D", [39], prompt=[1])))
+    assert blind.continuation({**base, "temperature": 0}) is None
 
 
 def test_deadlines_follow_the_step_time_within_floor_and_cap() -> None:
