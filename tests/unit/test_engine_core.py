@@ -303,147 +303,6 @@ def test_kv_event_batches_round_trip_and_read_vllm_map_form() -> None:
     ]
 
 
-# -- decode fast-forward -------------------------------------------------------------------------
-def next_tokens(request: Request, count: int) -> list[int]:
-    """`count` tokens `next_token` gives one step after another."""
-    seq = list(request.token_ids)
-    for _ in range(count):
-        seq.append(next_token(seq))
-    return seq[len(request.token_ids) :]
-
-
-def advance_recorded(
-    sched: BatchScheduler, num_steps: int
-) -> tuple[int, list[tuple[int, int]], list[list[KVEvent]]]:
-    """advance_decode, recording the pool after each step's allocations and each step's events."""
-    pools: list[tuple[int, int]] = []
-    events: list[list[KVEvent]] = []
-    applied = sched.advance_decode(num_steps, next_tokens, pools=pools, step_events=events)
-    assert len(pools) == len(events) == applied
-    return applied, pools, events
-
-
-def core_state(sched: BatchScheduler) -> tuple[object, ...]:
-    bm = sched.block_manager
-    cached = sorted(bm.cached_block_hashes())
-    return (
-        [
-            (
-                r.request_id,
-                r.status,
-                list(r.token_ids),
-                list(r.output_token_ids),
-                r.num_computed_tokens,
-                list(r.block_hashes),
-                list(bm.block_ids(r.request_id)),
-            )
-            for r in sched.running
-        ],
-        [r.request_id for r in sched.waiting],
-        cached,
-        [bm.lookup_cached_prefix([h]) for h in cached],
-        bm.num_free_blocks,
-    )
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.data())
-def test_advance_decode_equals_single_steps(data: st.DataObject) -> None:
-    """advance_decode(k) leaves the core exactly as k rounds of schedule + update_from_output."""
-    num_blocks = data.draw(st.integers(12, 48))
-    max_num_seqs = data.draw(st.integers(1, 6))
-    prefixes = [[7] * 8, [9] * 12]
-    twins: list[BatchScheduler] = []
-    for _ in range(2):
-        bm = BlockManager(num_blocks, BLOCK, watermark=0.1)
-        twins.append(
-            BatchScheduler(
-                SchedulerConfig(
-                    max_num_seqs=max_num_seqs, max_num_batched_tokens=16, max_model_len=96
-                ),
-                bm,
-            )
-        )
-    fast, slow = twins
-    specs = data.draw(
-        st.lists(
-            st.tuples(st.integers(0, 2), st.integers(1, 14), st.integers(1, 40), st.integers(0, 6)),
-            min_size=1,
-            max_size=8,
-        )
-    )
-    pending = [
-        (gap, [*(prefixes[group] if group < 2 else []), *range(1, tail + 1)], max_tokens)
-        for group, tail, max_tokens, gap in specs
-    ]
-    for index in range(400):
-        while pending and pending[0][0] <= 0:
-            _, prompt, max_tokens = pending.pop(0)
-            for sched in twins:
-                with contextlib.suppress(InvalidRequestError):
-                    sched.add_request(make_request(f"r{index}-{len(pending)}", prompt, max_tokens))
-        if pending:
-            pending[0] = (pending[0][0] - 1, pending[0][1], pending[0][2])
-        if not fast.has_unfinished() and not pending:
-            break
-        k = fast.decode_run_length(data.draw(st.integers(1, 12)))
-        if k >= 1:
-            applied, pools, fast_events = advance_recorded(fast, k)
-            assert 1 <= applied <= k
-            bm_slow = slow.block_manager
-            for j in range(applied):
-                out = slow.schedule()
-                assert pools[j] == (bm_slow.num_free_blocks, bm_slow.num_cached_blocks)
-                assert not out.preempted
-                assert all(not s.is_prefill for s in out.scheduled)
-                assert len(out.scheduled) == fast.num_running
-                sampled = {
-                    s.request.request_id: next_token(s.request.token_ids) for s in out.scheduled
-                }
-                assert not slow.update_from_output(out, sampled)
-                assert fast_events[j] == bm_slow.take_events()
-        else:
-            for sched in twins:
-                step(sched)
-            assert fast.block_manager.take_events() == slow.block_manager.take_events()
-        assert core_state(fast) == core_state(slow)
-        fast.block_manager.check_integrity()
-    assert not fast.has_unfinished()
-
-
-def test_advance_decode_stops_where_the_waiting_head_gains_a_prefix_hit() -> None:
-    """A running request completes a block the refused waiting head shares: the run ends there,
-    so the next `schedule` sees the new hit, exactly as step by step."""
-    twins = [
-        BatchScheduler(
-            SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
-            BlockManager(12, BLOCK, watermark=0.25),
-        )
-        for _ in range(2)
-    ]
-    for sched in twins:
-        sched.add_request(make_request("a", [3, 1, 4, 1, 5, 9], 20))
-        sched.add_request(make_request("f", list(range(100, 112)), 20))
-        step(sched)  # both prefills, in one step
-        step(sched)  # first decode: pure decode from here on
-    fast, slow = twins
-    a = fast.requests["a"]
-    head_prompt = [*a.token_ids, *next_tokens(a, 17)]
-    for sched in twins:
-        sched.add_request(make_request("h", head_prompt, 1))
-    assert fast.decode_run_length(16) > 3  # the head is refused, the pool lasts
-    applied = fast.advance_decode(16, next_tokens)
-    # a's second block (tokens 4..7) completes in the run's first step: computed 7 -> 8.
-    assert applied == 1
-    for _ in range(applied):
-        step(slow)
-    assert core_state(fast) == core_state(slow)
-    assert fast.block_manager.take_events() == slow.block_manager.take_events()
-    assert [s.request.request_id for s in fast.schedule().scheduled] == [
-        s.request.request_id for s in slow.schedule().scheduled
-    ]
-
-
 def test_evictions_in_a_row_are_one_removed_event_and_reset_clears_all() -> None:
     bm = BlockManager(4, BLOCK, watermark=0.0)
     sched = BatchScheduler(SchedulerConfig(max_model_len=64), bm)
@@ -471,40 +330,10 @@ def fill_with_cached(bm: BlockManager, num_requests: int, prompt_len: int) -> No
     run_to_completion(sched)
 
 
-def test_append_blocks_equals_one_allocation_per_owner() -> None:
-    """A decode step's crossings in one call: the same block ids, evictions and events as one
-    `allocate_slots(request, 1)` per request, in order."""
-    twins = [BlockManager(24, BLOCK, watermark=0.0) for _ in range(2)]
-    requests = [make_request(f"d{i}", list(range(10 * i + 1, 10 * i + 5)), 8) for i in range(6)]
-    for bm in twins:
-        fill_with_cached(bm, 4, 13)  # 12 cached blocks, evictable; 12 uncached free
-        bm.take_events()
-        for request in requests:  # each holds one full block
-            request.num_computed_tokens = 0
-            assert bm.allocate_slots(request, 4)
-            request.num_computed_tokens = 4
-    bulk, single = twins
-    for _ in range(3):  # 18 crossings: the uncached blocks run out, then LRU evictions
-        assert bulk.append_blocks([r.request_id for r in requests])
-        for request in requests:
-            assert single.allocate_slots(request, 1)
-            request.num_computed_tokens += 4
-        events = bulk.take_events()
-        assert events == single.take_events()
-        for request in requests:
-            assert bulk.block_ids(request.request_id) == single.block_ids(request.request_id)
-        bulk.check_integrity()
-    assert any(isinstance(e, BlockRemoved) for e in events)
-    assert bulk.num_free_blocks == single.num_free_blocks == 0
-    assert not bulk.append_blocks(["d0"])  # all or nothing: an empty pool changes nothing
-    assert bulk.block_ids("d0") == single.block_ids("d0")
-    bulk.check_integrity()
-
-
 def test_one_block_evictions_equal_a_bulk_eviction_past_stale_entries() -> None:
-    """Decode crossings evict one block at a time (`append_blocks`): the same victims, in the same
-    order, with the same merged event, as one bulk reservation evicting them all, also when
-    prefix hits left stale LRU entries to skip."""
+    """Decode crossings evict one block at a time (`allocate_slots` of one block): the same
+    victims, in the same order, with the same merged event, as one bulk reservation evicting
+    them all, also when prefix hits left stale LRU entries to skip."""
     twins = [BlockManager(16, BLOCK, watermark=0.0) for _ in range(2)]
     for bm in twins:
         fill_with_cached(bm, 4, 13)  # 12 cached blocks, evictable; 4 uncached free
@@ -515,7 +344,7 @@ def test_one_block_evictions_equal_a_bulk_eviction_past_stale_entries() -> None:
         bm.take_events()
     one_by_one, bulk = twins
     for i in range(10):
-        assert one_by_one.append_blocks([f"d{i}"])
+        assert one_by_one.allocate_slots(make_request(f"d{i}", [i + 1], 1), 1)
     assert bulk.reserve_blocks("r", 10, respect_watermark=False) is not None
     removed = one_by_one.take_events()
     assert removed == bulk.take_events() and len(removed) == 1

@@ -12,10 +12,9 @@ Contract (vLLM v1's unified token-budget design):
   step that preempted.
 - `update_from_output` advances progress, appends sampled tokens, caches full blocks, applies
   token-level stop conditions and frees finished requests' blocks.
-- Decode fast-forward: `decode_run_length(limit)` says how many next steps are guaranteed to be
-  pure decode of an unchanged running set, and `advance_decode(k, token_fn)` applies them at once,
-  with exactly the block allocations, prefix caching, KV events and token appends that k calls of
-  `schedule` + `update_from_output` would make (the simulator's way past uneventful steps).
+- One execution path: a step is `schedule` + `update_from_output`, nothing else. Each step gets
+  the next step id (`num_steps`); a driver that applies steps itself through this public API (the
+  simulator's decode fast-forward) counts them with `record_steps`.
 - `num_waiting_tokens` (the queued work a load report names) is kept as requests join and leave
   the waiting queue, O(1) to read; `running_prefill_tokens` sums the rest of the running requests
   still in prefill (admitted, not yet sampled: a prompt in chunked prefill), kept as a small set.
@@ -30,14 +29,13 @@ The scheduler is pure Python: the engine drives it with a model, the simulator w
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from sortedcontainers import SortedList
 
 from instance_agent.engine.core.block_manager import BlockManager
 from instance_agent.engine.core.request import InvalidRequestError, Request, RequestStatus
-from kvherd.kv_events import KVEvent
 
 
 @dataclass(slots=True)
@@ -98,7 +96,7 @@ class BatchScheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self._admission_seq: dict[str, int] = {}
         self._seq = itertools.count()
-        self._step_ids = itertools.count()
+        self._num_steps = 0  # the next step's id
         # Counters read by metrics (tokens, like vLLM's prefix_cache_queries/hits).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -138,6 +136,18 @@ class BatchScheduler:
 
     def _dequeued(self, request: Request) -> None:
         self._waiting_tokens -= request.num_tokens - request.num_computed_tokens
+
+    @property
+    def num_steps(self) -> int:
+        """Steps so far (`schedule` calls and `record_steps`): the id the next step gets."""
+        return self._num_steps
+
+    def record_steps(self, count: int) -> None:
+        """Count `count` steps a driver applied through this API without calling `schedule` (the
+        simulator's decode fast-forward), so the step ids that follow are those of stepping."""
+        if count < 0:
+            raise ValueError("count must be >= 0")
+        self._num_steps += count
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -204,6 +214,10 @@ class BatchScheduler:
             raise KeyError(request_id)
         self._hold_at_first_token.add(request_id)
 
+    def cancel_hold(self, request_id: str) -> None:
+        """Let the request decode here after all (its handoff failed before its first token)."""
+        self._hold_at_first_token.discard(request_id)
+
     def suspend(self, request_id: str) -> Request:
         """Stop scheduling a running request; it keeps its blocks and state."""
         request = self.requests[request_id]
@@ -253,7 +267,8 @@ class BatchScheduler:
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
         bm = self.block_manager
-        output = SchedulerOutput(step_id=next(self._step_ids))
+        output = SchedulerOutput(step_id=self._num_steps)
+        self._num_steps += 1
         budget = cfg.max_num_batched_tokens
 
         # 1. Running requests, in admission order; preempt from the back when blocks run out.
@@ -371,199 +386,3 @@ class BatchScheduler:
                     holds.discard(request.request_id)
                     self.suspend(request.request_id)
         return finished
-
-    # -- decode fast-forward -----------------------------------------------------------------
-    def _admission_probe(self) -> Request | None:
-        """The waiting head `schedule` would try to admit after a pure-decode pass, or None."""
-        cfg = self.config
-        n = len(self.running)
-        if not self.waiting or n >= cfg.max_num_seqs or n >= cfg.max_num_batched_tokens:
-            return None
-        head: Request = self.waiting[0]
-        return head
-
-    def _head_admissible(self, head: Request) -> bool:
-        cfg = self.config
-        bm = self.block_manager
-        budget = cfg.max_num_batched_tokens - len(self.running)
-        computed_blocks, num_hit = bm.get_computed_blocks(head)
-        num_new = head.num_tokens - num_hit
-        if not cfg.enable_chunked_prefill and num_new > budget:
-            return False
-        return bm.can_allocate(head, min(num_new, budget), computed_blocks, respect_watermark=True)
-
-    def decode_run_length(self, limit: int) -> int:
-        """How many of the next steps (at most `limit`) are certain to be pure decode steps.
-
-        In such a run every running request decodes one token per step, none finishes (length or
-        stop token), every block-boundary crossing finds a free block (no preemption), and the
-        waiting head, if `schedule` would try it, stays refused: it is refused now, free blocks
-        only shrink during the run, and the run stops before evicting any block cached under one
-        of the head's hashes (which could change its prefix hit). A newly cached block the head
-        could hit ends the run early in `advance_decode`. Returns 0 when the next step is not a
-        pure decode step.
-        """
-        cfg = self.config
-        bm = self.block_manager
-        bs = bm.block_size
-        running = self.running
-        if limit <= 0 or not running or len(running) > cfg.max_num_batched_tokens:
-            return 0
-        k = limit
-        max_model_len = cfg.max_model_len
-        tables = bm.block_tables
-        running_status = RequestStatus.RUNNING
-        first_alloc: list[int] = []  # per request: the step of its first new block
-        for request in running:
-            params = request.sampling_params
-            num_tokens = len(request.token_ids)
-            num_outputs = len(request.output_token_ids)
-            if (
-                request.status is not running_status
-                or request.num_computed_tokens != num_tokens - 1
-                or not num_outputs
-                or params.stop_token_ids
-                or (not params.ignore_eos and request.eos_token_id is not None)
-            ):
-                return 0
-            # Step j appends output token (outputs + j) and makes the sequence num_tokens + j long.
-            # (Comparisons, not min(): this loop runs over every running request per run.)
-            steps_left = params.max_tokens - num_outputs - 1
-            if steps_left < k:
-                k = steps_left
-            if max_model_len - num_tokens - 1 < k:
-                k = max_model_len - num_tokens - 1
-            if k <= 0:
-                return 0
-            capacity = len(tables.get(request.request_id, ())) * bs
-            # Step j computes position num_tokens + j - 2, so it needs num_tokens + j - 1 slots.
-            first_alloc.append(capacity - num_tokens + 2)
-        free = bm.num_free_blocks
-        head = self._admission_probe()
-        if head is not None:
-            if self._head_admissible(head):
-                return 0
-            free = bm.num_free_before_evicting(head.block_hashes, free)
-        if max(first_alloc) > k:  # requests with no crossing in the run cost nothing
-            first_alloc = [c for c in first_alloc if c <= k]
-
-        def allocations(steps: int) -> int:
-            return sum([(steps - c) // bs + 1 for c in first_alloc if steps >= c])
-
-        if allocations(k) <= free:
-            return k
-        low, high = 0, k  # allocations(low) <= free < allocations(high)
-        while high - low > 1:
-            mid = (low + high) // 2
-            if allocations(mid) <= free:
-                low = mid
-            else:
-                high = mid
-        return low
-
-    def advance_decode(
-        self,
-        num_steps: int,
-        next_tokens: Callable[[Request, int], Sequence[int]],
-        *,
-        pools: list[tuple[int, int]] | None = None,
-        step_events: list[list[KVEvent]] | None = None,
-    ) -> int:
-        """Apply `num_steps` pure-decode steps (at most `decode_run_length`) at once.
-
-        The result equals `num_steps` rounds of `schedule` + `update_from_output`: the same blocks
-        allocated in the same order (step by step, running order), the same blocks cached and the
-        same KV events, the same tokens appended. `next_tokens(request, n)` gives the request's next
-        `n` sampled tokens (counter-based sampling makes them a function of its seed and output
-        length). Work is per request and per block crossing, not per token: tokens and block
-        hashes are appended in bulk. `pools` and `step_events`, when given, record per step what
-        an observer of stepping would see (the simulator replays them): (free blocks, cached
-        blocks) after the step's allocations, while it is in flight, and the KV events it emitted
-        (events pending before the run count as the first step's).
-        Returns the steps applied: fewer than `num_steps` only when a step caches a block under a
-        hash of the waiting head, which the next `schedule` must see.
-        """
-        bm = self.block_manager
-        bs = bm.block_size
-        running = self.running
-        tables = bm.block_tables
-        starts: list[int] = []
-        # Per step, in running order: who crosses into a new block, whose block completes (for
-        # all `num_steps`; a run cut short below never reaches the later ones). One pass over
-        # the running requests: with short runs, per-request work is most of the cost.
-        allocs: dict[int, list[str]] = {}
-        completions: dict[int, list[tuple[Request, int]]] = {}
-        for request in running:
-            start = request.num_computed_tokens  # = num_tokens - 1: pure decode
-            starts.append(start)
-            tokens = next_tokens(request, num_steps)
-            assert len(tokens) == num_steps, "next_tokens must give exactly the tokens asked for"
-            if not isinstance(tokens, list):
-                tokens = list(tokens)
-            request.output_token_ids.extend(tokens)
-            sequence = request.token_ids
-            sequence.fromlist(tokens)  # (2x faster than array.extend from a list)
-            if (len(request.block_hashes) + 1) * bs <= len(sequence):  # a block filled up
-                request.update_block_hashes()
-            # Step j computes position start + j - 1, so it needs start + j slots.
-            first_alloc = len(tables[request.request_id]) * bs - start + 1
-            if first_alloc <= num_steps:
-                for j in range(first_alloc, num_steps + 1, bs):
-                    allocs.setdefault(j, []).append(request.request_id)
-            first_completion = bs - start % bs
-            if first_completion <= num_steps:
-                for j in range(first_completion, num_steps + 1, bs):
-                    completions.setdefault(j, []).append((request, start + j))
-        steps = num_steps
-        head = self._admission_probe()
-        head_hashes = set(head.block_hashes) if head is not None else None
-        if head_hashes:
-            # Step j completes a block of request i when starts[i] + j is a multiple of bs:
-            # blocks starts[i] // bs on, those completed before the last step can matter.
-            for i, request in enumerate(running):
-                first_block = starts[i] // bs
-                last_block = (starts[i] + steps - 1) // bs
-                if first_block >= last_block or head_hashes.isdisjoint(
-                    request.block_hashes[first_block:last_block]
-                ):
-                    continue
-                j = bs - starts[i] % bs
-                while j < steps:
-                    if request.block_hashes[(starts[i] + j) // bs - 1] in head_hashes:
-                        steps = j
-                        break
-                    j += bs
-            if steps < num_steps:
-                surplus = num_steps - steps
-                for request in running:
-                    del request.output_token_ids[len(request.output_token_ids) - surplus :]
-                    del request.token_ids[len(request.token_ids) - surplus :]
-                    del request.block_hashes[len(request.token_ids) // bs :]
-        if steps:  # the run's step ids, as `steps` calls of `schedule` would have drawn them
-            self._step_ids = itertools.count(next(self._step_ids) + steps)
-        cache_full_blocks = bm.cache_full_blocks
-        pool = (-1, -1)
-        changed = True  # the pool (and pending events) must be read at the first step
-        for j in range(1, steps + 1):
-            owners = allocs.get(j)
-            if owners is not None:
-                allocated = bm.append_blocks(owners)
-                assert allocated, "advance_decode past decode_run_length"
-                changed = True
-            if pools is not None:
-                if changed:  # only allocations and completions move the pool
-                    pool = bm.pool_counts()
-                pools.append(pool)
-            completed = completions.get(j)
-            if completed is not None:
-                for request, computed in completed:
-                    request.num_computed_tokens = computed
-                    cache_full_blocks(request)
-            if step_events is not None:
-                step_events.append(bm.take_events() if changed or completed else [])
-            changed = completed is not None
-        for request, start in zip(running, starts, strict=True):
-            request.num_computed_tokens = start + steps
-        if steps and self._prefilling:  # every running request sampled: none is in prefill
-            self._prefilling.clear()
-        return steps

@@ -111,7 +111,7 @@ class BlockManager:
         return len(self._cached)
 
     def pool_counts(self) -> tuple[int, int]:
-        """(`num_free_blocks`, `num_cached_blocks`) in one call (read once per decode step)."""
+        """(`num_free_blocks`, `num_cached_blocks`) in one call (load reports, per decode step)."""
         return len(self._free_uncached) + self._num_evictable, len(self._cached)
 
     @property
@@ -361,27 +361,6 @@ class BlockManager:
             return True
         return self._fits(num_new_blocks, computed_blocks, respect_watermark)
 
-    def append_blocks(self, owner_ids: Sequence[str]) -> bool:
-        """Append one fresh block to each owner's table, in order: the block-boundary crossings of
-        one decode step, exactly as one `allocate_slots(request, 1)` per owner would make them.
-
-        Returns False, changing nothing, if the pool has fewer free blocks than owners.
-        """
-        free = self._free_uncached
-        if len(owner_ids) > len(free) + self._num_evictable:
-            return False
-        tables = self._owner_blocks
-        if len(owner_ids) == 1:  # most steps of a decode run: one crossing
-            block_id = free.popleft() if free else self._evict(1)[0]
-            self._ref[block_id] = 1
-            tables.setdefault(owner_ids[0], []).append(block_id)
-            return True
-        for owner_id, block_id in zip(
-            owner_ids, self._take_free_blocks(len(owner_ids)), strict=True
-        ):
-            tables.setdefault(owner_id, []).append(block_id)
-        return True
-
     def _num_new_blocks(
         self,
         request: Request,
@@ -406,8 +385,10 @@ class BlockManager:
         return max(num_new_blocks, 0) + num_revived <= free
 
     def num_free_before_evicting(self, block_hashes: Iterable[BlockHash], limit: int) -> int:
-        """Fresh blocks that can be handed out before one cached under `block_hashes` is evicted
-        (counted up to `limit`)."""
+        """Fresh blocks that can be handed out (uncached ones first, then LRU evictions, as
+        allocation takes them) before a block cached under one of `block_hashes` is evicted,
+        counted up to `limit`: how much allocation a cached prefix survives. (Eviction order is
+        this class's alone: the simulator's decode fast-forward bounds a run by this.)"""
         count = len(self._free_uncached)
         if count >= limit:
             return count
