@@ -105,8 +105,8 @@ from simulator.pd import FINISHED_FIRST, SimHandoffs
 from simulator.traces import Trace, TraceRequest
 from simulator.transfer import TransferLink, TransferModel
 
-# Longest decode run guaranteed by one check (`decode_run_length`'s limit); a run that gets
-# that far is checked anew.
+# Longest decode run guaranteed by one check (`fast_forward.decode_run_length`'s limit); a
+# run that gets that far is checked anew.
 _MAX_RUN_STEPS = 512
 
 
