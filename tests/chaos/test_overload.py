@@ -17,86 +17,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import resource
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 
 import httpx
 import pytest
-from agent_process import AgentProcess, free_port
-from test_proxy import agents, instance_arg
+from agent_process import agent_processes
+from serve_process import ADMIN_TOKEN as TOKEN
+from serve_process import serve_process
 
 pytestmark = pytest.mark.timeout(300)
 
-TOKEN = "overload-admin-token"
 MAX_TOKENS = 32
 FLOOD_FACTOR = 10
 FLOOD_S = 4.0
-
-
-@dataclass
-class Served:
-    url: str
-    admin_url: str
-    process: subprocess.Popen[bytes]
-    log_path: str
-
-    def log(self) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()
-
-
-@contextlib.contextmanager
-def serve_process(
-    instances: list[AgentProcess], *flags: str, fd_limit: int | None = None
-) -> Iterator[Served]:
-    port, admin_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "kvherd", "serve", "--port", str(port)]
-    cmd += ["--admin-port", str(admin_port), "--admin-token", TOKEN, "--log-level", "warning"]
-    for agent in instances:
-        cmd += ["--instance", instance_arg(agent)]
-    cmd += list(flags)
-    fd, log_path = tempfile.mkstemp(prefix="kvherd-serve-", suffix=".log")
-    with os.fdopen(fd, "wb") as log_file:
-        process = subprocess.Popen(
-            cmd,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            preexec_fn=None if fd_limit is None else lambda: _limit_fds(fd_limit),
-        )
-    served = Served(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}", process, log_path)
-    ready = {200} if instances else {200, 503}  # without instances it serves, undispatchable
-    try:
-        deadline = time.monotonic() + 60
-        with httpx.Client(timeout=2.0) as client:
-            while True:
-                if process.poll() is not None:
-                    raise RuntimeError(f"kvherd serve exited:\n{served.log()}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if client.get(served.url + "/health").status_code in ready:
-                        break
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"kvherd serve not ready:\n{served.log()}")
-                time.sleep(0.05)  # polling interval while the process starts
-        yield served
-    finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        os.unlink(log_path)
-
-
-def _limit_fds(limit: int) -> None:
-    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
 
 
 class RawClient:
@@ -177,9 +111,9 @@ def ejections(metrics: str) -> list[str]:
 
 async def test_flood_is_refused_by_expected_wait_and_service_recovers() -> None:
     with (
-        agents(2, "--max-num-seqs", "8") as pair,
+        agent_processes(2, "--max-num-seqs", "8") as pair,
         serve_process(
-            pair,
+            [agent.instance_spec() for agent in pair],
             "--policy",
             "round_robin",
             "--migration-policy",

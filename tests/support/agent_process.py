@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
@@ -45,6 +46,13 @@ class AgentProcess:
     def log(self) -> str:
         with open(self.log_path, errors="replace") as f:
             return f.read()
+
+    def instance_spec(self, url: str | None = None) -> str:
+        """Its ``kvherd serve --instance`` value (`url` in place of its own: a relay in front)."""
+        spec = url or self.url
+        if self.kv_events_endpoint:
+            spec += f",kv_events={self.kv_events_endpoint},replay={self.replay_endpoint}"
+        return spec
 
     def terminate(self, timeout: float = 30.0) -> int:
         """SIGTERM (drain) and wait; returns the exit code."""
@@ -99,6 +107,19 @@ def agent_process(
             with contextlib.suppress(subprocess.TimeoutExpired):
                 agent.terminate(timeout=30.0)
         os.unlink(log_path)
+
+
+@contextlib.contextmanager
+def agent_processes(
+    count: int, *args: str, kv_events: bool = True, env: dict[str, str] | None = None
+) -> Iterator[list[AgentProcess]]:
+    """`count` agents started in parallel (startup is dominated by imports)."""
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(count) as pool:
+        futures = [
+            pool.submit(stack.enter_context, agent_process(*args, kv_events=kv_events, env=env))
+            for _ in range(count)
+        ]
+        yield [f.result() for f in futures]
 
 
 def _wait_healthy(agent: AgentProcess, timeout: float) -> None:

@@ -1,0 +1,158 @@
+"""Test helper: a TCP relay in front of an agent that fires a fault at one HTTP control message.
+
+Usage::
+
+    with FaultRelay(agent.url) as relay:           # relay.url is the agent's front door
+        relay.arm(Fault("/kvherd/v1/migration/commit", "before", lambda: os.kill(pid, SIGKILL)))
+        ...                                          # the proxy and the agents use relay.url
+        relay.fired.wait(60)                         # the fault ran
+
+Contract:
+- Bytes pass through unchanged both ways (streams, keep-alive, any route); the relay runs its own
+  event loop in a daemon thread, so sync and async tests and the chaos bench all use it alike.
+- Requests from the client side are read as HTTP/1.1 (head, ``content-length`` body). The one
+  armed `Fault` fires at the first request whose path ends with `path` and whose JSON body passes
+  `match`: ``"before"`` runs the action before the request is forwarded, ``"after"`` once the
+  upstream's first answer bytes were relayed back (the peer is then acting on the answer: a
+  reservation made, a commit accepted). It fires once; `fired` is set after the action ran.
+- When either side closes, both are closed: a request to an upstream killed by a fault fails at
+  the client as a dead peer would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+
+@dataclass
+class Fault:
+    path: str
+    when: Literal["before", "after"]
+    action: Callable[[], None]
+    match: Callable[[Any], bool] = lambda body: True
+
+
+class FaultRelay:
+    def __init__(self, upstream: str) -> None:
+        host, port = upstream.removeprefix("http://").rstrip("/").split(":")
+        self._upstream = (host, int(port))
+        self._fault: Fault | None = None
+        self.fired = threading.Event()
+        self.seen: list[str] = []  # the paths of every request relayed, in order
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._server = asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(30)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def arm(self, fault: Fault) -> None:
+        self.fired.clear()
+        self._fault = fault
+
+    def close(self) -> None:
+        async def stop() -> None:
+            self._server.close()
+            for task in [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]:
+                task.cancel()
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def __enter__(self) -> FaultRelay:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def _start(self) -> asyncio.Server:
+        return await asyncio.start_server(self._serve, "127.0.0.1", 0)
+
+    def _take(self, path: str, body: bytes) -> Fault | None:
+        fault = self._fault
+        if fault is None or not path.split("?", 1)[0].endswith(fault.path):
+            return None
+        try:
+            parsed = json.loads(body) if body else None
+        except ValueError:
+            parsed = None
+        if not fault.match(parsed):
+            return None
+        self._fault = None
+        return fault
+
+    def _fire(self, fault: Fault) -> None:
+        try:
+            fault.action()
+        finally:
+            self.fired.set()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self._upstream)
+        except OSError:
+            writer.close()
+            return
+        answered: list[Fault] = []  # an "after" fault waiting for the answer's first bytes
+
+        async def client_to_upstream() -> None:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.split(b"\r\n")
+                path = lines[0].split(b" ")[1].decode("latin-1")
+                length = 0
+                chunked = False
+                for line in lines[1:]:
+                    name, _, value = line.partition(b":")
+                    name = name.strip().lower()
+                    if name == b"content-length":
+                        length = int(value.strip())
+                    elif name == b"transfer-encoding" and b"chunked" in value.lower():
+                        chunked = True
+                self.seen.append(path)
+                if chunked:  # not a control message: relay the rest of the connection as is
+                    up_writer.write(head)
+                    while data := await reader.read(65536):
+                        up_writer.write(data)
+                        await up_writer.drain()
+                    return
+                body = await reader.readexactly(length) if length else b""
+                fault = self._take(path, body)
+                if fault is not None and fault.when == "before":
+                    self._fire(fault)
+                elif fault is not None:
+                    answered.append(fault)
+                up_writer.write(head + body)
+                await up_writer.drain()
+
+        async def upstream_to_client() -> None:
+            while data := await up_reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+                if answered:
+                    self._fire(answered.pop())
+
+        tasks = [
+            asyncio.ensure_future(client_to_upstream()),
+            asyncio.ensure_future(upstream_to_client()),
+        ]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            for task in tasks:
+                task.cancel()
+            for w in (writer, up_writer):
+                w.close()
+            for task in tasks:
+                with contextlib.suppress(BaseException):
+                    await task
