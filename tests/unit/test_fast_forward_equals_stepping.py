@@ -97,7 +97,11 @@ def core_state(sched: BatchScheduler) -> tuple[object, ...]:
 
 
 def twin_schedulers(
-    num_blocks: int, block_size: int, watermark: float, config: SchedulerConfig
+    num_blocks: int,
+    block_size: int,
+    watermark: float,
+    config: SchedulerConfig,
+    caching: bool = True,
 ) -> tuple[BatchScheduler, BatchScheduler]:
     fast, slow = (
         BatchScheduler(
@@ -107,7 +111,7 @@ def twin_schedulers(
                 config.max_model_len,
                 config.enable_chunked_prefill,
             ),
-            BlockManager(num_blocks, block_size, watermark=watermark),
+            BlockManager(num_blocks, block_size, caching, watermark),
         )
         for _ in range(2)
     )
@@ -141,6 +145,7 @@ workloads = st.lists(
     max_num_seqs=st.integers(1, 6),
     budget=st.integers(6, 24),
     chunked=st.booleans(),
+    caching=st.booleans(),
 )
 def test_fast_forward_equals_stepping(
     data: st.DataObject,
@@ -151,9 +156,11 @@ def test_fast_forward_equals_stepping(
     max_num_seqs: int,
     budget: int,
     chunked: bool,
+    caching: bool,
 ) -> None:
     """Random workloads (shared prefixes, tight pools that preempt, priorities, stop tokens,
-    aborts): fast-forwarding every guaranteed run leaves the core exactly as stepping does."""
+    aborts, prefix caching and chunked prefill on or off): fast-forwarding every guaranteed run
+    leaves the core exactly as stepping does."""
     max_model_len = 96
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -161,7 +168,7 @@ def test_fast_forward_equals_stepping(
         max_model_len=max_model_len,
         enable_chunked_prefill=chunked,
     )
-    fast, slow = twin_schedulers(num_blocks, block_size, watermark, config)
+    fast, slow = twin_schedulers(num_blocks, block_size, watermark, config, caching)
     twins = (fast, slow)
     prefixes = [[7] * 8, [9] * 12]
     # (steps until it arrives, id, prompt, max tokens, priority, stop token, abort delay)
@@ -272,3 +279,63 @@ def test_no_run_while_a_request_is_in_prefill_or_can_stop_on_a_token() -> None:
         step(twin)
         step(twin)
         assert not twin.running_prefill_tokens and decode_run_length(twin, 8) == run
+
+
+def test_a_run_stops_before_evicting_a_block_the_refused_head_would_hit() -> None:
+    """Evicting a cached block can admit the refused waiting head: here its hits b0 b1 b2 are all
+    evictable (3 revived blocks + 1 new > 3 free), b1 is the least recently used (r2 computed its
+    own copy of it, so r1 freed b1 first and r2 freed b2 later), and evicting b1 cuts the hits
+    to b0 (1 revived + 1 new block for a chunk the budget caps <= 2 free). The run ends before
+    the crossing that evicts b1, and the next step admits the head in both twins."""
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=5, max_model_len=64)
+    fast, slow = twin_schedulers(10, BLOCK, 0.0, config)
+    shared = [11] * 4 + [12] * 4
+    for sched in (fast, slow):
+        sched.add_request(make_request("r1", [*shared, 1], 1))
+        sched.add_request(make_request("r2", [*shared, *[13] * 4, 2], 3))
+        while sched.has_unfinished():
+            step(sched)
+        sched.add_request(make_request("d", list(range(100, 126)), 10))  # takes the 7 uncached
+        sched.add_request(make_request("h", [*shared, *[13] * 4, 3, 4], 1))
+        while sched.running_prefill_tokens or not sched.running:
+            step(sched)
+    d = fast.requests["d"]
+    assert fast.block_manager.num_free_blocks == 3 and d.num_computed_tokens == 26
+    # d's third decode step crosses into an 8th block, which only an eviction can supply.
+    k = decode_run_length(fast, 16)
+    assert k == 2
+    assert advance_decode(fast, k, next_tokens) == k
+    for _ in range(k):
+        step(slow)
+    assert core_state(fast) == core_state(slow)
+    for sched in (fast, slow):
+        out = sched.schedule()
+        assert [s.request.request_id for s in out.scheduled] == ["d", "h"]
+
+
+def test_a_preempted_request_recomputed_to_its_last_token_makes_no_run() -> None:
+    """A preempted request re-admitted (no prefix cache) whose recompute chunk ends one token
+    short looks like a decode (it has output, one token left) but is still in prefill: its next
+    step samples as a prefill's last chunk, so it starts no run, and the core matches stepping."""
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=3, max_model_len=64)
+    fast, slow = twin_schedulers(6, BLOCK, 0.0, config, caching=False)
+    for sched in (fast, slow):
+        sched.add_request(make_request("a", [1, 2, 3, 4], 12))
+        sched.add_request(make_request("b", list(range(20, 28)), 12))
+    seen = False
+    while fast.has_unfinished():
+        one_short = bool(fast.running) and all(
+            r.output_token_ids and r.num_computed_tokens == r.num_tokens - 1 for r in fast.running
+        )
+        if one_short and fast.running_prefill_tokens:
+            seen = True
+            assert decode_run_length(fast, 8) == 0
+        k = decode_run_length(fast, 8)
+        if k:
+            advance_decode(fast, k, next_tokens)
+            for _ in range(k):
+                step(slow)
+        else:
+            assert step(fast) == step(slow)
+        assert core_state(fast) == core_state(slow)
+    assert seen and fast.num_preemptions > 0
