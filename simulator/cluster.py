@@ -389,6 +389,10 @@ class SimCluster:
             periodic.wake()
         waiting = instance.scheduler.waiting
         head = waiting[0] if waiting else None
+        # The engine stamps a request's arrival when it receives it (`LLMEngine.add_request`), so
+        # its queue is in admission order: a request whose path took longer (the host's spread,
+        # co-location, wake-up) queues behind those that overtook it on the way.
+        request.arrival_time = now
         try:
             instance.add_request(request)
         except InvalidRequestError:
@@ -399,7 +403,7 @@ class SimCluster:
         pair = self.handoffs.paired(rid)
         if pair is not None and holds_first_token(self._role(pair[0])):
             instance.scheduler.hold_at_first_token(rid)  # it never decodes on a prefill instance
-        # Admissions arrive in arrival order at one priority, so they queue behind the head: a
+        # Admissions are stamped in admission order at one priority, so they queue behind the head: a
         # decode run planned behind a waiting head stays exact (see `_start_step`).
         assert head is None or waiting[0] is head, "an admission overtook the waiting head"
         if instance.idle:
