@@ -19,23 +19,15 @@ Contract:
   `migration_stage_latency_s`; the request keeps decoding during live stages and is suspended only
   for the stop-and-copy stage (between engine steps, never mid-step), then adopted by the
   destination from its serialized state.
-- `request_overhead_s` delays each request between the router's decision and the engine (the HTTP
-  path of a real fleet), plus `request_overhead_per_busy_s` for each other instance busy at its
-  arrival (instances sharing a host's cores with the proxy and the client slow that path down),
-  plus `request_overhead_idle(fleet idle time)`: a piecewise-linear function given as (idle s,
-  extra s) points, flat past its ends, of how long the whole fleet has been idle at the arrival
-  (0 while any instance runs a step). Hosts that park idle CPUs (shared VMs, deep C-states) take
-  longer to wake an idle serving path;
-  plus a per-request draw from `request_overhead_spread`: quantiles of the path's deviation from
-  its typical time (a real path varies from request to request; a constant would give every
-  request the median and squeeze the TTFT distribution). Draws are seeded by `seed` and tied to
-  the request's place in the trace, so every policy's run sees the same path times. The total
-  never goes below zero;
+- The host (`host`, `simulator.host_model.HostModel`): each request reaches its engine its
+  request-path time after the router's decision (`HostModel.request_overhead`: the HTTP path, the
+  other busy instances at its arrival, how long the whole fleet has been idle then, 0 while any
+  instance runs a step, and its draw from the path's spread, seeded by `seed` and tied to its
+  place in the trace so every policy's run sees the same path times; a total below zero is no
+  delay), and each engine step is stretched by `HostModel.step_stretch` of the other instances
+  busy at its start. A host that times steps by the fleet (`times_steps_by_fleet`) turns decode
+  fast-forward off: every step is timed against the fleet as it is when the step starts.
   `InstanceConfig.step_overhead_s` adds the serving loop's per-step cost.
-- `step_slowdown_per_busy` stretches each engine step by that fraction per other instance busy at
-  its start (co-located instances contending for the host's cores or memory bandwidth; 0, the
-  default, for instances on hosts of their own). Nonzero, it turns decode fast-forward off: every
-  step is timed against the fleet as it is when the step starts.
 - Decode fast-forward (`fast_forward`, on by default): while no migration is in flight, an
   instance whose next steps are guaranteed pure decode applies all of those that end before the
   next barrier event (arrival, admission, migration tick; a load report too under a migration
@@ -69,8 +61,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from instance_agent.engine.core.load import engine_load
 from instance_agent.engine.core.request import InvalidRequestError, Request, RequestStatus
 from kvherd.kv_events import KVEvent
@@ -97,6 +87,7 @@ from scheduler.core.cluster_state import ClusterState
 from scheduler.core.load_report import LoadReport
 from scheduler.core.migration_loop import MigrationLoop
 from scheduler.core.router import Router
+from simulator.host_model import HostModel
 from simulator.instance import DecodeRun, InstanceConfig, SimInstance, make_request
 from simulator.latency.base import LatencyModel
 from simulator.loop import EventLoop
@@ -116,18 +107,9 @@ class ClusterConfig:
     instance: InstanceConfig
     report_interval_s: float = 0.1
     report_delay_s: float = 0.002
-    # Client -> proxy -> agent until the engine holds the request (HTTP, tokenizing, routing).
-    request_overhead_s: float = 0.0
-    # Extra request-path time per other busy instance (co-located instances; 0 on separate hosts).
-    request_overhead_per_busy_s: float = 0.0
-    # Extra request-path time by fleet idle time: (idle s, extra s) points, idle ascending.
-    request_overhead_idle: tuple[tuple[float, float], ...] = ()
-    # Request-path deviation from its typical time (s): quantiles evenly spaced from the least to
-    # the greatest; each request draws one.
-    request_overhead_spread: tuple[float, ...] = ()
+    # The request path and co-location (default: a host that adds nothing).
+    host: HostModel = field(default_factory=HostModel)
     seed: int = 0  # the run's seed (the request path's draws)
-    # Step-time stretch per other busy instance (co-located instances; 0 on separate hosts).
-    step_slowdown_per_busy: float = 0.0
     kv_event_delay_s: float = 0.005
     migration_interval_s: float = 0.5
     max_migrations_in_flight: int = 16
@@ -228,12 +210,7 @@ class SimCluster:
         # A step's time depends on the other instances at its start: no step is planned ahead;
         # P/D handoffs reserve and commit on decode instances between any two of their steps.
         self.fast_forward = (
-            fast_forward and not config.step_slowdown_per_busy and not config.disaggregated
-        )
-        # `request_overhead_idle` as (idle times, extras), for np.interp at each arrival.
-        self._idle_curve = (
-            [idle for idle, _ in config.request_overhead_idle],
-            [extra for _, extra in config.request_overhead_idle],
+            fast_forward and not config.host.times_steps_by_fleet and not config.disaggregated
         )
         self.loop = EventLoop()
         self.metrics = MetricsCollector()
@@ -278,7 +255,7 @@ class SimCluster:
         self._between_steps: dict[str, list[Callable[[], None]]] = {}
         # The trace being fed: its requests, their arrival order, its id block size.
         self._arrivals: tuple[list[TraceRequest], list[int], int] = ([], [], 0)
-        # Per trace request: its draw from `request_overhead_spread` (empty: no spread).
+        # Per trace request: its draw from the host's request-path spread (empty: no spread).
         self._path_draws: list[float] = []
         # KV events on their way to the prefix index: (due, loop order, instance, events).
         self._pending_events: list[tuple[float, int, str, list[KVEvent]]] = []
@@ -301,12 +278,7 @@ class SimCluster:
         if any(b.arrival_s < a.arrival_s for a, b in itertools.pairwise(requests)):
             order.sort(key=lambda i: requests[i].arrival_s)
         self._arrivals = (requests, order, trace.block_size)
-        spread = self.config.request_overhead_spread
-        if spread:  # inverse-CDF sampling, linear between the quantiles
-            uniform = np.random.default_rng(self.config.seed).random(len(requests))
-            self._path_draws = np.interp(
-                uniform, np.linspace(0.0, 1.0, len(spread)), spread
-            ).tolist()
+        self._path_draws = self.config.host.path_draws(len(requests), self.config.seed)
         if order:
             self._queue_arrival(0)
         sample_interval = self.config.sample_interval_s or max(trace.duration_s / 400.0, 0.05)
@@ -351,7 +323,7 @@ class SimCluster:
 
     def _arrive(self, tr: TraceRequest, id_block_size: int, path_draw: float) -> None:
         """A trace request arrives: route it, and admit it after its request-path time
-        (`path_draw`: its draw from `request_overhead_spread`)."""
+        (`path_draw`: its draw from the host's request-path spread)."""
         now = self.loop.now
         request = make_request(
             tr, id_block_size, self.config.instance.block_size, now, self.vocab_size
@@ -372,11 +344,9 @@ class SimCluster:
         if routed.decode_id is not None:
             self.handoffs.expect(rid, routed.instance_id, routed.decode_id)
         instance = self.instances[routed.instance_id]
-        overhead = self.config.request_overhead_s + path_draw
-        if self.config.request_overhead_per_busy_s > 0:
-            overhead += self.config.request_overhead_per_busy_s * self._busy_others(instance)
-        if self.config.request_overhead_idle:
-            overhead += self._idle_overhead(now)
+        overhead = self.config.host.request_overhead(
+            path_draw, lambda: self._busy_others(instance), lambda: self._fleet_idle_s(now)
+        )
         if overhead > 0:  # (a negative total is no delay)
             self.loop.call_later(overhead, self._admit, instance, request)
         else:
@@ -430,20 +400,17 @@ class SimCluster:
             if run is not None:
                 self._schedule_run(instance, run)
                 return
-        slowdown = self.config.step_slowdown_per_busy
-        stretch = 1.0 + slowdown * self._busy_others(instance) if slowdown else 1.0
+        stretch = self.config.host.step_stretch(lambda: self._busy_others(instance))
         end = instance.start_step(loop.now, stretch)
         if end is not None:
             loop.call_at_quiet(end, self._step_end, instance)
 
-    def _idle_overhead(self, now: float) -> float:
-        """`request_overhead_idle` at the fleet's idle time now (linear between its points)."""
+    def _fleet_idle_s(self, now: float) -> float:
+        """How long the whole fleet has been idle at `now` (0 while any instance runs a step)."""
         instances = self.instances.values()
-        idle = (
-            0.0 if any(not i.idle for i in instances) else now - max(i.last_busy for i in instances)
-        )
-        idles, extras = self._idle_curve
-        return float(np.interp(idle, idles, extras))  # flat past the ends, as documented
+        if any(not i.idle for i in instances):
+            return 0.0
+        return now - max(i.last_busy for i in instances)
 
     def _busy_others(self, instance: SimInstance) -> int:
         """How many instances other than `instance` are running a step now."""

@@ -1,6 +1,7 @@
 """One simulated run = one trace x one fleet configuration x one dispatch (+ migration) policy.
 
-Contract: `SimSettings` holds everything but the policy; `run_policy(trace, settings, policy)` builds
+Contract: `SimSettings` holds everything but the policy (the fleet's latency model and host model,
+`simulator.host_model.HostModel`, each one object); `run_policy(trace, settings, policy)` builds
 a fresh fleet (new instances, new router state, a freshly loaded and seeded policy), replays the whole
 trace and returns a `SimResult`. Runs share nothing, so every policy sees exactly the same arrivals
 and a run is deterministic for a seed. `kvherd sim` and the benchmarks both go through here.
@@ -26,6 +27,7 @@ from policies.registry import (
     load_pd_policy,
 )
 from simulator.cluster import ClusterConfig, MigrationStats, SimCluster
+from simulator.host_model import HostModel
 from simulator.instance import InstanceConfig
 from simulator.latency.base import LatencyModel
 from simulator.traces import Trace
@@ -45,11 +47,7 @@ class SimSettings:
     kv_event_delay_s: float = 0.005
     migration_interval_s: float = 0.5
     migration_bandwidth: float = 25e9
-    request_overhead_s: float = 0.0
-    request_overhead_per_busy_s: float = 0.0
-    request_overhead_idle: tuple[tuple[float, float], ...] = ()
-    request_overhead_spread: tuple[float, ...] = ()
-    step_slowdown_per_busy: float = 0.0
+    host: HostModel = field(default_factory=HostModel)  # request path, co-location
     # Decode fast-forward (same results, fewer Python steps); off only to check that claim.
     fast_forward: bool = True
     # P/D disaggregation: instances that only prefill / only decode, next to the mixed ones.
@@ -67,12 +65,8 @@ class SimSettings:
             kv_event_delay_s=self.kv_event_delay_s,
             migration_interval_s=self.migration_interval_s,
             migration_bandwidth=self.migration_bandwidth,
-            request_overhead_s=self.request_overhead_s,
-            request_overhead_per_busy_s=self.request_overhead_per_busy_s,
-            request_overhead_idle=self.request_overhead_idle,
-            request_overhead_spread=self.request_overhead_spread,
+            host=self.host,
             seed=self.seed,
-            step_slowdown_per_busy=self.step_slowdown_per_busy,
             prefill_instances=self.prefill_instances,
             decode_instances=self.decode_instances,
             transfer=self.transfer,

@@ -10,9 +10,9 @@ one clear line on stderr (no traceback). Deterministic for a seed: run times go 
 from __future__ import annotations
 
 import argparse
-import itertools
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,43 +82,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fleet.add_argument("--report-interval-ms", type=float, default=100.0, help="load report period")
     fleet.add_argument("--kv-event-delay-ms", type=float, default=5.0, help="KV event latency")
     fleet.add_argument(
-        "--request-overhead-ms",
-        type=float,
-        default=0.0,
-        help="client -> proxy -> engine latency of every request (default 0)",
-    )
-    fleet.add_argument(
-        "--request-overhead-per-busy-ms",
-        type=float,
-        default=0.0,
-        help="extra request latency per other busy instance, for instances sharing a host's "
-        "cores with the proxy and the client (default 0)",
-    )
-    fleet.add_argument(
-        "--request-overhead-idle",
-        default="",
-        metavar="IDLE_S:MS,...",
-        help="extra request latency by how long the whole fleet has been idle at the arrival: "
-        "points of a piecewise-linear function, flat past its ends, e.g. 0.03:-2,0.5:10 (hosts "
-        "slow to wake idle processes; default none)",
-    )
-    fleet.add_argument(
-        "--request-overhead-spread",
-        default="",
-        metavar="MS,...",
-        help="how the request latency varies around its typical value: quantiles of its "
-        "deviation in ms, ascending and evenly spaced from the least to the greatest, each "
-        "request drawing one (seeded), e.g. --request-overhead-spread=-4,-1,0,1,9 (default none)",
-    )
-    fleet.add_argument(
-        "--step-slowdown-per-busy",
-        type=float,
-        default=0.0,
-        metavar="FRACTION",
-        help="stretch every engine step by this fraction per other busy instance, for "
-        "instances sharing a host's cores (default 0; nonzero turns decode fast-forward off)",
-    )
-    fleet.add_argument(
         "--migration-interval-ms", type=float, default=500.0, help="migration loop period"
     )
     fleet.add_argument(
@@ -126,6 +89,55 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=200.0,
         help="KV transfer bandwidth between instances in Gbit/s (default 200)",
+    )
+    host = parser.add_argument_group(
+        "host: the request path and co-location (each flag overrides the --profile file's knob)"
+    )
+    host.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="a profile file (`kvherd profile`, bench/sim_fidelity.py or by hand) whose host "
+        "section sets the knobs below (default: no profile, every knob 0); the latency model "
+        "stays --latency-model's",
+    )
+    host.add_argument(
+        "--request-overhead-ms",
+        type=float,
+        default=None,
+        help="client -> proxy -> engine latency of every request (default 0)",
+    )
+    host.add_argument(
+        "--request-overhead-per-busy-ms",
+        type=float,
+        default=None,
+        help="extra request latency per other busy instance, for instances sharing a host's "
+        "cores with the proxy and the client (default 0)",
+    )
+    host.add_argument(
+        "--request-overhead-idle",
+        default=None,
+        metavar="IDLE_S:MS,...",
+        help="extra request latency by how long the whole fleet has been idle at the arrival: "
+        "points of a piecewise-linear function, flat past its ends, e.g. 0.03:-2,0.5:10 (hosts "
+        "slow to wake idle processes; default none)",
+    )
+    host.add_argument(
+        "--request-overhead-spread",
+        default=None,
+        metavar="MS,...",
+        help="how the request latency varies around its typical value: quantiles of its "
+        "deviation in ms, ascending and evenly spaced from the least to the greatest, each "
+        "request drawing one (seeded), e.g. --request-overhead-spread=-4,-1,0,1,9 (default none)",
+    )
+    host.add_argument(
+        "--step-slowdown-per-busy",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="stretch every engine step by this fraction per other busy instance, for "
+        "instances sharing a host's cores (default 0; nonzero turns decode fast-forward off)",
     )
     pd = parser.add_argument_group("prefill/decode disaggregation")
     pd.add_argument(
@@ -170,7 +182,7 @@ def _fail(message: str) -> int:
 
 
 def _idle_points(text: str) -> tuple[tuple[float, float], ...]:
-    """`--request-overhead-idle` -> (idle s, extra s) points, idle strictly ascending."""
+    """`--request-overhead-idle` -> (idle s, extra s) points (`HostModel` checks their order)."""
     points: list[tuple[float, float]] = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         idle, sep, extra = item.partition(":")
@@ -180,14 +192,12 @@ def _idle_points(text: str) -> tuple[tuple[float, float], ...]:
             point = (math.nan, math.nan)
         if not sep or not all(map(math.isfinite, point)) or point[0] < 0:
             raise ValueError(f"--request-overhead-idle: {item!r} is not IDLE_S:MS (IDLE_S >= 0)")
-        if points and point[0] <= points[-1][0]:
-            raise ValueError("--request-overhead-idle: idle times must be strictly ascending")
         points.append(point)
     return tuple(points)
 
 
 def _spread_quantiles(text: str) -> tuple[float, ...]:
-    """`--request-overhead-spread` -> quantiles in seconds (at least two, ascending)."""
+    """`--request-overhead-spread` -> quantiles in seconds (`HostModel` checks their order)."""
     if not text.strip():
         return ()
     try:
@@ -196,9 +206,38 @@ def _spread_quantiles(text: str) -> tuple[float, ...]:
         values = [math.nan]
     if not all(map(math.isfinite, values)):
         raise ValueError(f"--request-overhead-spread: {text!r} is not a list of numbers (ms)")
-    if len(values) < 2 or any(b < a for a, b in itertools.pairwise(values)):
-        raise ValueError("--request-overhead-spread: give at least two quantiles, ascending")
     return tuple(values)
+
+
+# Each host flag, the knob it sets and how its text becomes the knob's value (seconds).
+_HOST_FLAGS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "request_overhead_ms": ("request_overhead_s", lambda ms: ms / 1000.0),
+    "request_overhead_per_busy_ms": ("request_overhead_per_busy_s", lambda ms: ms / 1000.0),
+    "request_overhead_idle": ("request_overhead_idle", _idle_points),
+    "request_overhead_spread": ("request_overhead_spread", _spread_quantiles),
+    "step_slowdown_per_busy": ("step_slowdown_per_busy", float),
+}
+
+
+def _host_model(args: argparse.Namespace) -> Any:
+    """The fleet's host: the --profile file's host section, each host flag given overriding its
+    knob. Raises `ValueError` naming the flag or the file's key at fault."""
+    import dataclasses
+
+    from simulator.host_model import HostModel, HostModelError
+
+    host = HostModel() if args.profile is None else HostModel.from_file(args.profile)
+    flag_of: dict[str, str] = {}
+    changes: dict[str, Any] = {}
+    for dest, (knob, convert) in _HOST_FLAGS.items():
+        value = getattr(args, dest)
+        if value is not None:
+            flag_of[knob] = "--" + dest.replace("_", "-")
+            changes[knob] = convert(value)
+    try:
+        return dataclasses.replace(host, **changes)
+    except HostModelError as exc:
+        raise ValueError(f"{flag_of.get(exc.knob, exc.knob)} {exc.problem}") from None
 
 
 def _transfer(args: argparse.Namespace) -> Any:
@@ -256,17 +295,10 @@ def run(args: argparse.Namespace) -> int:
         transfer = _transfer(args)
     except ValueError as exc:
         return _fail(str(exc))
-    for flag in (
-        "request_overhead_ms",
-        "request_overhead_per_busy_ms",
-        "step_overhead_ms",
-        "step_slowdown_per_busy",
-    ):
-        if not getattr(args, flag) >= 0:  # NaN fails too
-            return _fail(f"--{flag.replace('_', '-')} must be a non-negative number")
+    if not args.step_overhead_ms >= 0:  # NaN fails too
+        return _fail("--step-overhead-ms must be a non-negative number")
     try:
-        idle_points = _idle_points(args.request_overhead_idle)
-        spread = _spread_quantiles(args.request_overhead_spread)
+        host = _host_model(args)
     except ValueError as exc:
         return _fail(str(exc))
     try:
@@ -315,11 +347,7 @@ def run(args: argparse.Namespace) -> int:
         kv_event_delay_s=args.kv_event_delay_ms / 1000.0,
         migration_interval_s=args.migration_interval_ms / 1000.0,
         migration_bandwidth=args.migration_bandwidth_gbps * 1e9 / 8,
-        request_overhead_s=args.request_overhead_ms / 1000.0,
-        request_overhead_per_busy_s=args.request_overhead_per_busy_ms / 1000.0,
-        request_overhead_idle=idle_points,
-        request_overhead_spread=spread,
-        step_slowdown_per_busy=args.step_slowdown_per_busy,
+        host=host,
         prefill_instances=args.prefill_instances,
         decode_instances=args.decode_instances,
         pd_policy=args.pd_policy,
@@ -341,11 +369,8 @@ def run(args: argparse.Namespace) -> int:
             "enable_prefix_caching": instance.enable_prefix_caching,
             "step_overhead_ms": args.step_overhead_ms,
         },
-        "request_overhead_ms": args.request_overhead_ms,
-        "request_overhead_per_busy_ms": args.request_overhead_per_busy_ms,
-        "request_overhead_idle": [[idle, extra * 1000.0] for idle, extra in idle_points],
-        "request_overhead_spread_ms": [value * 1000.0 for value in spread],
-        "step_slowdown_per_busy": args.step_slowdown_per_busy,
+        "host_profile": None if args.profile is None else str(args.profile),
+        "host": host.profile_section(),
         "migration_policy": args.migration_policy,
         "seed": args.seed,
         "slo_ttft_ms": args.slo_ttft,

@@ -12,6 +12,7 @@ from kvherd.block_hash import block_hash_chain
 from kvherd.cli import main
 from policies import ClusterView, Decision, RequestView, load_dispatch_policy, load_migration_policy
 from simulator.cluster import ClusterConfig, SimCluster
+from simulator.host_model import HostModel
 from simulator.instance import InstanceConfig
 from simulator.latency import LatencyModelError, load_latency_model
 from simulator.prompts import synthesize_prompt
@@ -274,10 +275,10 @@ def _co_located(**config: object) -> tuple[dict[str, list[float]], int]:
 def test_request_overhead_grows_with_the_other_busy_instances() -> None:
     """Co-located instances: a request pays `request_overhead_per_busy_s` for each other instance
     busy when it arrives, and nothing more."""
-    plain = _co_located(request_overhead_s=0.002)[0]["first_token"]
-    loaded = _co_located(request_overhead_s=0.002, request_overhead_per_busy_s=0.005)[0][
-        "first_token"
-    ]
+    plain = _co_located(host=HostModel(request_overhead_s=0.002))[0]["first_token"]
+    loaded = _co_located(
+        host=HostModel(request_overhead_s=0.002, request_overhead_per_busy_s=0.005)
+    )[0]["first_token"]
     assert loaded[0] == pytest.approx(plain[0])  # nothing else busy at its arrival
     assert loaded[1] == pytest.approx(plain[1] + 0.005)  # inst-0 busy with the long prefill
     assert loaded[2] == pytest.approx(plain[2])
@@ -288,7 +289,8 @@ def test_request_overhead_follows_the_fleet_idle_time() -> None:
     the whole fleet has been idle when it arrives (none while an instance computes)."""
 
     def run(points: tuple[tuple[float, float], ...]) -> dict[str, list[float]]:
-        return _co_located(request_overhead_s=0.002, request_overhead_idle=points)[0]
+        host = HostModel(request_overhead_s=0.002, request_overhead_idle=points)
+        return _co_located(host=host)[0]
 
     ttft = run(())["first_token"]
     loaded = run(((0.0, 0.001), (100.0, 0.101)))  # 1 ms + 1 ms per idle second
@@ -316,21 +318,22 @@ def test_request_overhead_spread_is_drawn_per_request() -> None:
     """Each request's path time draws from the quantiles of `request_overhead_spread` (here
     uniform on -1..+3 ms), the same draws for every policy and seed-determined; a total below
     zero is no delay."""
-    plain = _isolated_ttfts(request_overhead_s=0.002)
+    plain = _isolated_ttfts(host=HostModel(request_overhead_s=0.002))
     spread = (-0.001, 0.003)
-    drawn = _isolated_ttfts(request_overhead_s=0.002, request_overhead_spread=spread)
+    with_spread = HostModel(request_overhead_s=0.002, request_overhead_spread=spread)
+    drawn = _isolated_ttfts(host=with_spread)
     extra = [d - p for d, p in zip(drawn, plain, strict=True)]
     assert all(-0.001 - 1e-9 <= e <= 0.003 + 1e-9 for e in extra)
     assert sorted(extra)[150] == pytest.approx(0.001, abs=0.0004)  # the median of -1..+3 ms
     assert sum(e < 0 for e in extra) == pytest.approx(75, abs=25)  # a quarter below zero
-    other_policy = _isolated_ttfts(
-        "least_requests", request_overhead_s=0.002, request_overhead_spread=spread
-    )
+    other_policy = _isolated_ttfts("least_requests", host=with_spread)
     assert other_policy == pytest.approx(drawn, abs=1e-12)
-    assert _isolated_ttfts(request_overhead_s=0.002, request_overhead_spread=spread) == drawn
-    reseeded = _isolated_ttfts(request_overhead_s=0.002, request_overhead_spread=spread, seed=1)
+    assert _isolated_ttfts(host=with_spread) == drawn
+    reseeded = _isolated_ttfts(host=with_spread, seed=1)
     assert reseeded != drawn
-    below = _isolated_ttfts(request_overhead_s=0.002, request_overhead_spread=(-0.005, -0.004))
+    below = _isolated_ttfts(
+        host=HostModel(request_overhead_s=0.002, request_overhead_spread=(-0.005, -0.004))
+    )
     assert below == pytest.approx([p - 0.002 for p in plain], abs=1e-12)
 
 
@@ -338,8 +341,8 @@ def test_steps_stretch_with_the_other_busy_instances() -> None:
     """Co-located instances: every step takes (1 + `step_slowdown_per_busy` x other busy
     instances at its start) times as long; alone, an instance runs at the model's speed."""
     (plain, plain_steps), (loaded, loaded_steps) = (
-        _co_located(step_slowdown_per_busy=0.0),
-        _co_located(step_slowdown_per_busy=0.5),
+        _co_located(host=HostModel(step_slowdown_per_busy=0.0)),
+        _co_located(host=HostModel(step_slowdown_per_busy=0.5)),
     )
     assert loaded_steps == plain_steps
     for key in ("first_token", "last_token"):
