@@ -14,7 +14,8 @@ Steps, all on this machine:
      the request path (client -> proxy -> agent and the first token back), how much slower the
      agents compute now than the profile's clock says (1.0 on a quiet machine; other load on
      the cores raises it), and the serving loop's cost per step outside the engine. The terms
-     go into the profile's ``serving`` section and `--request-overhead-ms`; each of the
+     go into the profile's ``serving`` section and its ``host`` section's
+     ``request_overhead_s`` (`simulator.host_model.HostModel`); each of the
      `--probe-rounds` rounds is also fitted alone, to show their spread. The rounds are spread
      over the repeats, run just before each repeat's real runs: a shared VM's speed drifts within
      minutes, and probes taken all before the first real run calibrate another machine than
@@ -22,23 +23,25 @@ Steps, all on this machine:
   3. For each policy, `--repeats` fresh fleets (`kvherd up -n N --policy P`, agents checked
      against the profile's engine through /kvherd/v1/state), each replaying the trace with
      `kvherd replay` after a short warm-up.
-  4. One `kvherd sim` of the same trace: that profile, N instances, the same engine limits, the
-     probed request path (and its co-location term, below), the proxy's load-report period.
+  4. One `kvherd sim` of the same trace: that profile (`--latency-model calibrated:FILE
+     --profile FILE`: its engine fit, serving and host sections), N instances, the same engine
+     limits, the proxy's load-report period. The profile is written to the out directory as
+     ``profile_fleet.json``, to simulate this fleet again with `kvherd sim --profile`.
   5. Co-location (probed in step 2): the agents, proxy and client share this machine's cores,
      so requests and engine steps are slower while another agent computes. Each probe round
      sends few-token requests and a burst of streams straight to one agent of the probe fleet,
      first with the one-agent fleet idle, then with it decoding streams through its proxy (as
      a real fleet's other agent does; polled until its prefills are done). The median TTFT
-     difference goes to the simulator as `--request-overhead-per-busy-ms` (the request path
+     difference goes to the host section as ``request_overhead_per_busy_s`` (the request path
      grows per other busy instance at arrival), the median TPOT stretch as
-     `--step-slowdown-per-busy` (every step grows per other busy instance at its start).
+     ``step_slowdown_per_busy`` (every step grows per other busy instance at its start).
   6. Idle wake-up: series of few-token requests through the proxy at arrival gaps of 30 ms to 1 s,
      in each probe round and again after each real run (a shared VM's wake-up cost drifts within
      minutes). The TTFT by idle time before the request, median over every series, relative to
-     the probe rounds' TTFT at the isolated probes' idle time, goes to the simulator as
-     `--request-overhead-idle`. The same requests' deviations from the median of their series
+     the probe rounds' TTFT at the isolated probes' idle time, goes to the host section as
+     ``request_overhead_idle``. The same requests' deviations from the median of their series
      (one gap, one fleet, a few seconds) give the request path's spread, as its percentiles for
-     `--request-overhead-spread`: a real path varies from request to request, and a constant
+     ``request_overhead_spread``: a real path varies from request to request, and a constant
      path would give every short request the median and pull the TTFT quantiles in.
 The trace is the Mooncake trace scaled down to fit the model's context: the first `--requests`
 requests that fit, every length divided by `--shrink` and the hash-id block shrunk alike
@@ -434,8 +437,8 @@ def _colocation(
     decoding streams through its proxy, as a real fleet's other agent does.
 
     What the busy neighbour adds to the TTFT is the request path's co-location cost
-    (`--request-overhead-per-busy-ms`); how much it stretches the TPOT is the engine steps'
-    (`--step-slowdown-per-busy`). Both sides skip the quiet agent's proxy, so only the
+    (``request_overhead_per_busy_s``); how much it stretches the TPOT is the engine steps'
+    (``step_slowdown_per_busy``). Both sides skip the quiet agent's proxy, so only the
     neighbour's load differs between them.
     """
     import threading
@@ -620,6 +623,8 @@ def main() -> int:
     if args.repeats < 1 or args.probe_rounds < 1 or 512 % args.shrink:
         print("--repeats and --probe-rounds >= 1; --shrink must divide 512", file=sys.stderr)
         return 2
+    from kvherd.profile_format import HOST_SECTION
+    from simulator.host_model import HostModel
     from simulator.latency.calibrated import CalibratedModel
     from simulator.report import safe_label
 
@@ -725,8 +730,6 @@ def main() -> int:
     fleet = _fleet_fit([o for observations in rounds for o in observations])
     per_round = [_fleet_fit(observations) for observations in rounds]
     profile["serving"] = {key: fleet[key] for key in FLEET_TERMS[1:]}
-    fleet_profile = out / "profile_fleet.json"
-    fleet_profile.write_text(json.dumps(profile, indent=1) + "\n")
     request_ms = fleet["request_s"] * 1000.0
     # What one busy co-located agent adds to a request, and how much it stretches the steps
     # (none measured below 0).
@@ -760,11 +763,24 @@ def main() -> int:
     )
     idle_points = [(idle, 1000.0 * (ttft - baseline)) for idle, ttft in curve]
     spread_ms = 1000.0 * np.quantile(probes.deviations, np.linspace(0.0, 1.0, SPREAD_QUANTILES))
-    idle_table = ",".join(
-        f"{idle:.4f}:{extra:.3f}"
-        for i, (idle, extra) in enumerate(idle_points)
-        if i == 0 or idle > idle_points[i - 1][0]
+
+    def seconds(ms: float) -> float:  # to the microsecond: the probes resolve no finer
+        return round(float(ms), 3) / 1000.0
+
+    host = HostModel(
+        request_overhead_s=seconds(request_ms),
+        request_overhead_per_busy_s=seconds(per_busy_ms),
+        request_overhead_idle=tuple(
+            (round(idle, 4), seconds(extra))
+            for i, (idle, extra) in enumerate(idle_points)
+            if i == 0 or idle > idle_points[i - 1][0]
+        ),
+        request_overhead_spread=tuple(seconds(q) for q in spread_ms),
+        step_slowdown_per_busy=round(slowdown, 4),
     )
+    profile[HOST_SECTION] = host.profile_section()
+    fleet_profile = out / "profile_fleet.json"
+    fleet_profile.write_text(json.dumps(profile, indent=1) + "\n")
     subprocess.run(
         _kvherd(
             "sim",
@@ -775,6 +791,8 @@ def main() -> int:
             ",".join(policies),
             "--latency-model",
             f"calibrated:{fleet_profile}",
+            "--profile",
+            str(fleet_profile),
             "--id-block-size",
             str(512 // args.shrink),
             "--max-num-seqs",
@@ -783,14 +801,6 @@ def main() -> int:
             str(profile["engine"]["max_num_batched_tokens"]),
             "--max-model-len",
             str(profile["engine"]["max_model_len"]),
-            "--request-overhead-ms",
-            f"{request_ms:.3f}",
-            "--request-overhead-per-busy-ms",
-            f"{per_busy_ms:.3f}",
-            "--step-slowdown-per-busy",
-            f"{slowdown:.4f}",
-            f"--request-overhead-idle={idle_table}",
-            "--request-overhead-spread=" + ",".join(f"{q:.3f}" for q in spread_ms),
             "--report-interval-ms",
             str(LOAD_INTERVAL_MS),
             "--out",
