@@ -22,7 +22,9 @@ Contract:
   (block size, pool size, batch limits, torch threads, clock: `kvherd sim` adopts the engine
   limits), KV bytes per token, and every measured point with its prediction. The feature names
   are the file's contract with the simulator: both compute them with
-  `kvherd.profile_format`.
+  `kvherd.profile_format`. It writes no ``host`` section (`kvherd sim --profile`): one engine
+  alone cannot measure the request path or co-location; bench/sim_fidelity.py probes them on a
+  live fleet and writes the section, or it is written by hand.
 - Bad arguments exit with status 2 and one line on stderr.
 """
 
