@@ -491,7 +491,7 @@ class SimCluster:
     def on_tokens(self, request_ids: list[str], now: float) -> None:
         for request_id in self.metrics.on_tokens(request_ids, now):
             self.router.on_first_token(request_id, now)
-            self.handoffs.on_first_token(request_id)
+            self.handoffs.on_first_token(request_id, now)
 
     def on_decode_run(self, request_ids: list[str], times: list[float]) -> None:
         # Never a first token: every request of a decode run already has output.
@@ -655,7 +655,9 @@ class SimCluster:
                         and request.status is RequestStatus.SUSPENDED
                         and math.isnan(m.suspended_at)
                     ):
-                        m.suspended_at = self.loop.now  # held at its first token (P/D)
+                        # Held since its first token (P/D): its downtime starts there.
+                        held = self.handoffs.first_token_at(rid)
+                        m.suspended_at = self.loop.now if held is None else held
                     action = session.on_snapshot(
                         RequestSnapshot(None)
                         if request is None

@@ -5,12 +5,15 @@ Contract:
 - Pairing is production's: the `Router` with a P/D policy (`policies.base.PDPolicy`) routes each
   arrival, and `Routed.decode_id` names the decode instance (None: no handoff, e.g. conditional
   disaggregation ran it where it decodes). `expect(request_id, prefill, decode)` records one.
-- `on_first_token(request_id)`: the prefill instance sampled the first token (so TTFT is recorded
-  there and pays no transfer). The handoff joins its prefill instance's queue: up to
-  `MAX_HANDOFFS_OUT` handoffs out of one instance run at once, the rest wait in order of first
-  tokens, as in the agents (`instance_agent.pd_handoff`). Out of a prefill-only instance the
-  request is held (suspended) from its first token, so it never decodes there meanwhile
-  (`migration.core.handoff`; the cluster asks the engine for the hold at admission).
+- `on_first_token(request_id, now)`: the prefill instance sampled the first token (so TTFT is
+  recorded there and pays no transfer); `first_token_at(request_id)` keeps its time until the
+  handoff ends (a held request stops decoding then, so its handoff's downtime starts there, not
+  when its session first runs, which may be a prefill step later). The handoff joins its prefill
+  instance's queue: up to `MAX_HANDOFFS_OUT` handoffs out of one instance run at once, the rest
+  wait in order of first tokens, as in the agents (`instance_agent.pd_handoff`). Out of a
+  prefill-only instance the request is held (suspended) from its first token, so it never decodes
+  there meanwhile (`migration.core.handoff`; the cluster asks the engine for the hold at
+  admission).
 - A handoff is the `MigrationOrder(request, prefill, decode, "pd_handoff")` given to `start`: the
   cluster's migration driver, i.e. the agents' `SourceSession`/`DestinationSession` (cache-aware
   stages that copy only the blocks the decode instance lacks, the stop-and-copy stage, the commit
@@ -58,6 +61,7 @@ class SimHandoffs:
         self._paired: dict[str, tuple[str, str]] = {}  # request id -> (prefill, decode)
         self._queues: dict[str, deque[str]] = {}  # prefill instance -> requests waiting a turn
         self._active: dict[str, set[str]] = {}  # prefill instance -> the requests handed off now
+        self._first_token_at: dict[str, float] = {}  # paired request id -> its first token's time
         self.stats = HandoffStats()
 
     def paired(self, request_id: str) -> tuple[str, str] | None:
@@ -68,10 +72,15 @@ class SimHandoffs:
         self._paired[request_id] = (prefill, decode)
         self.stats.expected += 1
 
-    def on_first_token(self, request_id: str) -> None:
+    def first_token_at(self, request_id: str) -> float | None:
+        """When a request whose handoff has not ended got its first token (None: not yet)."""
+        return self._first_token_at.get(request_id)
+
+    def on_first_token(self, request_id: str, now: float) -> None:
         pair = self._paired.get(request_id)
         if pair is None:
             return
+        self._first_token_at[request_id] = now
         prefill = pair[0]
         self._queues.setdefault(prefill, deque()).append(request_id)
         self._next(prefill)
@@ -82,6 +91,7 @@ class SimHandoffs:
         if pair is None or request_id in self._active.get(pair[0], ()):
             return  # no handoff, or one in flight (its session sees the end and aborts)
         del self._paired[request_id]
+        self._first_token_at.pop(request_id, None)
         queue = self._queues.get(pair[0])
         if queue is not None and request_id in queue:
             queue.remove(request_id)
@@ -89,6 +99,7 @@ class SimHandoffs:
 
     def on_done(self, request_id: str, reason: str | None) -> None:
         prefill, _ = self._paired.pop(request_id)
+        self._first_token_at.pop(request_id, None)
         self._active[prefill].discard(request_id)
         if reason is None:
             self.stats.ok += 1

@@ -305,6 +305,33 @@ def test_without_chunked_prefill_every_prompt_is_computed_whole(
     _no_leaks(cluster)
 
 
+def test_a_held_handoffs_downtime_runs_from_its_first_token(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Out of a busy prefill instance a handoff's session first runs after the step in flight
+    when its request sampled its first token; the request stopped decoding at that token, so
+    that is where its downtime starts (not at the session's snapshot)."""
+    committed_at: dict[str, float] = {}
+    committed = SimCluster._committed
+
+    def record(self: SimCluster, m: object, src: object, dst: object) -> None:
+        committed_at[m.session.request_id] = self.loop.now  # type: ignore[attr-defined]
+        committed(self, m, src, dst)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(SimCluster, "_committed", record)
+    trace = _trace(24, 900, 30, gap_s=0.005)  # prompts keep coming while handoffs wait
+    cluster = _run(trace, prefill=1, decode=1)
+    assert cluster.handoffs.stats.ok == len(trace)
+    cols = cluster.metrics.columns()
+    first = {f"trace-{int(i)}": t for i, t in zip(cols["index"], cols["first_token"], strict=True)}
+    expected = sorted(committed_at[rid] - first[rid] for rid in committed_at)
+    assert sorted(cluster.handoff_stats.downtime_s) == pytest.approx(expected)
+    # The burst makes some handoffs wait a whole prefill step: far beyond the copy itself.
+    step = load_latency_model(LATENCY).step_time([(900, 0)], [])
+    assert max(expected) > step
+    _no_leaks(cluster)
+
+
 def test_handoffs_out_of_one_prefill_instance_run_concurrently(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
