@@ -55,7 +55,6 @@ class SimSettings:
     decode_instances: int = 0
     pd_policy: str = "kvherd"
     transfer: TransferModel = field(default_factory=TransferModel)
-    cluster_extra: dict[str, Any] = field(default_factory=dict)
 
     def cluster_config(self) -> ClusterConfig:
         return ClusterConfig(
@@ -70,7 +69,6 @@ class SimSettings:
             prefill_instances=self.prefill_instances,
             decode_instances=self.decode_instances,
             transfer=self.transfer,
-            **self.cluster_extra,
         )
 
     @property

@@ -4,7 +4,9 @@ Every policy runs on the same arrivals (a fresh fleet each). Prints a markdown t
 writes `summary.json`, `summary.csv`, `requests_<policy>.csv`, `ttft_cdf.png` and
 `load_<policy>.png` to --out. Bad traces, latency-model specs or policy names exit with status 2 and
 one clear line on stderr (no traceback). Deterministic for a seed: run times go to `timing.json`, not
-`summary.json`, so two runs with the same seed write identical summaries.
+`summary.json`, so two runs with the same seed write identical summaries. The fleet's host (request
+path, co-location: `simulator.host_model.HostModel`) is the `--profile` file's host section, each
+host flag given overriding its knob; `summary.json` records the host simulated.
 """
 
 from __future__ import annotations
