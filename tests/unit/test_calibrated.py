@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -187,14 +188,8 @@ def test_host_model_applies_its_knobs() -> None:
     ],
 )
 def test_bad_host_sections_are_refused_naming_file_and_key(host: Any, message: str) -> None:
-    with pytest.raises(HostModelError, match=f"^fleet.json: .*{_escape(message)}"):
+    with pytest.raises(HostModelError, match=f"^fleet.json: .*{re.escape(message)}"):
         HostModel.from_profile(_profile(host=host), "fleet.json")
-
-
-def _escape(text: str) -> str:
-    import re
-
-    return re.escape(text)
 
 
 def _sim(tmp_path: Path, name: str, *flags: str) -> dict[str, Any]:
