@@ -142,8 +142,7 @@ class KvherdDispatch:
         if not any(allowed):
             raise NoInstanceError(f"no dispatchable instance among {len(cluster)} registered")
         least = min(inst.inflight for inst, ok in zip(instances, allowed, strict=True) if ok)
-        match = cluster.prefix_match(request)
-        matched = [match.get(inst.instance_id, 0) for inst in instances]
+        matched = cluster.prefix_match_array(request).tolist()  # the core's one form of the match
         cost = [
             self.cost(request, inst, blocks)
             if ok

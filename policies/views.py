@@ -10,6 +10,8 @@ Contract:
   request's block-hash chain that instance already caches. It is computed at most once per request
   (cached on the view), so several scorers may ask for it freely; its array form
   (`prefix_match_array`) and `prefix_match_of` reuse that answer rather than walk the chain again.
+  The scheduler core answers in the array form only (one walk, in `instances` order) and the view
+  derives the mapping from it; a hand-built view may be given a mapping instead.
 - `Decision` names the chosen instance and can explain itself (per-instance scores, a reason);
   `PDDecision` names a prefill and a decode instance (equal: no handoff); `MigrationOrder` asks for
   one running request to move from `src` to `dst`.

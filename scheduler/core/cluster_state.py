@@ -12,7 +12,8 @@ Contract:
   `replay_needed`. Instances without events are matched through the `ApproxIndex` built from
   routing decisions; event-publishing instances also get a short-lived approximate entry for the
   uncached tail of each routed request until their events arrive. Both indexes share one slot
-  map, and `match(chain, now)` walks them together: a block counts if either holds it.
+  map, and `match_array(chain, now)` walks them together: a block counts if either holds it
+  (one walk, one answer in view order; `match` and the view's mapping are derived from it).
 - `approx_shards` splits the approximate index's map (default 64) so that its growth never stalls
   one decision for long; 1 keeps one dict, 20-30% less work per block, for a caller that
   counts total time rather than the slowest decision (the simulator). Answers are the same.
@@ -42,7 +43,6 @@ from scheduler.core.prefix_index import (
     ApplyResult,
     InstanceSlots,
     PrefixIndex,
-    match_chain,
     match_groups,
 )
 
@@ -214,10 +214,11 @@ class ClusterState:
 
     # -- queries -----------------------------------------------------------------------------
     def match(self, chain: Sequence[int], now: float) -> dict[str, int]:
-        """Leading blocks of `chain` cached per instance, a block counting if either index has it."""
-        self.approx_index.expire(now)
-        maps = (self.prefix_index.owners, self.approx_index.owners)
-        return match_chain(chain, maps, self.slots)
+        """Leading blocks of `chain` cached per instance, a block counting if either index has it
+        (`match_array` as a mapping; instances with 0 are absent)."""
+        depths = self.match_array(chain, now)
+        order = self._order
+        return {order[i]: int(depths[i]) for i in np.flatnonzero(depths).tolist()}
 
     def note_routed(
         self, instance_id: str, chain: Sequence[int], now: float, matched: int = 0
@@ -274,15 +275,12 @@ class ClusterState:
                     views[position] = self.instances[instance_id].view(healthy_override=False)
                     dispatchable[position] = 0.0
 
-        def matcher(request: RequestView) -> dict[str, int]:
-            return self.match(request.block_hashes, now)
-
         def array_matcher(request: RequestView) -> np.ndarray:
             return self.match_array(request.block_hashes, now)
 
-        # A policy asks for one form, and the view derives the other from it: a small fleet's
-        # scalar scoring never builds an array, a large fleet's vectorised scoring never a dict.
-        return ClusterView(views, now, matcher, columns, self._position, array_matcher)
+        # One form of the match, the array; the view derives the mapping from it for the policies
+        # that ask for one.
+        return ClusterView(views, now, None, columns, self._position, array_matcher)
 
     def _slot_position(self) -> np.ndarray:
         """Slot -> position in view order (-1 for a free slot), rebuilt after membership changes."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -16,7 +17,9 @@ from kvherd.kv_events import (
     KVEvent,
     KVEventBatch,
 )
+from policies.views import RequestView
 from scheduler.core.approx_index import ApproxIndex
+from scheduler.core.cluster_state import ClusterState
 from scheduler.core.prefix_index import (
     BlockOwners,
     InstanceSlots,
@@ -263,16 +266,16 @@ trusted_op = st.tuples(
 @settings(max_examples=150, deadline=None)
 @given(st.lists(trusted_op, max_size=50))
 def test_trusted_hashes_equal_an_lru_model(ops: list[tuple[str, str, list[int]]]) -> None:
-    """Trusted engine hashes (the bulk path): re-stores refresh the LRU order, the per-instance
-    bound evicts the least recently stored first, and every mask matches the model."""
+    """Trusted engine hashes (the simulator's stream): re-stores refresh the LRU order, the
+    per-instance bound evicts the least recently stored first, and every mask matches the model."""
     check_trusted_against_lru_model(ops, bound=5, universe=31)
 
 
 long_trusted_op = st.tuples(
     st.sampled_from(["store", "store", "remove", "clear"]),
     st.sampled_from(INSTANCES),
-    # Runs long enough for the C-iterator passes (prefills, whole requests freed), drawn from
-    # few hashes so that runs overlap other instances' blocks, repeat blocks, name absent ones.
+    # Prefill-sized runs (whole requests stored and freed), drawn from few hashes so that runs
+    # overlap other instances' blocks, repeat blocks, name absent ones.
     st.one_of(
         st.lists(st.integers(0, 80), min_size=30, max_size=70, unique=True),
         st.lists(st.integers(0, 80), min_size=30, max_size=70),
@@ -388,6 +391,53 @@ def test_two_engine_hashes_for_the_same_tokens_are_counted() -> None:
     assert index.match(chain) == {"a": 4} and index.num_blocks("a") == 7
     index.apply_batch("a", batch(3, BlockRemoved(other[:4] + engine_chain(PROMPT)[:3])))
     assert index.match(chain) == {} and len(index.owners) == 0
+
+
+def test_a_block_named_twice_outlives_an_evicted_name_and_a_clear_forgets_both() -> None:
+    """Evictions and clears go through the same removal as `BlockRemoved`: a block keeps the
+    instance's claim until its last engine hash goes, and a clear leaves no name behind."""
+    index = PrefixIndex(BS, max_blocks_per_instance=8)
+    index.add_instance("a")
+    other = block_hash_chain(PROMPT, BS, cache_salt="lora-2")
+    index.apply_batch("a", batch(0, stored(PROMPT, 0, 6), BlockStored(other, None, PROMPT, BS)))
+    chain = block_hash_chain(PROMPT, BS)
+    # 12 names, bound 8: the first store's 4 oldest go, the second store still names all 6.
+    assert index.stats.evicted == 4 and index.num_blocks("a") == 8
+    assert index.match(chain) == {"a": 6} and index.num_blocks() == 8
+    index.apply_batch("a", batch(1, AllBlocksCleared()))
+    assert index.match(chain) == {} and len(index.owners) == 0 and index.num_blocks() == 0
+    index.apply_batch("a", batch(2, stored(PROMPT, 0, 6)))
+    index.apply_batch("a", batch(3, BlockRemoved(engine_chain(PROMPT)[2:])))
+    assert index.match(chain) == {"a": 2}  # no stale second name kept the removed blocks
+
+
+@pytest.mark.parametrize("fleet", [5, 150])  # few matches: per-bit rendering; many: bit matrix
+def test_cluster_match_array_gives_each_instance_its_depth(fleet: int) -> None:
+    """The one form of the match (`ClusterState.match_array`, the mapping derived from it) against
+    the depth each instance was given, over both indexes, a freed slot and shifted positions."""
+    rng = random.Random(fleet)
+    cluster = ClusterState(block_size=16)
+    doc = [rng.randrange(32000) for _ in range(16 * 64)]
+    chain = block_hash_chain(doc, 16)
+    expected = {}
+    for k in range(fleet):
+        name = f"n{k}"
+        cluster.add_instance(name, has_kv_events=k % 3 != 0)
+        depth = rng.randrange(0, 65)
+        if k % 3:
+            cluster.apply_kv_events(name, [BlockStored(chain[:depth], None, doc[: 16 * depth], 16)])
+        else:
+            cluster.note_routed(name, chain[:depth], now=0.0)
+        if depth:
+            expected[name] = depth
+    cluster.remove_instance("n1")
+    expected.pop("n1", None)
+    assert len(expected) > (64 if fleet > 100 else 0)
+    array = cluster.match_array(chain, now=1.0)
+    view = cluster.view(1.0)
+    assert {view.instances[i].instance_id: int(array[i]) for i in np.flatnonzero(array)} == expected
+    assert cluster.match(chain, now=1.0) == expected
+    assert view.prefix_match(RequestView("r", len(doc), tuple(chain))) == expected
 
 
 # -- property: the approximate index equals a brute-force model --------------------------------
