@@ -7,12 +7,12 @@ nothing finishes), so the simulator applies a run of them at once with the same 
 Contract:
 - `decode_run_length(scheduler, limit)` says how many of the next steps (at most `limit`) are
   certain to be pure decode steps of an unchanged running set: every running request decodes one
-  token per step (none is in prefill), none finishes (by length or by model length; a request
-  that could stop on a token ends no run because it makes none), every block crossing finds a
-  free block (no preemption), and the waiting head, if `schedule` would try it, stays refused: it
-  is refused now, free blocks only shrink during the run, and the run stops before evicting any
-  block cached under one of the head's hashes (which could change its prefix hit). 0 when the
-  next step is not a pure decode step.
+  token per step (none is in prefill), none finishes by length or model length (while a request
+  that may stop on a sampled token, a stop token or EOS, runs, there is no run), every block
+  crossing finds a free block (no preemption), and the waiting head, if `schedule` would try it,
+  stays refused: it is refused now, free blocks only shrink during the run, and the run stops
+  before evicting any block cached under one of the head's hashes (which could change its prefix
+  hit: `BlockManager.num_free_before_evicting`). 0 when the next step is not a pure decode step.
 - `advance_decode(scheduler, k, next_tokens)` applies `k` such steps (at most that length); the
   result equals `k` rounds of `schedule` + `update_from_output`: the same tokens appended, the
   same blocks allocated in the same order (step by step, running order, by the allocation

@@ -4,7 +4,7 @@ The same trace runs with `fast_forward` on and off: every per-request timeline (
 scheduling, first and last token, tokens, cached tokens, preemptions, instance), every summary
 figure, the engine step count, the load samples and the KV events the global index received must
 be identical; only the ITL mean may differ in its last bits (the gaps are summed in another
-order).
+order). (The engine-core level, step by step, is tests/unit/test_fast_forward_equals_stepping.py.)
 """
 
 from __future__ import annotations
