@@ -630,7 +630,7 @@ class Proxy:
                 self.fleet.request_finished(key, instance, ok=ok)
             return response.status
         self.fleet.first_token(key)
-        stream = self._follow_migrations(first, chunks, request_id)
+        stream = self._follow_migrations(first, chunks, request_id, [])
         try:
             exchange.start_stream(response.status, headers)
             async for chunk in stream:
@@ -676,12 +676,20 @@ class Proxy:
         exchange.start_stream(response.status, headers)
         attempts = 0
         while True:
-            stream = self._follow_migrations(first, chunks, request_id)
+            moved_to: list[str] = []  # the destinations this stream followed (migrations)
+            stream = self._follow_migrations(first, chunks, request_id, moved_to)
             try:
                 await self._pump(stream, ledger, exchange, response, instance.instance_id)
             except UpstreamError as exc:
                 response.close()
                 await stream.aclose()
+                # A stream that migrated broke at its destination: that is the instance lost,
+                # and the one it left handed it over cleanly (a candidate to continue on).
+                lost = self._instance_at(moved_to[-1]) if moved_to else None
+                if lost is not None and lost is not instance:
+                    job.tried.discard(instance.instance_id)
+                    job.tried.add(lost.instance_id)
+                    instance = lost
                 log.warning("request %s: stream from %s broke: %s", key, instance.instance_id, exc)
                 self._failed(key, instance, exc)
             except BaseException:
@@ -786,10 +794,11 @@ class Proxy:
         return instance, response, chunks, first
 
     async def _follow_migrations(
-        self, first: bytes, chunks: AsyncIterator[bytes], request_id: bytes
+        self, first: bytes, chunks: AsyncIterator[bytes], request_id: bytes, moved_to: list[str]
     ) -> AsyncGenerator[bytes, None]:
         """The upstream stream's bytes, continued at the destination each time the request
-        migrates; the agents' migration notices are consumed here, never relayed."""
+        migrates (each destination's URL appended to `moved_to`); the agents' migration notices
+        are consumed here, never relayed."""
         resumed: UpstreamResponse | None = None
         try:
             while True:
@@ -811,7 +820,7 @@ class Proxy:
                     notice += chunk
                 if resumed is not None:
                     resumed.close()
-                resumed = await self._resume(notice, request_id)
+                resumed = await self._resume(notice, request_id, moved_to)
                 if self.fleet.migration is not None:
                     self.fleet.migration.metrics.reattached.inc()
                 first, chunks = b"", resumed.iter_body()
@@ -819,7 +828,12 @@ class Proxy:
             if resumed is not None:
                 resumed.close()
 
-    async def _resume(self, notice: bytes, request_id: bytes) -> UpstreamResponse:
+    def _instance_at(self, url: str) -> FleetInstance | None:
+        return next((i for i in self.fleet.instances.values() if i.url.rstrip("/") == url), None)
+
+    async def _resume(
+        self, notice: bytes, request_id: bytes, moved_to: list[str]
+    ) -> UpstreamResponse:
         """Open the destination's continuation of a migrated request's stream."""
         try:
             moved = wire.parse_migration_notice(notice)
@@ -828,8 +842,9 @@ class Proxy:
             resume = orjson.dumps(moved["resume"])
         except (ValueError, KeyError, TypeError) as exc:
             raise UpstreamError(f"malformed migration notice: {exc}") from exc
-        if not any(inst.url.rstrip("/") == dst for inst in self.fleet.instances.values()):
+        if self._instance_at(dst) is None:
             raise UpstreamError(f"request migrated to {dst}, which is not a fleet instance")
+        moved_to.append(dst)
         headers = [
             (b"content-type", b"application/json"),
             (b"x-request-id", request_id),

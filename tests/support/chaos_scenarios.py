@@ -263,6 +263,8 @@ async def instance_lost(
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(victim.process.pid, signal.SIGKILL)  # a hung one is gone for good
             score(figures, results, expected)
+            if figures.completed < figures.requests:
+                figures.notes.append("proxy log: " + served.log()[-3000:])
         figures.leaked_blocks = await leaked_blocks([a for a in fleet if a is not victim])
     return figures
 
@@ -372,6 +374,8 @@ async def migration_fault(victim: Victim, point: Point, max_tokens: int = 700) -
                 figures.eject_s = await time_to_eject(served, relays[pair.index(dead)].url, at)
                 results = [(kind, await running), (1, await plain)]
             score(figures, results, expected)
+            if figures.completed < figures.requests:
+                figures.notes.append("proxy log: " + served.log()[-3000:])
         figures.leaked_blocks = await leaked_blocks([a for a in pair if a is not dead])
     return figures
 
@@ -397,3 +401,51 @@ async def _wait(condition: Any, timeout: float = HANG_S) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.005)
+
+
+# -- scenario: fuzzed bodies -----------------------------------------------------------------------
+async def fuzz(bodies_per_route: int) -> Figures:
+    """`bodies_per_route` fuzzed bodies (`fuzz_bodies.requests`) to each OpenAI route, each sent to
+    an agent (with a fleet token) and to ``kvherd serve`` in front of it. A body counts as
+    completed when both answered 2xx, or 4xx with the OpenAI error object."""
+    from fuzz_bodies import ROUTES, check_answer, requests
+    from hypothesis import HealthCheck, given, settings
+
+    figures = Figures(f"fuzz {bodies_per_route} bodies/route x {len(ROUTES)} routes x 2")
+    env = {"KVHERD_FLEET_TOKEN": "chaos-fleet-token"}
+    auth = {"Authorization": "Bearer chaos-fleet-token"}
+    with (
+        agent_processes(1, env=env) as (agent,),
+        serve_process([agent.instance_spec()], "--migration-policy", "none", env=env) as served,
+        httpx.Client(timeout=60) as client,
+    ):
+
+        def one(request: tuple[str, str, bytes, dict[str, str]]) -> None:
+            method, path, body, headers = request
+            for base in (agent.url, served.url):
+                figures.requests += 1
+                try:
+                    response = client.request(method, base + path, content=body, headers=headers)
+                except httpx.TimeoutException:
+                    figures.hangs += 1
+                    continue
+                figures.errors_5xx += response.status_code >= 500
+                try:
+                    check_answer(response, base)
+                except (AssertionError, ValueError, KeyError) as exc:
+                    if len(figures.notes) < 5:
+                        figures.notes.append(f"{method} {base}{path} {body[:80]!r}: {exc}")
+                    continue
+                figures.completed += 1
+                figures.identical += 1  # not a generation to compare: a well-formed answer
+
+        run = settings(
+            max_examples=bodies_per_route,
+            deadline=None,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
+        for route in ROUTES:
+            await asyncio.to_thread(run(given(requests(route))(one)))
+        figures.leaked_blocks = await leaked_blocks([agent], headers=auth)
+    return figures

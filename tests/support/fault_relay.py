@@ -13,8 +13,9 @@ Contract:
 - Requests from the client side are read as HTTP/1.1 (head, ``content-length`` body). The one
   armed `Fault` fires at the first request whose path ends with `path` and whose JSON body passes
   `match`: ``"before"`` runs the action before the request is forwarded, ``"after"`` once the
-  upstream's first answer bytes were relayed back (the peer is then acting on the answer: a
-  reservation made, a commit accepted). It fires once; `fired` is set after the action ran.
+  upstream's whole answer (head and ``content-length`` body; the head of a streamed one) was
+  relayed back (the peer is then acting on it: a reservation made, a commit accepted). It fires
+  once; `fired` is set after the action ran.
 - When either side closes, both are closed: a request to an upstream killed by a fault fails at
   the client as a dead peer would.
 """
@@ -134,11 +135,15 @@ class FaultRelay:
                 await up_writer.drain()
 
         async def upstream_to_client() -> None:
+            answer = b""  # the answer to the request an "after" fault waits on, so far
             while data := await up_reader.read(65536):
                 writer.write(data)
                 await writer.drain()
                 if answered:
-                    self._fire(answered.pop())
+                    answer += data
+                    if _complete(answer):
+                        answer = b""
+                        self._fire(answered.pop())
 
         tasks = [
             asyncio.ensure_future(client_to_upstream()),
@@ -156,3 +161,15 @@ class FaultRelay:
             for task in tasks:
                 with contextlib.suppress(BaseException):
                     await task
+
+
+def _complete(answer: bytes) -> bool:
+    """`answer` holds a whole HTTP response (a chunked one: its head)."""
+    head, sep, body = answer.partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return len(body) >= int(value.strip())
+    return True
