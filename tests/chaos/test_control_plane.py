@@ -6,6 +6,7 @@ Agents are real ``kvherd agent`` processes (tiny model); the proxy is `serve_fle
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -21,6 +22,8 @@ import httpx
 import pytest
 from agent_process import AgentProcess, agent_process, free_port
 from test_proxy import TOKEN, RunningProxy, running_proxy, wait_for
+
+from scheduler.serve_cli import add_arguments, serve_fleet
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -129,6 +132,24 @@ async def test_agent_control_routes_need_the_fleet_token(pair: list[AgentProcess
             assert (await client.get(path)).status_code == 200, path
         body = {"prompt": "open", "max_tokens": 2}
         assert (await client.post("/v1/completions", json=body)).status_code == 200
+
+
+@pytest.mark.parametrize("flags", [(), ("--fleet-token", "not-the-fleets")], ids=["none", "wrong"])
+async def test_serve_without_the_fleet_token_says_so(
+    pair: list[AgentProcess], flags: tuple[str, ...], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Agents guard their state route with the token: ``kvherd serve`` stops (exit 2) naming the
+    fleet token, not calling them foreign engines ("not a kvherd agent")."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = ["--port", str(free_port()), "--admin-port", str(free_port()), "--admin-token", TOKEN]
+    for agent in pair:
+        argv += ["--instance", agent.instance_spec()]
+    assert await serve_fleet(parser.parse_args([*argv, *flags]), handle_signals=False) == 2
+    err = capsys.readouterr().err
+    assert "fleet token" in err and "--fleet-token" in err, err
+    assert "not a kvherd agent" not in err, err
+    assert ("none was given" in err) == (not flags), err
 
 
 async def running_key(proxy: RunningProxy, client_id: str, min_tokens: int) -> tuple[str, str]:
