@@ -10,7 +10,7 @@ Contract:
 - A stream from a vLLM instance (`StreamLedger.from_vllm`) went out with ``return_token_ids``
   (`with_token_ids`: vLLM then names each chunk's ``token_ids`` and, once, the
   ``prompt_token_ids``); when the client did not ask for them they are relayed as ``null``, the
-  bytes vLLM sends without the flag (one regular-expression substitution per chunk, no parsing).
+  bytes vLLM sends without the flag (a few byte searches per chunk, no parsing).
 - `continuation(body)` reads what the client has and says how to continue (`Continued`), or None
   when the stream cannot be continued exactly. From a kvherd agent's ledger: the original body
   plus ``kvherd_continuation`` (`instance_agent.protocol.Continuation`: the output token ids, the
@@ -18,13 +18,18 @@ Contract:
   for another agent; None without a ledger or with a gap in the token indexes. From vLLM: a
   streamed ``/v1/completions`` request for another vLLM instance with prompt = the prompt's token
   ids (as vLLM reported them) + the tokens relayed, ``max_tokens``/``min_tokens`` reduced by them
-  and the same sampling parameters; its chunks are re-framed as the original stream's (its id,
-  created, model; chat chunks for a chat stream; usage counting the original prompt and every
-  generated token). Exact for greedy decoding; unseeded random sampling continues (a sample of the
-  same distribution given the same tokens); None (the error frame) for what a continuation
-  cannot reproduce: a seed with random sampling (vLLM's seeded generator is not resumable),
-  presence/frequency penalties (they count output tokens only), ``n`` > 1, logprobs, echo,
-  structured output or tool calls. The continuation's own chunks extend the same ledger.
+  and the same sampling parameters. Greedy, it starts after the last token whose text was sent
+  (vLLM primes its detokenizer with a token prompt, which sends the whole prompt's text when the
+  prompt ends inside a character): the tokens after it are generated again, checked and not
+  relayed twice, only the text they complete. Its chunks are re-framed as the original stream's
+  (its id, created, model; chat chunks for a chat stream; usage counting the original prompt and
+  every generated token). Exact for greedy decoding; unseeded random sampling continues (a
+  sample of the same distribution given the same tokens, not checked at the boundary); None (the
+  error frame) for what a continuation cannot reproduce: a seed with random sampling (vLLM's
+  seeded generator is not resumable), presence/frequency penalties (they count output tokens
+  only), ``n`` > 1, logprobs, echo, structured output or tool calls. The continuation's own
+  chunks extend the same ledger. Not exact either: a ``stop`` string that would have spanned the
+  point where the stream was cut, or text vLLM held back to match one there.
 - `complete()`: the ``[DONE]`` frame was relayed. `finished`: a frame with a ``finish_reason``
   was; `closing_frames()` then end the client's stream when the instance was lost before its end
   (the usage chunk when asked for and not yet relayed, ``[DONE]``).
@@ -34,6 +39,7 @@ Contract:
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,8 +49,9 @@ from kvherd import wire
 from scheduler.proxy.forwarding import UpstreamError
 
 _LEDGER = re.compile(rb"^" + re.escape(wire.LEDGER_PREFIX) + rb"[^\n]*\n", re.MULTILINE)
-# vLLM's token id lists. A quote inside a JSON string is escaped, so only keys match.
-_TOKEN_IDS = re.compile(rb'("(?:prompt_)?token_ids":)\[[^\]]*\]')
+# How vLLM's token id lists start (``"token_ids":[`` and ``"prompt_token_ids":[``). A quote
+# inside a JSON string is escaped, so only keys match.
+_TOKEN_IDS = b'token_ids":['
 _ERROR = b'data: {"error"'
 _DONE = b"data: [DONE]"
 
@@ -95,10 +102,13 @@ class StreamLedger:
         self._reframe: _Reframe | None = None
 
     @classmethod
-    def from_vllm(cls, body: dict[str, Any], chat: bool) -> StreamLedger:
-        """The ledger of a stream a vLLM instance serves `body` (sent `with_token_ids`)."""
+    def from_vllm(
+        cls, body: dict[str, Any], chat: bool, decode: Callable[[list[int]], str]
+    ) -> StreamLedger:
+        """The ledger of a stream a vLLM instance serves `body` (sent `with_token_ids`);
+        `decode` is the model's detokenizer (where a greedy continuation may start)."""
         ledger = cls()
-        ledger._vllm = _VllmStream(body, chat)
+        ledger._vllm = _VllmStream(body, chat, decode)
         return ledger
 
     def complete(self) -> bool:
@@ -125,6 +135,9 @@ class StreamLedger:
         return self._keep(events)
 
     def _keep(self, events: bytes) -> bytes:
+        out = events
+        if self._reframe is not None:  # raises before anything is kept if it cannot be
+            events, out = self._reframe.events(events)
         self._events.append(events)
         if b'"finish_reason":"' in events:
             self.finished = True
@@ -133,10 +146,8 @@ class StreamLedger:
         vllm = self._vllm
         if vllm is not None:
             if self._reframe is not None:
-                return self._reframe.events(events)
-            if vllm.strip:
-                return _TOKEN_IDS.sub(rb"\1null", events)
-            return events
+                return out
+            return _null_token_ids(events) if vllm.strip else events
         if wire.LEDGER_PREFIX in events:
             return _LEDGER.sub(b"", events)
         return events
@@ -163,10 +174,12 @@ class StreamLedger:
             return None
         done = len(relayed.token_ids)
         if self._vllm is not None:
-            continued = self._vllm.continuation(relayed)
-            if continued is None:
+            plan = self._vllm.continuation(relayed)
+            if plan is None:
                 return None
-            self._reframe = _Reframe(relayed.resume, done, self._vllm)
+            continued, start = plan
+            regenerated = relayed.token_ids[start:]
+            self._reframe = _Reframe(relayed.resume, start, regenerated, self._vllm)
             return Continued(continued, done, False, b"/v1/completions")
         resume = dict(relayed.resume)
         resume["from"] = done
@@ -206,6 +219,23 @@ class StreamLedger:
         return frames + wire.SSE_DONE
 
 
+def _null_token_ids(events: bytes) -> bytes:
+    """`events` with every token id list written ``null`` (a few searches, no parsing)."""
+    at = events.find(_TOKEN_IDS)
+    if at < 0:
+        return events
+    parts = []
+    start = 0
+    while at >= 0:
+        begin = at + len(_TOKEN_IDS) - 1
+        parts.append(events[start:begin])
+        parts.append(b"null")
+        start = events.index(b"]", begin) + 1
+        at = events.find(_TOKEN_IDS, start)
+    parts.append(events[start:])
+    return b"".join(parts)
+
+
 def error_frame(message: str) -> bytes:
     error = wire.OpenAIError(502, message, type="server_error")
     return wire.sse(error.body()) + wire.SSE_DONE
@@ -215,7 +245,8 @@ class _Relayed:
     """The parsed events: ledger state, tokens, text (and what vLLM's chunks name)."""
 
     __slots__ = (
-        "first", "gap", "prompt_ids", "resume", "sampling_seed", "text", "token_ids", "usage",
+        "emitted", "first", "gap", "prompt_ids", "resume", "sampling_seed", "text", "token_ids",
+        "usage",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -227,6 +258,7 @@ class _Relayed:
         self.gap = False
         self.first: dict[str, Any] | None = None  # vLLM: the stream's first chunk
         self.prompt_ids: list[int] | None = None  # vLLM: the prompt's token ids
+        self.emitted = 0  # vLLM: output tokens up to the last chunk with text
 
     def ledger(self, entry: dict[str, Any]) -> None:
         if "resume" in entry:
@@ -253,6 +285,8 @@ class _Relayed:
                 self.text += (choice.get("delta") or {}).get("content") or ""
             if vllm:
                 self._vllm_choice(choice)
+                if choice.get("text") or (choice.get("delta") or {}).get("content"):
+                    self.emitted = len(self.token_ids)
 
     def _vllm_choice(self, choice: dict[str, Any]) -> None:
         if choice.get("index") != 0:
@@ -270,11 +304,14 @@ class _Relayed:
 class _VllmStream:
     """A client's streamed request as a vLLM instance serves it."""
 
-    __slots__ = ("body", "chat", "strip")
+    __slots__ = ("body", "chat", "decode", "strip")
 
-    def __init__(self, body: dict[str, Any], chat: bool) -> None:
+    def __init__(
+        self, body: dict[str, Any], chat: bool, decode: Callable[[list[int]], str]
+    ) -> None:
         self.body = body
         self.chat = chat
+        self.decode = decode
         self.strip = body.get("return_token_ids") is not True  # the proxy asked for the ids
 
     def _options(self) -> dict[str, Any]:
@@ -299,8 +336,15 @@ class _VllmStream:
             "include_usage": options.get("include_usage") is True,
         }
 
-    def continuation(self, relayed: _Relayed) -> dict[str, Any] | None:
-        """The ``/v1/completions`` body that continues the stream on vLLM (None: not exactly)."""
+    def continuation(self, relayed: _Relayed) -> tuple[dict[str, Any], int] | None:
+        """The ``/v1/completions`` body that continues the stream on vLLM and the output token
+        it starts at (None: not exactly).
+
+        vLLM detokenizes a token prompt by priming a ``DecodeStream`` with it, which yields the
+        whole prompt's text when the prompt ends inside a character (a byte-level token whose
+        text was held back). So a greedy continuation starts after the last token whose text
+        was sent and ends no character early; the tokens after it are generated again (the
+        same ones: greedy) and only their text relayed."""
         body = self.body
         if any(body.get(name) for name in _NOT_CONTINUABLE):
             return None
@@ -312,11 +356,16 @@ class _VllmStream:
         greedy = isinstance(temperature, (int, float)) and temperature < 1e-5  # vLLM's test
         if not greedy and body.get("seed") is not None:
             return None  # vLLM's seeded generator cannot be resumed at an output position
-        done = len(relayed.token_ids)
+        ids = relayed.token_ids
+        done = len(ids)
+        if greedy:
+            done = relayed.emitted
+            while done > 0 and self.decode(ids[max(0, done - 4) : done]).endswith("\ufffd"):
+                done -= 1  # a UTF-8 character takes at most 4 byte tokens
         continued: dict[str, Any] = {
             name: body[name] for name in _CARRIED if body.get(name) is not None
         }
-        continued["prompt"] = relayed.prompt_ids + relayed.token_ids
+        continued["prompt"] = relayed.prompt_ids + ids[:done]
         continued["stream"] = True
         continued["return_token_ids"] = True
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -333,15 +382,20 @@ class _VllmStream:
                 "include_usage": options.get("include_usage") is True,
                 "continuous_usage_stats": options.get("continuous_usage_stats") is True,
             }
-        return continued
+        return continued, done
 
 
 class _Reframe:
     """A vLLM continuation's completion chunks as the original stream's."""
 
-    __slots__ = ("chat", "created", "done", "id", "keep_ids", "model", "prompt_tokens")
+    __slots__ = (
+        "chat", "created", "done", "id", "keep_ids", "model", "prompt_tokens", "regenerated",
+    )  # fmt: skip
 
-    def __init__(self, resume: dict[str, Any], done: int, stream: _VllmStream) -> None:
+    def __init__(
+        self, resume: dict[str, Any], done: int, regenerated: list[int], stream: _VllmStream
+    ) -> None:
+        self.regenerated = regenerated  # tokens the client has, generated again first
         self.id = resume["id"]
         self.created = resume["created"]
         self.model = resume["model"]
@@ -350,14 +404,41 @@ class _Reframe:
         self.keep_ids = not stream.strip
         self.done = done
 
-    def events(self, events: bytes) -> bytes:
-        out = []
+    def events(self, events: bytes) -> tuple[bytes, bytes]:
+        """`events` as the ledger keeps them (without the tokens generated again) and as the
+        client gets them."""
+        kept, out = [], []
         for event in events.split(b"\n\n"):
             if event.startswith(b"data: ") and not event.startswith(_DONE):
-                event = b"data: " + orjson.dumps(self._chunk(orjson.loads(event[6:])))
-            if event:
+                chunk = self._new_tokens(orjson.loads(event[6:]))
+                if chunk is None:
+                    continue
+                kept.append(b"data: " + orjson.dumps(chunk) + b"\n\n")
+                out.append(b"data: " + orjson.dumps(self._chunk(chunk)) + b"\n\n")
+            elif event:
+                kept.append(event + b"\n\n")
                 out.append(event + b"\n\n")
-        return b"".join(out)
+        return b"".join(kept), b"".join(out)
+
+    def _new_tokens(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
+        """`chunk` without the tokens the client has (None: nothing left to relay)."""
+        if not self.regenerated:
+            return chunk
+        for choice in chunk.get("choices") or ():
+            ids = choice.get("token_ids") or []
+            again = min(len(ids), len(self.regenerated))
+            if ids[:again] != self.regenerated[:again]:
+                raise UpstreamError("the continuation generated other tokens than the stream")
+            del self.regenerated[:again]
+            choice["token_ids"] = ids[again:]
+            if (
+                again
+                and not ids[again:]
+                and not choice.get("text")
+                and not choice.get("finish_reason")
+            ):
+                return None  # its empty text went out with the original
+        return chunk
 
     def _chunk(self, chunk: dict[str, Any]) -> dict[str, Any]:
         usage = chunk.get("usage")

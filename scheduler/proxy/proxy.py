@@ -672,7 +672,8 @@ class Proxy:
         if instance.spec.kvherd_agent:
             ledger = StreamLedger()
         else:
-            ledger = StreamLedger.from_vllm(job.body, job.path == b"/v1/chat/completions")
+            chat = job.path == b"/v1/chat/completions"
+            ledger = StreamLedger.from_vllm(job.body, chat, self.tokenizer.decode)
         exchange.start_stream(response.status, headers)
         attempts = 0
         while True:

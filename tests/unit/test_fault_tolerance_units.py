@@ -108,6 +108,14 @@ def v_chunk(text: str, ids: list[int], prompt: list[int] | None = None,
     )
 
 
+def decode(ids: list[int]) -> str:
+    """A detokenizer where ids from 160 to 299 are bytes of a character that 552 completes."""
+    text = ""
+    for token in ids:
+        text = text.removesuffix("\ufffd") + ("\ufffd" if 160 <= token < 300 else "x")
+    return text
+
+
 def without_ids(frame: bytes) -> bytes:
     """What vLLM sends when the client did not ask for token ids."""
     return re.sub(rb'("(?:prompt_)?token_ids":)\[[^\]]*\]', rb"\1null", frame)
@@ -118,13 +126,13 @@ def test_vllm_ledger_relays_the_bytes_vllm_sends_without_token_ids() -> None:
     asked = with_token_ids(body)
     assert asked == {**body, "return_token_ids": True}
     assert with_token_ids(asked) is None  # the client asked: sent as it is, relayed as it is
-    ledger = StreamLedger.from_vllm(body, chat=False)
+    ledger = StreamLedger.from_vllm(body, False, decode)
     first = v_chunk("D", [39], prompt=[1, 261, 79])
     out = ledger.feed(first + v_chunk("u", [88]))
     expected = without_ids(first + v_chunk("u", [88]))
     assert out == expected
     assert b'"prompt_token_ids":null,"token_ids":null' in out
-    keep = StreamLedger.from_vllm(asked, chat=False)
+    keep = StreamLedger.from_vllm(asked, False, decode)
     assert keep.feed(first) == first
 
 
@@ -132,7 +140,7 @@ def test_vllm_continuation_is_a_token_prompt_with_the_rest_of_the_budget() -> No
     body = {"model": "tiny", "prompt": "hello", "stream": True, "temperature": 0,
             "max_tokens": 8, "min_tokens": 3, "ignore_eos": True, "cache_salt": "s",
             "stream_options": {"include_usage": True}}  # fmt: skip
-    ledger = StreamLedger.from_vllm(body, chat=False)
+    ledger = StreamLedger.from_vllm(body, False, decode)
     ledger.feed(v_chunk("D", [39], prompt=[1, 261, 79]) + v_chunk("uFG", [88, 425]))
     continued = ledger.continuation(body)
     assert continued is not None and not continued.on_agent
@@ -172,19 +180,49 @@ def test_vllm_chat_continuation_is_reframed_as_chat_chunks() -> None:
             b'"finish_reason":null}],"prompt_token_ids":[1,31,95],"prompt_text":null}\n\n')  # fmt: skip
     token = (b'data: {"id":"chatcmpl-a","object":"chat.completion.chunk","created":9,"model":"tiny",'
              b'"choices":[{"index":0,"delta":{"content":"x"},"logprobs":null,"finish_reason":null,'
-             b'"token_ids":[163]}]}\n\n')  # fmt: skip
-    ledger = StreamLedger.from_vllm(body, chat=True)
+             b'"token_ids":[40]}]}\n\n')  # fmt: skip
+    ledger = StreamLedger.from_vllm(body, True, decode)
     assert ledger.feed(role + token) == without_ids(role + token)
     continued = ledger.continuation(body)
     assert continued is not None
-    assert continued.body["prompt"] == [1, 31, 95, 163] and continued.body["max_tokens"] == 3
-    out = ledger.feed(v_chunk("yz", [232, 552], prompt=[1, 31, 95, 163], finish="length"))
+    assert continued.body["prompt"] == [1, 31, 95, 40] and continued.body["max_tokens"] == 3
+    out = ledger.feed(v_chunk("yz", [232, 552], prompt=[1, 31, 95, 40], finish="length"))
     assert out == (
         b'data: {"id":"chatcmpl-a","object":"chat.completion.chunk","created":9,"model":"tiny",'
         b'"choices":[{"index":0,"delta":{"content":"yz"},"logprobs":null,"finish_reason":"length",'
         b'"stop_reason":null,"token_ids":null}]}\n\n'
     )
     assert ledger.finished
+
+
+def test_vllm_greedy_continuation_starts_after_the_last_token_with_text() -> None:
+    """vLLM primes its detokenizer with a token prompt; ending inside a character it would
+    send the prompt's whole text. So the tokens whose text was held back are generated again
+    and only the text they complete is relayed."""
+    body = {"prompt": "p", "stream": True, "temperature": 0, "max_tokens": 10,
+            "return_token_ids": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    ledger = StreamLedger.from_vllm(body, False, decode)
+    sent = v_chunk("D", [39], prompt=[1]) + v_chunk("", [163]) + v_chunk("", [232])
+    assert ledger.feed(sent) == sent  # the client asked for the ids: relayed as they are
+    continued = ledger.continuation(body)
+    assert continued is not None and continued.done == 3
+    assert continued.body["prompt"] == [1, 39] and continued.body["max_tokens"] == 9
+    again = v_chunk("", [163], prompt=[1, 39]) + v_chunk("", [232])
+    assert ledger.feed(again) == b""  # the client had these
+    rest = v_chunk("\u00e9z", [552, 40])
+    usage = (b'data: {"id":"c","object":"text_completion","created":5,"model":"tiny",'
+             b'"choices":[],"usage":{"prompt_tokens":2,"total_tokens":6,"completion_tokens":4}}'
+             b"\n\n")  # fmt: skip
+    out = ledger.feed(rest + usage)
+    assert out.startswith(v_chunk("\u00e9z", [552, 40]))
+    assert b'"prompt_tokens":1,"total_tokens":6,"completion_tokens":5' in out
+    twice = ledger.continuation(body)  # a second loss: each token once
+    assert twice is not None and twice.body["prompt"] == [1, 39, 163, 232, 552, 40]
+    other = StreamLedger.from_vllm(body, False, decode)
+    other.feed(sent)
+    assert other.continuation(body) is not None
+    with pytest.raises(UpstreamError):  # not what greedy decoding gave: not continued exactly
+        other.feed(v_chunk("", [164], prompt=[1, 39]))
 
 
 def test_vllm_streams_that_a_continuation_cannot_reproduce_are_not_continued() -> None:
@@ -195,17 +233,17 @@ def test_vllm_streams_that_a_continuation_cannot_reproduce_are_not_continued() -
         {**base, "temperature": 0, "logprobs": 2},
         {**base, "temperature": 0, "n": 2},
     ):
-        ledger = StreamLedger.from_vllm(body, chat=False)
+        ledger = StreamLedger.from_vllm(body, False, decode)
         ledger.feed(v_chunk("D", [39], prompt=[1]))
         assert ledger.continuation(body) is None, body
     unseeded = {**base, "temperature": 0.8}  # a sample of the same distribution: continued
-    ledger = StreamLedger.from_vllm(unseeded, chat=False)
+    ledger = StreamLedger.from_vllm(unseeded, False, decode)
     ledger.feed(v_chunk("D", [39], prompt=[1]))
     assert ledger.continuation(unseeded) is not None
-    spent = StreamLedger.from_vllm({**base, "temperature": 0, "max_tokens": 1}, chat=False)
+    spent = StreamLedger.from_vllm({**base, "temperature": 0, "max_tokens": 1}, False, decode)
     spent.feed(v_chunk("D", [39], prompt=[1]))
     assert spent.continuation({**base, "temperature": 0, "max_tokens": 1}) is None
-    blind = StreamLedger.from_vllm(base, chat=False)  # ids missing: nothing to continue from
+    blind = StreamLedger.from_vllm(base, False, decode)  # ids missing: nothing to continue from
     blind.feed(without_ids(v_chunk("D", [39], prompt=[1])))
     assert blind.continuation({**base, "temperature": 0}) is None
 

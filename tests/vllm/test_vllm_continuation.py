@@ -1,0 +1,258 @@
+"""A stream survives the loss of its vLLM instance: kvherd continues it on the other one, exactly.
+
+Two vLLM servers of this module's own (its tests stop and kill them, so not the session's pair)
+behind ``kvherd serve``. Each test runs one greedy streamed request three times: straight to vLLM
+(the reference), through kvherd undisturbed, and through kvherd with the instance serving it
+stopped (SIGSTOP: hung) or killed (SIGKILL: every process of the server) after its 10th event.
+The client must get vLLM's own answer: the same text (and token ids, when it asks for them), no
+token lost or repeated, the usage of the original prompt and every generated token, no error
+frame, and the continuation counted. Undisturbed, what kvherd relays has vLLM's own layout: the
+token ids kvherd asks for are relayed as vLLM's ``null`` unless the client asked for them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from vllm_fleet import (
+    SERVED_MODEL,
+    KvherdServe,
+    VllmServer,
+    VllmSpec,
+    instance_arg,
+    kvherd_serve,
+    vllm_servers,
+)
+
+MAX_TOKENS = 800  # about 4 s of decoding on the tiny model: the signal lands mid-stream
+CUT_AT = 10  # events the client has read when its instance is stopped or killed
+
+
+@pytest.fixture(scope="module")
+def pair(
+    vllm_python: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[VllmServer]]:
+    specs = [VllmSpec("ca"), VllmSpec("cb")]
+    log_dir = tmp_path_factory.mktemp("vllm_continuation_logs")
+    with vllm_servers(vllm_python, tiny_model, specs, log_dir) as servers:
+        yield servers
+
+
+@contextlib.contextmanager
+def serve(pair: list[VllmServer], tiny_model: Path) -> Iterator[KvherdServe]:
+    args = [arg for server in pair for arg in ("--instance", instance_arg(server))]
+    with kvherd_serve(*args, "--tokenizer", str(tiny_model), "--expose-instance") as proxy:
+        yield proxy
+
+
+class Stream:
+    """One streamed response as the client read it."""
+
+    def __init__(self, instance: str | None, events: list[str]) -> None:
+        self.instance = instance
+        self.events = events
+        self.chunks = [json.loads(e[6:]) for e in events if e != "data: [DONE]"]
+
+    @property
+    def text(self) -> str:
+        return "".join(
+            choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            for chunk in self.chunks
+            for choice in chunk.get("choices") or ()
+        )
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [
+            token
+            for chunk in self.chunks
+            for choice in chunk.get("choices") or ()
+            for token in choice.get("token_ids") or ()
+        ]
+
+    @property
+    def usage(self) -> tuple[int, int, int]:
+        final = [c["usage"] for c in self.chunks if c.get("usage") and not c.get("choices")]
+        assert len(final) == 1, self.events[-3:]
+        usage = final[0]
+        return usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]
+
+    def errors(self) -> list[dict[str, Any]]:
+        return [chunk for chunk in self.chunks if "error" in chunk]
+
+    def shapes(self) -> set[str]:
+        """Each event's layout, in vLLM's key order: its keys and values but the id, the time,
+        the text and the usage counts."""
+        out = set()
+        for chunk in json.loads(json.dumps(self.chunks)):  # a copy
+            shape = {k: v for k, v in chunk.items() if k not in ("id", "created", "usage")}
+            shape["usage"] = "usage" in chunk
+            for choice in shape.get("choices") or ():
+                if "text" in choice:
+                    choice["text"] = ""
+                if "content" in (choice.get("delta") or {}):
+                    choice["delta"]["content"] = ""
+                if choice.get("token_ids") is not None:
+                    choice["token_ids"] = []
+            out.add(json.dumps(shape))
+        return out
+
+
+def read_stream(
+    url: str, path: str, body: dict[str, Any], at_cut: Callable[[str], None] | None = None
+) -> Stream:
+    events: list[str] = []
+    with (
+        httpx.Client(timeout=120.0, trust_env=False) as client,
+        client.stream("POST", url + path, json=body) as response,
+    ):
+        assert response.status_code == 200, response.read()
+        instance = response.headers.get("x-kvherd-instance")
+        for line in response.iter_lines():
+            if not line:
+                continue
+            events.append(line)
+            if at_cut is not None and len(events) == CUT_AT:
+                assert instance is not None
+                at_cut(instance)
+    assert events[-1] == "data: [DONE]", events[-3:]
+    return Stream(instance, events)
+
+
+def signal_group(pair: list[VllmServer], name: str, sig: signal.Signals) -> VllmServer:
+    server = next(s for s in pair if s.spec.name == name)
+    os.killpg(server.process.pid, sig)  # the API server, its EngineCore and its worker
+    return server
+
+
+def continued(proxy: KvherdServe, outcome: str = "continued") -> float:
+    return proxy.metric("kvherd_continuations_total", outcome=outcome)
+
+
+def assert_like_vllm(relayed: Stream, direct: Stream) -> None:
+    assert relayed.text == direct.text
+    assert relayed.usage == direct.usage
+    assert relayed.shapes() == direct.shapes()
+
+
+def test_greedy_chat_stream_survives_a_hung_instance(
+    pair: list[VllmServer], tiny_model: Path
+) -> None:
+    path = "/v1/chat/completions"
+    body = {
+        "model": SERVED_MODEL,
+        "messages": [{"role": "user", "content": "the hung instance tells a long story"}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    direct = read_stream(pair[0].url, path, body)
+    assert direct.usage[1] == MAX_TOKENS
+    stopped: list[VllmServer] = []
+    with serve(pair, tiny_model) as proxy:
+        plain = read_stream(proxy.url, path, body)
+        assert_like_vllm(plain, direct)
+        raw = "\n".join(plain.events)
+        assert '"token_ids":[' not in raw and '"prompt_token_ids":[' not in raw
+        assert continued(proxy) == 0
+        try:
+            cut = read_stream(
+                proxy.url,
+                path,
+                body,
+                lambda name: stopped.append(signal_group(pair, name, signal.SIGSTOP)),
+            )
+        finally:
+            for server in stopped:
+                os.killpg(server.process.pid, signal.SIGCONT)
+        assert stopped, "the stream ended before its instance was stopped"
+        assert not cut.errors(), (cut.errors(), proxy.log()[-3000:])
+        assert cut.text == direct.text, proxy.log()[-3000:]
+        assert cut.usage[:2] == (direct.usage[0], MAX_TOKENS)
+        assert all(chunk["id"] == cut.chunks[0]["id"] for chunk in cut.chunks)
+        assert cut.shapes() <= direct.shapes()  # chat chunks as vLLM writes them
+        assert '"token_ids":[' not in "\n".join(cut.events)
+        assert continued(proxy) == 1
+
+
+def test_seeded_sampling_is_not_continued(pair: list[VllmServer], tiny_model: Path) -> None:
+    """vLLM's seeded generator depends on the output position: a continuation would not be the
+    answer the seed promises, so the client gets the error frame (and can retry for it)."""
+    path = "/v1/completions"
+    body = {
+        "model": SERVED_MODEL,
+        "prompt": "a seeded story that must not be stitched together",
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.8,
+        "seed": 11,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    stopped: list[VllmServer] = []
+    with serve(pair, tiny_model) as proxy:
+        try:
+            cut = read_stream(
+                proxy.url,
+                path,
+                body,
+                lambda name: stopped.append(signal_group(pair, name, signal.SIGSTOP)),
+            )
+        finally:
+            for server in stopped:
+                os.killpg(server.process.pid, signal.SIGCONT)
+        assert stopped, "the stream ended before its instance was stopped"
+        assert [e["error"]["type"] for e in cut.errors()] == ["server_error"]
+        assert continued(proxy) == 0 and continued(proxy, "unsupported") >= 1
+
+
+def test_greedy_completion_stream_survives_a_killed_instance(
+    pair: list[VllmServer], tiny_model: Path
+) -> None:
+    """The client asks for the token ids here: they are relayed, and those of the stream
+    continued elsewhere are vLLM's own, none lost or repeated. (Kills a server: runs last.)"""
+    path = "/v1/completions"
+    body = {
+        "model": SERVED_MODEL,
+        "prompt": "the killed instance was in the middle of a long sentence",
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    direct = read_stream(pair[1].url, path, body)
+    assert len(direct.token_ids) == MAX_TOKENS
+    killed: list[VllmServer] = []
+    with serve(pair, tiny_model) as proxy:
+        plain = read_stream(proxy.url, path, body)
+        assert_like_vllm(plain, direct)
+        assert plain.token_ids == direct.token_ids
+        cut = read_stream(
+            proxy.url,
+            path,
+            body,
+            lambda name: killed.append(signal_group(pair, name, signal.SIGKILL)),
+        )
+        assert killed, "the stream ended before its instance was killed"
+        assert not cut.errors(), (cut.errors(), proxy.log()[-3000:])
+        assert cut.token_ids == direct.token_ids, proxy.log()[-3000:]
+        assert cut.text == direct.text
+        assert cut.usage == direct.usage
+        # Continuous usage counts on: the original prompt, every token so far.
+        running = [c["usage"]["completion_tokens"] for c in cut.chunks if c.get("choices")]
+        assert running == sorted(running) and running[-1] == MAX_TOKENS
+        assert {c["usage"]["prompt_tokens"] for c in cut.chunks} == {direct.usage[0]}
+        assert all(chunk["id"] == cut.chunks[0]["id"] for chunk in cut.chunks)
+        assert cut.shapes() <= direct.shapes()
+        assert continued(proxy) == 1, (proxy.metrics(), proxy.log()[-3000:])
