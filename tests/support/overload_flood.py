@@ -1,0 +1,205 @@
+"""Overload at ten times a fleet's capacity, behind a real ``kvherd serve`` process (shared by
+``tests/chaos/test_overload.py`` and ``bench/chaos_bench.py``).
+
+Contract:
+- `flood(max_tokens)` starts two agents (``--max-num-seqs 8``) and ``kvherd serve`` (its event loop
+  is the one a flood saturates) with the shipped admission default (``--max-queue-wait`` 1 s),
+  measures the fleet's capacity (closed loop, 32 clients), floods it open-loop at `FLOOD_FACTOR`x
+  that rate for `FLOOD_S` seconds, then sends normal requests for 10 s (every 0.1 s, or at half
+  the fleet's capacity where that is less).
+- Every request is a completion of `max_tokens` tokens with a distinct first token (no prefix
+  shared). The `FloodReport` holds what was answered (statuses, sample refusals), the proxy's
+  ejection metric lines and instance health afterwards, and `recovered_s`: seconds from the
+  flood's end until, from some probe on, every probe is served and 90% of them at normal latency
+  (at most twice the pre-flood median, or 0.25 s more), so one scheduling hiccup of a shared
+  machine is not read as a relapse; None when service never recovered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import httpx
+from agent_process import agent_processes
+from serve_process import serve_process
+
+FLOOD_FACTOR = 10
+FLOOD_S = 4.0
+
+
+@dataclass
+class FloodReport:
+    max_tokens: int
+    capacity: float = 0.0  # requests/s the fleet completes
+    baseline_s: float = 0.0  # a request's latency before the flood
+    sent: int = 0
+    statuses: dict[int, int] = field(default_factory=dict)
+    refusals: list[tuple[dict[bytes, bytes], bytes]] = field(default_factory=list)
+    ejection_lines: list[str] = field(default_factory=list)
+    health: set[str] = field(default_factory=set)
+    probes: list[tuple[float, float, int]] = field(default_factory=list)  # sent, latency, status
+    recovered_s: float | None = None
+
+    def summary(self) -> str:
+        recovered = None if self.recovered_s is None else round(self.recovered_s, 2)
+        return (
+            f"{self.max_tokens}-token requests: capacity {self.capacity:.1f} req/s, flood "
+            f"{FLOOD_FACTOR}x for {FLOOD_S}s ({self.sent} requests): {self.statuses}; baseline "
+            f"latency {self.baseline_s * 1000:.0f} ms; normal service {recovered} s after the flood"
+        )
+
+
+class RawClient:
+    """HTTP/1.1 keep-alive POSTs on raw asyncio streams: a flood from this process must cost the
+    test's own loop little (an HTTP client library's per-request CPU would make it the bottleneck
+    and its backlog would show up as latency)."""
+
+    def __init__(self, url: str) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        self.host, self.port = host, int(port)
+        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def post(self, path: str, body: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
+        reader, writer = (
+            self.idle.pop() if self.idle else await asyncio.open_connection(self.host, self.port)
+        )
+        writer.write(
+            b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (path.encode(), self.host.encode(), len(body), body)
+        )
+        head = await reader.readuntil(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        status = int(lines[0].split()[1])
+        headers = {}
+        for line in lines[1:]:
+            if line:
+                name, _, value = line.partition(b":")
+                headers[name.strip().lower()] = value.strip()
+        data = await reader.readexactly(int(headers[b"content-length"]))
+        if headers.get(b"connection") == b"close":
+            writer.close()
+        else:
+            self.idle.append((reader, writer))
+        return status, headers, data
+
+    def close(self) -> None:
+        for _, writer in self.idle:
+            writer.close()
+
+
+PROMPT = [(i * 37 + 11) % 250 for i in range(24)]
+
+
+def payload(i: int, max_tokens: int) -> bytes:
+    # A distinct first token per request: no prefix is shared, every request costs a prefill.
+    body = {"prompt": [i % 250, *PROMPT], "max_tokens": max_tokens, "ignore_eos": True}
+    return json.dumps(body).encode()
+
+
+async def timed(
+    client: RawClient, i: int, max_tokens: int
+) -> tuple[float, int, dict[bytes, bytes], bytes]:
+    start = time.monotonic()
+    status, headers, data = await client.post("/v1/completions", payload(i, max_tokens))
+    return time.monotonic() - start, status, headers, data
+
+
+async def capacity(client: RawClient, max_tokens: int, seconds: float = 3.0) -> float:
+    """Requests/s the fleet completes with plenty of requests outstanding (closed loop)."""
+    done = 0
+    end = time.monotonic() + seconds
+
+    async def worker(w: int) -> None:
+        nonlocal done
+        i = w
+        while time.monotonic() < end:
+            _, status, _, data = await timed(client, i, max_tokens)
+            assert status in (200, 429), data
+            done += status == 200
+            i += 32
+
+    start = time.monotonic()
+    await asyncio.gather(*(worker(w) for w in range(32)))
+    return done / (time.monotonic() - start)
+
+
+def ejections(metrics: str) -> list[str]:
+    return [line for line in metrics.splitlines() if line.startswith("kvherd_ejections_total")]
+
+
+async def flood(max_tokens: int) -> FloodReport:
+    report = FloodReport(max_tokens)
+    with (
+        agent_processes(2, "--max-num-seqs", "8") as pair,
+        serve_process(
+            [agent.instance_spec() for agent in pair],
+            "--policy",
+            "round_robin",
+            "--migration-policy",
+            "none",
+            "--health-interval",
+            "0.5",
+        ) as served,
+    ):
+        client = RawClient(served.url)
+        for i in range(4):  # warm up both agents
+            assert (await timed(client, i, max_tokens))[1] == 200
+        baseline = statistics.median([(await timed(client, i, max_tokens))[0] for i in range(10)])
+        rate = await capacity(client, max_tokens)
+        report.baseline_s, report.capacity = baseline, rate
+
+        async def flood_one(i: int) -> None:
+            _, status, headers, data = await timed(client, i, max_tokens)
+            report.statuses[status] = report.statuses.get(status, 0) + 1
+            if status == 429:
+                report.refusals.append((headers, data))
+
+        async def probe(i: int) -> None:
+            sent = time.monotonic()
+            latency, status, _, _ = await timed(client, 10_000 + i, max_tokens)
+            report.probes.append((sent, latency, status))
+
+        flooding: list[asyncio.Task[None]] = []
+        probing: list[asyncio.Task[None]] = []
+        interval = 1.0 / (FLOOD_FACTOR * rate)
+        start = time.monotonic()
+        n = 0
+        while (now := time.monotonic()) < start + FLOOD_S:  # open loop: arrivals on a clock
+            due = start + n * interval
+            if now < due:
+                await asyncio.sleep(due - now)
+            flooding.append(asyncio.create_task(flood_one(n)))
+            n += 1
+        report.sent = n
+        flood_end = time.monotonic()
+        # Normal load from the flood's end on, for 10 s: a request every 0.1 s, or at half the
+        # fleet's capacity where that is less (long requests), so that service can recover.
+        every = max(0.1, 2.0 / rate)
+        for i in range(round(10.0 / every)):
+            probing.append(asyncio.create_task(probe(i)))
+            await asyncio.sleep(every)
+        await asyncio.gather(*flooding, *probing)
+        client.close()
+        async with httpx.AsyncClient(timeout=30) as http:
+            metrics = (await http.get(served.url + "/metrics")).text
+            instances = (
+                await http.get(
+                    served.admin_url + "/admin/v1/instances", headers=served.admin_headers
+                )
+            ).json()
+    report.ejection_lines = ejections(metrics)
+    report.health = {i["health"] for i in instances["data"]}
+    normal = max(2 * baseline, baseline + 0.25)
+    ordered = sorted(report.probes)
+    for k, (sent, latency, status) in enumerate(ordered):
+        rest = ordered[k:]
+        if status != 200 or latency > normal or any(s != 200 for _, _, s in rest):
+            continue
+        if sum(lat <= normal for _, lat, _ in rest) >= 0.9 * len(rest):
+            report.recovered_s = sent + latency - flood_end
+            break
+    return report
