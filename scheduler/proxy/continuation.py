@@ -18,10 +18,11 @@ Contract:
   for another agent; None without a ledger or with a gap in the token indexes. From vLLM: a
   streamed ``/v1/completions`` request for another vLLM instance with prompt = the prompt's token
   ids (as vLLM reported them) + the tokens relayed, ``max_tokens``/``min_tokens`` reduced by them
-  and the same sampling parameters. Greedy, it starts after the last token whose text was sent
-  (vLLM primes its detokenizer with a token prompt, which sends the whole prompt's text when the
-  prompt ends inside a character): the tokens after it are generated again, checked and not
-  relayed twice, only the text they complete. Its chunks are re-framed as the original stream's
+  and the same sampling parameters. It starts after the last token whose text was sent (vLLM
+  primes its detokenizer with a token prompt, which sends the whole prompt's text when the
+  prompt ends inside a character): greedy, the tokens after it are generated again, checked and
+  not relayed twice, only the text they complete; sampled, they are replaced (not continued
+  when the client has their ids). Its chunks are re-framed as the original stream's
   (its id, created, model; chat chunks for a chat stream; usage counting the original prompt and
   every generated token). Exact for greedy decoding; unseeded random sampling continues (a
   sample of the same distribution given the same tokens, not checked at the boundary); None (the
@@ -177,8 +178,7 @@ class StreamLedger:
             plan = self._vllm.continuation(relayed)
             if plan is None:
                 return None
-            continued, start = plan
-            regenerated = relayed.token_ids[start:]
+            continued, start, regenerated = plan
             self._reframe = _Reframe(relayed.resume, start, regenerated, self._vllm)
             return Continued(continued, done, False, b"/v1/completions")
         resume = dict(relayed.resume)
@@ -336,15 +336,16 @@ class _VllmStream:
             "include_usage": options.get("include_usage") is True,
         }
 
-    def continuation(self, relayed: _Relayed) -> tuple[dict[str, Any], int] | None:
-        """The ``/v1/completions`` body that continues the stream on vLLM and the output token
-        it starts at (None: not exactly).
+    def continuation(self, relayed: _Relayed) -> tuple[dict[str, Any], int, list[int]] | None:
+        """The ``/v1/completions`` body that continues the stream on vLLM, the output token it
+        starts at and the tokens the client has that it generates again (None: not exactly).
 
         vLLM detokenizes a token prompt by priming a ``DecodeStream`` with it, which yields the
         whole prompt's text when the prompt ends inside a character (a byte-level token whose
-        text was held back). So a greedy continuation starts after the last token whose text
-        was sent and ends no character early; the tokens after it are generated again (the
-        same ones: greedy) and only their text relayed."""
+        text was held back). So a continuation starts after the last token whose text was sent
+        and ends no character early. Greedy, the tokens after it are generated again (the same
+        ones) and only their text relayed; sampled, they are replaced (the client saw no text
+        of them), which a client that has their ids would notice: not continued."""
         body = self.body
         if any(body.get(name) for name in _NOT_CONTINUABLE):
             return None
@@ -357,11 +358,11 @@ class _VllmStream:
         if not greedy and body.get("seed") is not None:
             return None  # vLLM's seeded generator cannot be resumed at an output position
         ids = relayed.token_ids
-        done = len(ids)
-        if greedy:
-            done = relayed.emitted
-            while done > 0 and self.decode(ids[max(0, done - 4) : done]).endswith("\ufffd"):
-                done -= 1  # a UTF-8 character takes at most 4 byte tokens
+        done = relayed.emitted
+        while done > 0 and self.decode(ids[max(0, done - 4) : done]).endswith("\ufffd"):
+            done -= 1  # a UTF-8 character takes at most 4 byte tokens
+        if not greedy and done < len(ids) and not self.strip:
+            return None
         continued: dict[str, Any] = {
             name: body[name] for name in _CARRIED if body.get(name) is not None
         }
@@ -382,7 +383,7 @@ class _VllmStream:
                 "include_usage": options.get("include_usage") is True,
                 "continuous_usage_stats": options.get("continuous_usage_stats") is True,
             }
-        return continued, done
+        return continued, done, ids[done:] if greedy else []
 
 
 class _Reframe:

@@ -243,6 +243,13 @@ def test_vllm_streams_that_a_continuation_cannot_reproduce_are_not_continued() -
     spent = StreamLedger.from_vllm({**base, "temperature": 0, "max_tokens": 1}, False, decode)
     spent.feed(v_chunk("D", [39], prompt=[1]))
     assert spent.continuation({**base, "temperature": 0, "max_tokens": 1}) is None
+    held = {**base, "temperature": 0.8}  # sampled, cut inside a character
+    for asked, expected in ((False, [1, 39]), (True, None)):
+        cut = StreamLedger.from_vllm({**held, "return_token_ids": asked}, False, decode)
+        cut.feed(v_chunk("D", [39], prompt=[1]) + v_chunk("", [163]))
+        sampled = cut.continuation(held)
+        # Its held-back token is replaced; a client that has its id would see it vanish.
+        assert (sampled and sampled.body["prompt"]) == expected
     blind = StreamLedger.from_vllm(base, False, decode)  # ids missing: nothing to continue from
     blind.feed(without_ids(v_chunk("D", [39], prompt=[1])))
     assert blind.continuation({**base, "temperature": 0}) is None
