@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -54,7 +54,7 @@ from migration.core.reservations import ReservationTable
 from migration.core.stages import StageConfig
 from migration.destination import MigrationDestination
 from migration.http_link import HttpDestination
-from migration.source import migrate_out
+from migration.source import PrefillOpening, migrate_out
 from migration.transport import TransportHub
 
 if TYPE_CHECKING:
@@ -217,9 +217,12 @@ class MigrationService:
         order: MigrateOrder,
         stages: StageConfig | None = None,
         max_outgoing: int | None = None,
+        opening: PrefillOpening | None = None,
+        before_final: Callable[[], Awaitable[None]] | None = None,
     ) -> MigrationOutcome:
         """Run one migration out; `stages` and `max_outgoing` default to the settings' (a P/D
-        handoff brings its own: `migration.core.handoff`)."""
+        handoff brings its own: `migration.core.handoff`, and opens it before the prefill:
+        `opening`, `before_final`, see `migration.source`)."""
         limit = self.settings.max_outgoing if max_outgoing is None else max_outgoing
         if order.request_id in self._outgoing or len(self._outgoing) >= limit:
             outcome = MigrationOutcome(
@@ -241,6 +244,8 @@ class MigrationService:
                     self.src_name,
                     self.settings.stages if stages is None else stages,
                     self._released_hook(order.dst),
+                    opening,
+                    before_final,
                 )
             finally:
                 self._outgoing.discard(order.request_id)

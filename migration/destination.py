@@ -8,6 +8,9 @@ Contract:
   busy), shares the cached leading blocks by reference, reserves the rest and offers a transport
   endpoint; every stage then receives its blocks' KV in the background and writes it into the
   reserved blocks. The next message for the migration waits for that receive first.
+- A stage 0 with `expected_blocks` (a P/D handoff opened before its prefill) reserves that many
+  blocks at once (less the cached ones shared); each stage then takes its blocks from them, in
+  order, and reserves only what they lack. A commit that leaves some of them unfilled is refused.
 - A refusal or failure at any stage frees everything the migration held here before answering, so
   the source can simply continue; `commit` adopts the request with exactly the blocks received, in
   order; `abort` frees them. Either is answered for an unknown migration too (idempotent).
@@ -64,6 +67,9 @@ class MigrationDestination:
         self._tags: dict[str, tuple[str, int]] = {}  # migration -> (pair group, message tag)
         self._views: Sequence[Any] | None = None  # the engine's KV cache, by block id
         self._landing: set[str] = set()  # migrations whose bytes are being received right now
+        # Blocks reserved ahead for a migration's later stages (`expected_blocks`), in order;
+        # held under the migration id with the rest, so freeing the reservation frees them.
+        self._ahead: dict[str, list[int]] = {}
         self.committed = 0
         self.aborted: dict[str, int] = {}  # reason -> count
 
@@ -78,7 +84,9 @@ class MigrationDestination:
                 self.table.open(mid, msg.request_id, msg.src, self.clock())
             except ReservationError as e:
                 return ReserveResponse(False, reason=str(e))
-            hashes = DestinationSession.hashes_to_share(msg.stage, msg.num_blocks, msg.block_hashes)
+            hashes = DestinationSession.hashes_to_share(
+                msg.stage, max(msg.num_blocks, msg.expected_blocks), msg.block_hashes
+            )
             shared: list[int] = []
             if hashes:
                 shared = await self.call(lambda e: e.share_cached_prefix(mid, hashes))
@@ -91,8 +99,7 @@ class MigrationDestination:
                 await self._drop(mid, AbortReason.TRANSFER_FAILED)
                 return ReserveResponse(False, reason=failure)
             shared = []
-        num_new = msg.num_blocks - len(shared)
-        reserved = await self.call(lambda e: e.reserve_blocks(mid, num_new))
+        reserved = await self._take_blocks(mid, msg, len(shared))
         answer = DestinationSession.answer(msg.num_blocks, shared, reserved)
         if reserved is None:
             await self._drop(mid, AbortReason.DST_REFUSED)
@@ -120,6 +127,10 @@ class MigrationDestination:
         if failure is not None:
             await self._drop(mid, AbortReason.TRANSFER_FAILED)
             return AckResponse(False, failure)
+        unfilled = len(self._ahead.get(mid, ()))
+        if unfilled:
+            await self._drop(mid, AbortReason.DST_FAILED)
+            return AckResponse(False, f"{unfilled} blocks reserved ahead were never filled")
         state = msg.state
         block_ids = reservation.block_ids
         session = DestinationSession(reservation.request_id, self.block_size)
@@ -185,6 +196,26 @@ class MigrationDestination:
         # The engine runs the adopted request with no client; the agent's engine loop buffers
         # its outputs until a follower attaches (`EngineLoop.attach`).
         return await self.call(lambda e: e.adopt_request(state, block_ids, owner_id))
+
+    async def _take_blocks(
+        self, mid: str, msg: ReserveRequest, num_shared: int
+    ) -> list[int] | None:
+        """The stage's blocks past the `num_shared` cached ones: first the blocks reserved ahead,
+        then fresh ones (None: no room). Stage 0 with `expected_blocks` reserves them all now."""
+        want = max(0, msg.num_blocks - num_shared)
+        if msg.stage == 0:
+            ahead = max(msg.num_blocks, msg.expected_blocks) - num_shared
+            reserved = await self.call(lambda e: e.reserve_blocks(mid, max(ahead, 0)))
+            if reserved is None:
+                return None
+            self._ahead[mid] = reserved[want:]
+            return reserved[:want]
+        pool = self._ahead.get(mid, [])
+        taken, self._ahead[mid] = pool[:want], pool[want:]
+        if len(taken) == want:
+            return taken
+        fresh = await self.call(lambda e: e.reserve_blocks(mid, want - len(taken)))
+        return None if fresh is None else taken + fresh
 
     def _check_geometry(self, msg: ReserveRequest) -> str | None:
         if msg.block_size != self.block_size:
@@ -253,6 +284,7 @@ class MigrationDestination:
         # A receive still in flight finishes on its own and drops its bytes (see `_receive`).
         self._tags.pop(migration_id, None)
         self._receiving.pop(migration_id, None)
+        self._ahead.pop(migration_id, None)
 
     def _count(self, reason: AbortReason) -> None:
         self.aborted[reason.value] = self.aborted.get(reason.value, 0) + 1

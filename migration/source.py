@@ -6,6 +6,12 @@ Contract:
   and one destination (`DestinationLink` for control, a `TransportHub` channel for KV bytes). Live
   stages copy full blocks while the request keeps decoding; the stop-and-copy stage suspends it,
   copies the rest and commits; only then is the request released here.
+- Opened before the prefill (`PrefillOpening`, a P/D handoff as its request is admitted): stage 0
+  is reserved at once, before any engine call (so the engine's first prefill step cannot delay
+  it), from the prompt's block hashes: the destination reserves the prompt's blocks now and
+  shares those it caches. Then live stages copy the full blocks each prefill chunk computes,
+  polled between engine steps (`Wait`), and `before_final` (if given) is awaited before the
+  stop-and-copy stage is reserved.
 - It never raises for a migration that fails: it returns a `MigrationOutcome` saying why. On every
   abort path the request is left running on the source (resumed if it was suspended, untouched if
   it finished or was preempted meanwhile) and the destination is told to free its reservation
@@ -21,7 +27,8 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from migration.core.protocol import (
@@ -47,12 +54,28 @@ from migration.core.session import (
     RequestSnapshot,
     Reserve,
     Snapshot,
+    SourceAction,
     SourceSession,
     Suspend,
+    Wait,
 )
 from migration.core.stages import StageConfig, StagePlanner
 from migration.kv_copy import send_blocks
 from migration.transport import PairChannel, TransferError, TransportHub
+
+# How long a session opened before the prefill waits before looking at the request again (the
+# snapshot itself then waits for the engine's step in progress).
+PREFILL_POLL_S = 0.002
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillOpening:
+    """A migration opened as its request is admitted, before its prefill (a P/D handoff)."""
+
+    num_tokens: int  # KV the prefill leaves at the first token (the prompt)
+    block_hashes: Sequence[int]  # the prompt's full-block hash chain
+    block_size: int  # this engine's KV geometry (read once: no engine call before stage 0)
+    kv_bytes_per_block: int
 
 
 def _snapshot(request_id: str) -> Any:
@@ -74,6 +97,8 @@ async def migrate_out(
     src: str,
     config: StageConfig | None = None,
     on_released: Callable[[RequestState], None] | None = None,
+    opening: PrefillOpening | None = None,
+    before_final: Callable[[], Awaitable[None]] | None = None,
 ) -> MigrationOutcome:
     """Migrate `request_id` to the destination behind `link`; `src` names this instance (its
     transport peer identity, unique per incarnation). `on_released(state)` runs on the engine
@@ -81,15 +106,24 @@ async def migrate_out(
     "continues on dst from token len(state.output_token_ids)" notice)."""
     migration_id = uuid.uuid4().hex
     started = time.perf_counter()
-    block_size, bytes_per_block, views = await call(
-        lambda e: (e.block_size, e.kv_bytes_per_block(), e.kv_block_views())
-    )
-    session = SourceSession(request_id, block_size, config)
+    views: Any = None
+    action: SourceAction
+    if opening is None:
+        block_size, bytes_per_block, views = await call(
+            lambda e: (e.block_size, e.kv_bytes_per_block(), e.kv_block_views())
+        )
+        session = SourceSession(request_id, block_size, config)
+        action = session.start()
+    else:
+        block_size, bytes_per_block = opening.block_size, opening.kv_bytes_per_block
+        session = SourceSession(request_id, block_size, config, opening.num_tokens)
+        # As admitted: nothing computed yet (what the engine computed since, the next snapshot
+        # sees), so stage 0 copies nothing and reserves the whole prompt.
+        action = session.on_snapshot(RequestSnapshot("waiting", (), 0, opening.block_hashes))
     channel: PairChannel | None = None
     endpoint: TransportEndpoint | None = None
     suspended_at: float | None = None
     state: RequestState | None = None
-    action = session.start()
     while not isinstance(action, Done | Abort):
         try:
             match action:
@@ -102,7 +136,12 @@ async def migrate_out(
                     await call(lambda e: e.suspend(request_id))
                     suspended_at = time.perf_counter()
                     action = session.on_suspended()
+                case Wait():
+                    await asyncio.sleep(PREFILL_POLL_S)
+                    action = Snapshot()
                 case Reserve(stage=stage):
+                    if stage.final and before_final is not None:
+                        await before_final()
                     answer = await link.reserve(
                         ReserveRequest(
                             migration_id=migration_id,
@@ -113,6 +152,7 @@ async def migrate_out(
                             block_hashes=list(stage.block_hashes),
                             block_size=block_size,
                             kv_bytes_per_block=bytes_per_block,
+                            expected_blocks=stage.expected_blocks,
                         )
                     )
                     action = session.on_reserved(
@@ -127,6 +167,8 @@ async def migrate_out(
                         else:
                             endpoint = answer.transport
                             channel = await asyncio.to_thread(hub.connect, endpoint)
+                            if views is None:  # opened before the prefill: no engine call yet
+                                views = await call(lambda e: e.kv_block_views())
                 case Copy(stage=stage):
                     if stage.num_blocks:
                         assert channel is not None and endpoint is not None

@@ -252,6 +252,9 @@ class ReserveRequest(_Message):
     # Stage 0: the source's KV geometry; the destination refuses a mismatch.
     block_size: int = 0
     kv_bytes_per_block: int = 0
+    # Stage 0 of a P/D handoff opened before its prefill: the blocks the request will hold at its
+    # first token, all reserved (or shared) now; later stages take theirs from them.
+    expected_blocks: int = 0
 
     @classmethod
     def from_json(cls, data: Any) -> ReserveRequest:
@@ -262,6 +265,8 @@ class ReserveRequest(_Message):
             raise MessageError("stage must be non-negative", "stage")
         if msg.num_blocks < 0:
             raise MessageError("num_blocks must be non-negative", "num_blocks")
+        if msg.expected_blocks < 0:
+            raise MessageError("expected_blocks must be non-negative", "expected_blocks")
         if any(h < 0 or h >= 1 << 64 for h in msg.block_hashes):
             raise MessageError("block_hashes must be unsigned 64-bit integers", "block_hashes")
         return msg

@@ -6,13 +6,20 @@ Contract:
   answer, released, a failure) and returns the one action the driver performs next: `Snapshot`
   (read the request's phase, blocks, KV length and block hashes), `Suspend`, `Reserve(stage)`,
   `Copy(stage)` (send the stage's blocks; a stage without blocks lands at once), `Commit` (send the
-  request state), `Release` (end the request here as migrated), `Done` (committed), or
-  `Abort(reason, resume, notify_destination)`. Order: snapshot; if the next stage is the
-  stop-and-copy one, suspend and snapshot again (the request may have decoded meanwhile); plan the
-  stage; reserve it on the destination; copy; repeat until the final stage landed; commit; release.
+  request state), `Release` (end the request here as migrated), `Done` (committed), `Wait`
+  (snapshot again once the engine has stepped), or `Abort(reason, resume, notify_destination)`.
+  Order: snapshot; if the next stage is the stop-and-copy one, suspend and snapshot again (the
+  request may have decoded meanwhile); plan the stage; reserve it on the destination; copy;
+  repeat until the final stage landed; commit; release.
   A request whose first snapshot finds it suspended already (held by its engine at its first
   token: a P/D handoff out of a prefill-only instance) goes straight to the stop-and-copy stage,
   with no `Suspend`.
+- Opened before the prefill (`prefill_tokens` > 0: a P/D handoff opened at admission): the first
+  snapshot may find the request waiting or prefilling; stage 0 is reserved at once whatever it
+  copies (the destination reserves the blocks of `prefill_tokens` now, `Stage.expected_blocks`),
+  then while the request prefills each snapshot with new full blocks gets a live stage and one
+  without gets `Wait`; once it has its first token the session goes on as above (held: the
+  stop-and-copy stage; decoding: live stages).
 - A snapshot is checked before every stage: a finished request aborts `REQUEST_FINISHED`; one no
   longer decoding (waiting or prefilling again after stages landed: preempted) aborts
   `REQUEST_PREEMPTED`, before any stage `REQUEST_NOT_RUNNING`.
@@ -92,6 +99,11 @@ class Done:
 
 
 @dataclass(frozen=True, slots=True)
+class Wait:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
 class Abort:
     reason: AbortReason
     detail: str
@@ -99,12 +111,14 @@ class Abort:
     notify_destination: bool
 
 
-SourceAction = Snapshot | Suspend | Reserve | Copy | Commit | Release | Done | Abort
+SourceAction = Snapshot | Suspend | Reserve | Copy | Commit | Release | Done | Wait | Abort
 
 
-def _check_live(phase: str | None, planner: StagePlanner) -> None:
+def _check_live(phase: str | None, planner: StagePlanner, prefilling: bool = False) -> None:
     if phase is None:
         raise MigrationAborted(AbortReason.REQUEST_FINISHED, "finished or aborted on the source")
+    if prefilling and phase in ("waiting", "prefilling"):
+        return
     expected = "suspended" if planner.phase is Phase.SUSPENDED else "decoding"
     if phase == expected:
         return
@@ -116,11 +130,18 @@ def _check_live(phase: str | None, planner: StagePlanner) -> None:
 class SourceSession:
     """One outgoing migration: feed it events, perform the action each returns."""
 
-    def __init__(self, request_id: str, block_size: int, config: StageConfig | None = None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        block_size: int,
+        config: StageConfig | None = None,
+        prefill_tokens: int = 0,
+    ) -> None:
         self.request_id = request_id
-        self.planner = StagePlanner(request_id, block_size, config or StageConfig())
+        self.planner = StagePlanner(request_id, block_size, config or StageConfig(), prefill_tokens)
         self._stage: Stage | None = None
         self._resnapshot = False  # the next snapshot follows a suspension
+        self._prefilling = prefill_tokens > 0  # opened before the first token, not there yet
         self.outcome: Done | Abort | None = None
 
     @property
@@ -133,11 +154,21 @@ class SourceSession:
     def on_snapshot(self, snapshot: RequestSnapshot) -> SourceAction:
         planner = self.planner
         try:
-            if snapshot.phase == "suspended" and planner.phase is Phase.LIVE and not planner.stages:
+            if snapshot.phase in ("decoding", "suspended"):
+                self._prefilling = False
+            if (
+                snapshot.phase == "suspended"
+                and planner.phase is Phase.LIVE
+                and (not planner.stages or planner.prefill_tokens > 0)
+            ):
                 planner.suspended()  # held at its first token: nothing can change it now
                 self._resnapshot = True
-            _check_live(snapshot.phase, planner)
-            if (
+            _check_live(snapshot.phase, planner, self._prefilling)
+            if self._prefilling:
+                if planner.stages and not planner.has_full_blocks_to_send(snapshot.num_kv_tokens):
+                    planner.check_prefix(snapshot.block_ids, snapshot.num_kv_tokens)
+                    return Wait()
+            elif (
                 not self._resnapshot
                 and planner.phase is Phase.LIVE
                 and planner.needs_suspend(snapshot.block_ids, snapshot.num_kv_tokens)

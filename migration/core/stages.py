@@ -10,6 +10,12 @@ Contract (Llumnix's multi-stage copy, OSDI'24 §4.2):
   of at most K blocks plus the commit, whatever the context length.
 - Cache-aware transfer: with the first reservation the destination reports how many leading blocks
   it already caches (by chained block hash); those are shared there by reference count and never sent.
+- Opened before the prefill (`prefill_tokens`: a P/D handoff reserves on its decode instance at
+  admission): stage 0 offers the hashes of every full block of the prompt and asks the destination
+  to reserve all `blocks_for(prefill_tokens)` blocks now (`Stage.expected_blocks`); its cached
+  leading blocks may then lie beyond what the source has computed yet. Live stages copy the full
+  blocks a chunked prefill has computed so far (immutable like any full block), so the
+  stop-and-copy at the first token sends only the last chunk's blocks.
 - Every transition is checked: the blocks already on the destination must still be the request's
   leading blocks (a preempted and rescheduled request gets new blocks, which aborts the migration),
   and a reservation answer must match what was asked. Violations raise `MigrationAborted`.
@@ -68,6 +74,9 @@ class Stage:
     final: bool  # the stop-and-copy stage
     num_kv_tokens: int  # tokens whose KV the destination holds once this stage lands
     block_hashes: tuple[int, ...] = ()  # stage 0 only: hashes of its full blocks, for cache sharing
+    # Stage 0 of a session opened before the prefill: the blocks the request will hold at its
+    # first token, all reserved on the destination now (later stages fill them).
+    expected_blocks: int = 0
 
     @property
     def num_blocks(self) -> int:
@@ -82,16 +91,21 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 class StagePlanner:
     """Plans the stages of one request's migration and records what has reached the destination."""
 
-    def __init__(self, request_id: str, block_size: int, config: StageConfig) -> None:
+    def __init__(
+        self, request_id: str, block_size: int, config: StageConfig, prefill_tokens: int = 0
+    ) -> None:
         if block_size < 1:
             raise ValueError("block_size must be at least 1")
         self.request_id = request_id
         self.block_size = block_size
         self.config = config
+        # > 0: opened before the prefill, which leaves this much KV at the first token.
+        self.prefill_tokens = prefill_tokens
         self.phase = Phase.LIVE
         self.abort_reason: AbortReason | None = None
-        # The request's leading source blocks that the destination holds (shared or received).
-        self._on_dst: list[int] = []
+        # The request's leading source blocks that the destination holds (shared or received);
+        # None for a cached block shared there before the source had allocated its own.
+        self._on_dst: list[int | None] = []
         self.num_shared_blocks = 0  # leading blocks taken from the destination's cache
         self.num_kv_tokens = 0  # tokens whose KV the destination holds
         self.stages: list[Stage] = []  # stages that landed, cache-shared blocks trimmed
@@ -105,6 +119,10 @@ class StagePlanner:
     @property
     def blocks_sent(self) -> int:
         return sum(s.num_blocks for s in self.stages)
+
+    def has_full_blocks_to_send(self, num_kv_tokens: int) -> bool:
+        """Does a live stage now have at least one full block to copy?"""
+        return num_kv_tokens // self.block_size > len(self._on_dst)
 
     # -- transitions -----------------------------------------------------------------------------
     def needs_suspend(self, block_ids: Sequence[int], num_kv_tokens: int) -> bool:
@@ -139,7 +157,7 @@ class StagePlanner:
             raise RuntimeError("the previous stage has not landed")
         if self.phase not in (Phase.LIVE, Phase.SUSPENDED):
             raise RuntimeError(f"no stage to plan in phase {self.phase.value}")
-        self._check_prefix(block_ids, num_kv_tokens)
+        self.check_prefix(block_ids, num_kv_tokens)
         final = self.phase is Phase.SUSPENDED
         if final:
             end = blocks_for(num_kv_tokens, self.block_size)
@@ -153,10 +171,17 @@ class StagePlanner:
                 f"{len(block_ids)} blocks cannot hold {num_kv_tokens} tokens of KV",
             )
         start = len(self._on_dst)
+        end = max(end, start)  # cached blocks shared ahead of the source's prefill
         hashes: tuple[int, ...] = ()
-        if not self.stages and self.config.cache_aware:
-            full = min(end, num_kv_tokens // self.block_size)
-            hashes = tuple(block_hashes[:full])
+        expected = 0
+        if not self.stages:
+            expected = blocks_for(self.prefill_tokens, self.block_size)
+            if self.config.cache_aware:
+                full = max(
+                    min(end, num_kv_tokens // self.block_size),
+                    self.prefill_tokens // self.block_size,
+                )
+                hashes = tuple(block_hashes[:full])
         stage = Stage(
             index=len(self.stages),
             first_block=start,
@@ -164,6 +189,7 @@ class StagePlanner:
             final=final,
             num_kv_tokens=max(covered, self.num_kv_tokens),
             block_hashes=hashes,
+            expected_blocks=expected,
         )
         self._pending = stage
         return stage
@@ -181,14 +207,16 @@ class StagePlanner:
                 f"destination claims {num_cached_blocks} cached blocks for stage {stage.index} "
                 f"with {len(stage.block_hashes)} hashed blocks",
             )
-        if num_cached_blocks < 0 or num_reserved != stage.num_blocks - num_cached_blocks:
+        expected = max(0, stage.num_blocks - num_cached_blocks)
+        if num_cached_blocks < 0 or num_reserved != expected:
             raise MigrationAborted(
                 AbortReason.DST_FAILED,
-                f"destination reserved {num_reserved} blocks, expected "
-                f"{stage.num_blocks - num_cached_blocks}",
+                f"destination reserved {num_reserved} blocks, expected {expected}",
             )
         if num_cached_blocks:
-            self._on_dst.extend(stage.src_block_ids[:num_cached_blocks])
+            known = stage.src_block_ids[:num_cached_blocks]
+            self._on_dst.extend(known)
+            self._on_dst.extend([None] * (num_cached_blocks - len(known)))
             self.num_shared_blocks = num_cached_blocks
             stage = Stage(
                 index=stage.index,
@@ -197,6 +225,7 @@ class StagePlanner:
                 final=stage.final,
                 num_kv_tokens=stage.num_kv_tokens,
                 block_hashes=stage.block_hashes,
+                expected_blocks=stage.expected_blocks,
             )
             self._pending = stage
         return stage
@@ -232,9 +261,17 @@ class StagePlanner:
         if self.phase is not phase:
             raise RuntimeError(f"expected phase {phase.value}, in {self.phase.value}")
 
-    def _check_prefix(self, block_ids: Sequence[int], num_kv_tokens: int) -> None:
-        have = len(self._on_dst)
-        if list(block_ids[:have]) != self._on_dst or num_kv_tokens < self.num_kv_tokens:
+    def check_prefix(self, block_ids: Sequence[int], num_kv_tokens: int) -> None:
+        """Raise `MigrationAborted` if the blocks sent are no longer the request's."""
+        on_dst = self._on_dst
+        changed = len(block_ids) < len(on_dst) and any(
+            b is not None for b in on_dst[len(block_ids) :]
+        )
+        if not changed:
+            changed = any(
+                b is not None and b != mine for b, mine in zip(on_dst, block_ids, strict=False)
+            )
+        if changed or num_kv_tokens < self.num_kv_tokens:
             # The blocks we copied are no longer the request's: it was preempted (and maybe
             # recomputed into new blocks) since the last stage.
             raise MigrationAborted(
