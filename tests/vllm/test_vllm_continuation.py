@@ -1,9 +1,10 @@
 """A stream survives the loss of its vLLM instance: kvherd continues it on the other one, exactly.
 
-Two vLLM servers of this module's own (its tests stop and kill them, so not the session's pair)
-behind ``kvherd serve``. Each test runs one greedy streamed request three times: straight to vLLM
-(the reference), through kvherd undisturbed, and through kvherd with the instance serving it
-stopped (SIGSTOP: hung) or killed (SIGKILL: every process of the server) after its 10th event.
+The session's vLLM pair behind ``kvherd serve`` (a stopped server recovers: SIGCONT), and for
+the kill one server of this module's own, ``c``, beside ``a``, the stream steered to ``c`` by the
+prompt's blocks cached there. Each test runs one greedy streamed request three times: straight
+to vLLM (the reference), through kvherd undisturbed, and through kvherd with the instance serving
+it stopped (SIGSTOP: hung) or killed (SIGKILL: every process of the server) after its 10th event.
 The client must get vLLM's own answer: the same text (and token ids, when it asks for them), no
 token lost or repeated, the usage of the original prompt and every generated token, no error
 frame, and the continuation counted. Undisturbed, what kvherd relays has vLLM's own layout: the
@@ -12,11 +13,10 @@ token ids kvherd asks for are relayed as vLLM's ``null`` unless the client asked
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +24,12 @@ import httpx
 import pytest
 from vllm_fleet import (
     SERVED_MODEL,
+    KvherdFactory,
     KvherdServe,
+    Prompts,
     VllmServer,
     VllmSpec,
+    assert_index_matches,
     instance_arg,
     kvherd_serve,
     vllm_servers,
@@ -37,20 +40,13 @@ CUT_AT = 10  # events the client has read when its instance is stopped or killed
 
 
 @pytest.fixture(scope="module")
-def pair(
+def killable(
     vllm_python: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[list[VllmServer]]:
-    specs = [VllmSpec("ca"), VllmSpec("cb")]
+) -> Iterator[VllmServer]:
+    """A server the kill test may kill (the session's pair serves the other tests)."""
     log_dir = tmp_path_factory.mktemp("vllm_continuation_logs")
-    with vllm_servers(vllm_python, tiny_model, specs, log_dir) as servers:
-        yield servers
-
-
-@contextlib.contextmanager
-def serve(pair: list[VllmServer], tiny_model: Path) -> Iterator[KvherdServe]:
-    args = [arg for server in pair for arg in ("--instance", instance_arg(server))]
-    with kvherd_serve(*args, "--tokenizer", str(tiny_model), "--expose-instance") as proxy:
-        yield proxy
+    with vllm_servers(vllm_python, tiny_model, [VllmSpec("c")], log_dir) as (server,):
+        yield server
 
 
 class Stream:
@@ -127,7 +123,7 @@ def read_stream(
     return Stream(instance, events)
 
 
-def signal_group(pair: list[VllmServer], name: str, sig: signal.Signals) -> VllmServer:
+def signal_group(pair: Sequence[VllmServer], name: str, sig: signal.Signals) -> VllmServer:
     server = next(s for s in pair if s.spec.name == name)
     os.killpg(server.process.pid, sig)  # the API server, its EngineCore and its worker
     return server
@@ -144,7 +140,7 @@ def assert_like_vllm(relayed: Stream, direct: Stream) -> None:
 
 
 def test_greedy_chat_stream_survives_a_hung_instance(
-    pair: list[VllmServer], tiny_model: Path
+    vllm_pair: tuple[VllmServer, VllmServer], kvherd_fleet: KvherdFactory
 ) -> None:
     path = "/v1/chat/completions"
     body = {
@@ -156,10 +152,11 @@ def test_greedy_chat_stream_survives_a_hung_instance(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    pair = vllm_pair
     direct = read_stream(pair[0].url, path, body)
     assert direct.usage[1] == MAX_TOKENS
     stopped: list[VllmServer] = []
-    with serve(pair, tiny_model) as proxy:
+    with kvherd_fleet() as proxy:
         plain = read_stream(proxy.url, path, body)
         assert_like_vllm(plain, direct)
         raw = "\n".join(plain.events)
@@ -185,7 +182,9 @@ def test_greedy_chat_stream_survives_a_hung_instance(
         assert continued(proxy) == 1
 
 
-def test_seeded_sampling_is_not_continued(pair: list[VllmServer], tiny_model: Path) -> None:
+def test_seeded_sampling_is_not_continued(
+    vllm_pair: tuple[VllmServer, VllmServer], kvherd_fleet: KvherdFactory
+) -> None:
     """vLLM's seeded generator depends on the output position: a continuation would not be the
     answer the seed promises, so the client gets the error frame (and can retry for it)."""
     path = "/v1/completions"
@@ -198,8 +197,9 @@ def test_seeded_sampling_is_not_continued(pair: list[VllmServer], tiny_model: Pa
         "ignore_eos": True,
         "stream": True,
     }
+    pair = vllm_pair
     stopped: list[VllmServer] = []
-    with serve(pair, tiny_model) as proxy:
+    with kvherd_fleet() as proxy:
         try:
             cut = read_stream(
                 proxy.url,
@@ -216,14 +216,18 @@ def test_seeded_sampling_is_not_continued(pair: list[VllmServer], tiny_model: Pa
 
 
 def test_greedy_completion_stream_survives_a_killed_instance(
-    pair: list[VllmServer], tiny_model: Path
+    vllm_pair: tuple[VllmServer, VllmServer],
+    killable: VllmServer,
+    tiny_model: Path,
+    prompts: Prompts,
 ) -> None:
     """The client asks for the token ids here: they are relayed, and those of the stream
-    continued elsewhere are vLLM's own, none lost or repeated. (Kills a server: runs last.)"""
+    continued elsewhere are vLLM's own, none lost or repeated."""
+    a, c = vllm_pair[0], killable
     path = "/v1/completions"
     body = {
         "model": SERVED_MODEL,
-        "prompt": "the killed instance was in the middle of a long sentence",
+        "prompt": prompts.make("continuation-killed"),  # cached on c by the direct run
         "max_tokens": MAX_TOKENS,
         "temperature": 0.0,
         "ignore_eos": True,
@@ -231,19 +235,22 @@ def test_greedy_completion_stream_survives_a_killed_instance(
         "return_token_ids": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
-    direct = read_stream(pair[1].url, path, body)
+    direct = read_stream(c.url, path, body)
     assert len(direct.token_ids) == MAX_TOKENS
     killed: list[VllmServer] = []
-    with serve(pair, tiny_model) as proxy:
+
+    def kill(name: str) -> None:
+        assert name == c.spec.name, "the stream is not on the server this test may kill"
+        killed.append(signal_group([c], name, signal.SIGKILL))
+
+    args = ["--instance", instance_arg(a), "--instance", instance_arg(c)]
+    with kvherd_serve(*args, "--tokenizer", str(tiny_model), "--expose-instance") as proxy:
+        assert_index_matches(proxy, a, c)  # c's cached prompt steers the stream there
         plain = read_stream(proxy.url, path, body)
+        assert plain.instance == c.spec.name
         assert_like_vllm(plain, direct)
         assert plain.token_ids == direct.token_ids
-        cut = read_stream(
-            proxy.url,
-            path,
-            body,
-            lambda name: killed.append(signal_group(pair, name, signal.SIGKILL)),
-        )
+        cut = read_stream(proxy.url, path, body, kill)
         assert killed, "the stream ended before its instance was killed"
         assert not cut.errors(), (cut.errors(), proxy.log()[-3000:])
         assert cut.token_ids == direct.token_ids, proxy.log()[-3000:]
