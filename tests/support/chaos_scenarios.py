@@ -49,12 +49,12 @@ class Figures:
     scenario: str
     requests: int = 0
     completed: int = 0
-    identical: int = 0
+    identical: int | None = 0  # None: no generation to compare (floods, fuzzing)
     hangs: int = 0
     errors_5xx: int = 0
     eject_s: float | None = None
     recovery_s: float | None = None
-    leaked_blocks: int = 0
+    leaked_blocks: int | None = 0  # None: not measured
     notes: list[str] = field(default_factory=list)  # what a failed request saw (first few)
 
     @property
@@ -62,7 +62,9 @@ class Figures:
         return 100.0 * self.completed / self.requests if self.requests else 100.0
 
     @property
-    def identical_pct(self) -> float:
+    def identical_pct(self) -> float | None:
+        if self.identical is None:
+            return None
         return 100.0 * self.identical / self.requests if self.requests else 100.0
 
     @staticmethod
@@ -76,12 +78,12 @@ class Figures:
                     r.scenario,
                     str(r.requests),
                     f"{r.completed_pct:.1f}",
-                    f"{r.identical_pct:.1f}",
+                    "-" if r.identical_pct is None else f"{r.identical_pct:.1f}",
                     str(r.hangs),
                     str(r.errors_5xx),
                     "-" if r.eject_s is None else f"{r.eject_s:.2f}",
                     "-" if r.recovery_s is None else f"{r.recovery_s:.2f}",
-                    str(r.leaked_blocks),
+                    "-" if r.leaked_blocks is None else str(r.leaked_blocks),
                 )
             )
         widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
@@ -190,6 +192,7 @@ def score(figures: Figures, results: list[tuple[int, Outcome]], expected: dict[i
     for kind, o in results:
         ok = o.status == 200 and o.done and not o.error and not o.hung
         figures.completed += ok
+        assert figures.identical is not None
         figures.identical += ok and o.text == expected[kind % PAYLOADS]
         figures.hangs += o.hung
         figures.errors_5xx += o.status >= 500
@@ -411,7 +414,9 @@ async def fuzz(bodies_per_route: int) -> Figures:
     from fuzz_bodies import ROUTES, check_answer, requests
     from hypothesis import HealthCheck, given, settings
 
-    figures = Figures(f"fuzz {bodies_per_route} bodies/route x {len(ROUTES)} routes x 2")
+    figures = Figures(
+        f"fuzz {bodies_per_route} bodies/route x {len(ROUTES)} routes x 2", identical=None
+    )
     env = {"KVHERD_FLEET_TOKEN": "chaos-fleet-token"}
     auth = {"Authorization": "Bearer chaos-fleet-token"}
     with (
@@ -437,7 +442,6 @@ async def fuzz(bodies_per_route: int) -> Figures:
                         figures.notes.append(f"{method} {base}{path} {body[:80]!r}: {exc}")
                     continue
                 figures.completed += 1
-                figures.identical += 1  # not a generation to compare: a well-formed answer
 
         run = settings(
             max_examples=bodies_per_route,
