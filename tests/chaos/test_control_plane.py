@@ -104,6 +104,43 @@ async def test_admin_policy_switch_runs_no_code_and_reads_no_file_outside_the_po
         assert (await client.put(url, json={"policy": "llumnix"}, headers=ADMIN)).status_code == 200
 
 
+async def test_every_admin_route_needs_the_admin_token() -> None:
+    """Without, with a wrong, or with a malformed admin token every admin route (and an unknown
+    one) answers 401 with the OpenAI error object, and nothing changes."""
+    calls = [
+        ("GET", "/instances", None),
+        ("GET", "/instances/x", None),
+        ("POST", "/instances", {"instance_id": "x", "url": "http://127.0.0.1:1"}),
+        ("POST", "/instances/x/heartbeat", {}),
+        ("DELETE", "/instances/x", None),
+        ("POST", "/instances/x/drain", {}),
+        ("POST", "/migrate", {"request_id": "r", "to": "x"}),
+        ("GET", "/policy", None),
+        ("PUT", "/policy", {"policy": "os:system", "parameters": {"command": "true"}}),
+        ("POST", "/policy", {"policy": "round_robin"}),
+        ("GET", "/no-such-route", None),
+    ]
+    wrong = [
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": TOKEN},
+        {"Authorization": f"Basic {TOKEN}"},
+        {"Authorization": f"Bearer {TOKEN}x"},
+        {"Authorization": f"Bearer {FLEET}"},  # the fleet's token is not the admin's
+    ]
+    flags = ("--policy", "llumnix", "--fleet-token", FLEET)
+    async with running_proxy([], *flags) as proxy, httpx.AsyncClient(timeout=30) as client:
+        for method, path, body in calls:
+            for headers in wrong:
+                response = await client.request(
+                    method, f"{proxy.admin_url}/admin/v1{path}", json=body, headers=headers
+                )
+                assert is_error_object(response, 401), (method, path, headers, response.text)
+        policy = await client.get(f"{proxy.admin_url}/admin/v1/policy", headers=ADMIN)
+        assert policy.json()["policy"] == "llumnix"
+        assert proxy.fleet.instances == {}
+
+
 async def test_agent_control_routes_need_the_fleet_token(pair: list[AgentProcess]) -> None:
     agent = pair[0]
     control = [
