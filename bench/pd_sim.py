@@ -4,7 +4,7 @@ For each model (DistServe's fitted OPT-13B (TP1) and OPT-66B (TP4, DistServe's v
 profiles, the roofline Llama-2-70B on A100 TP4) and each trace (a prefill-heavy synthetic one like
 LongBench summarization, the head of the Azure LLM conv trace like ShareGPT chat, and a
 short-prompt one like HumanEval code completion), the same arrivals, rescaled to each rate, run on
-`--gpus` GPUs in three colocated forms and as P:D splits of them (`kvherd sim`'s P/D path:
+`--gpus` GPUs in three or four colocated forms and as P:D splits of them (`kvherd sim`'s P/D path:
 production's router and P/D policy, the first token on the prefill instance, the handoff through
 the migration session on `--link`):
 
@@ -32,11 +32,13 @@ as DistServe computes it. SLOs are DistServe's published ones where it ran the c
 0.2 s, summarization OPT-66B 15 s / 0.15 s; its artifact's plotting script), else derived:
 `--ttft-scale` x the unloaded prefill time of the trace's p90 prompt and `--tpot-scale` x the
 unloaded decode step at the mean prompt length. Goodput = DistServe's: the highest rate with
-attainment >= `--attainment` (90%), linear between rates run; the rate grid is refined by
-`--refine` bisections of each curve's first crossing. The summary puts the best split's goodput
-over each colocated form's next to DistServe's published ratio for the closest setting.
+attainment >= `--attainment` (90%), linear between rates run; the rate grid (per GPU, per case;
+x4 on the short trace) is refined by `--refine` bisections of each curve's first crossing. The
+summary puts the best split's goodput over each colocated form's next to DistServe's published
+ratio for the closest setting. About 750 runs, ~12 min on two busy cores (one case at a time with
+`--cases` is 3-5 min).
 
-    python bench/pd_sim.py [--gpus 16] [--requests 400] [--cases opt-13b,opt-66b,llama-2-70b]
+    python bench/pd_sim.py [--gpus 16] [--requests 300] [--cases opt-13b,opt-66b,llama-2-70b]
                            [--traces prefill-heavy,azure-conv,short] [--link nvlink] [--jobs 2]
 """
 
@@ -84,6 +86,8 @@ TRACES = {
     # Short prompts (HumanEval: 171 / 98): prefill is cheap, a handoff buys little.
     "short": "synthetic:input_mean=128,output_mean=128,length_sigma=0.5",
 }
+# A trace's rates: the case's grid times this (short requests cost a fraction of the others).
+RATE_SCALE = {"short": 4.0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,14 +303,14 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--gpus", type=int, default=16)
-    parser.add_argument("--requests", type=int, default=400, help="trace head / synthetic size")
+    parser.add_argument("--requests", type=int, default=300, help="trace head / synthetic size")
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--traces", default=",".join(TRACES))
     parser.add_argument("--link", default="nvlink", help="nvlink, rdma400 or rdma100")
     parser.add_argument("--attainment", type=float, default=0.9)
     parser.add_argument("--ttft-scale", type=float, default=3.0)
     parser.add_argument("--tpot-scale", type=float, default=5.0)
-    parser.add_argument("--refine", type=int, default=2, help="bisections of each crossing")
+    parser.add_argument("--refine", type=int, default=1, help="bisections of each crossing")
     parser.add_argument("--jobs", type=int, default=2)
     args = parser.parse_args()
     cases = [CASES[c] for c in args.cases.split(",")]
@@ -324,7 +328,7 @@ def main() -> int:
             for config in configs(case, args.gpus // case.gpus_per_instance, trace_name):
                 curves[case.name, trace_name, config.label] = {}
                 for per_gpu in case.rates_per_gpu:
-                    rate = per_gpu * args.gpus
+                    rate = per_gpu * args.gpus * RATE_SCALE.get(trace_name, 1.0)
                     jobs.append(
                         (case.name, trace_name, args.requests, rate, config, args.link, ttft, tpot)
                     )
@@ -356,7 +360,8 @@ def main() -> int:
         for trace_name in traces:
             labels = [c.label for c in configs(case, instances, trace_name)]
             ttft, tpot, source = slo[case.name, trace_name]
-            grid = [per_gpu * args.gpus for per_gpu in case.rates_per_gpu]
+            scale = RATE_SCALE.get(trace_name, 1.0)
+            grid = [per_gpu * args.gpus * scale for per_gpu in case.rates_per_gpu]
             print(
                 f"## {case.name} ({case.latency}, {instances} instances), {trace_name}; "
                 f"SLO TTFT {ttft:.0f} ms, TPOT {tpot:.0f} ms ({source})\n"
