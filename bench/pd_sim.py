@@ -35,7 +35,7 @@ unloaded decode step at the mean prompt length. Goodput = DistServe's: the highe
 attainment >= `--attainment` (90%), linear between rates run; the rate grid (per GPU, per case;
 x4 on the short trace) is refined by `--refine` bisections of each curve's first crossing. The
 summary puts the best split's goodput over each colocated form's next to DistServe's published
-ratio for the closest setting. About 750 runs, ~12 min on two busy cores (one case at a time with
+ratio for the closest setting. About 500 runs, ~12 min on two busy cores (one case at a time with
 `--cases` is 3-5 min).
 
     python bench/pd_sim.py [--gpus 16] [--requests 300] [--cases opt-13b,opt-66b,llama-2-70b]
