@@ -1,39 +1,50 @@
-"""P/D disaggregation on the prefill instance: hand a request to its decode instance after its
-first token, through the agent's live migration.
+"""P/D disaggregation on the prefill instance: reserve on the decode instance at admission, move
+the KV while the prefill computes, hand the request over after its first token, through the
+agent's live migration.
 
 Contract:
 - A generation request sent with ``X-Kvherd-Handoff: URL`` (`HANDOFF_HEADER`; the proxy's P/D
-  pairing names the decode instance) runs here like any other. `PDHandoffs.start(stream, url)`
-  waits until its first token is in its stream (so TTFT pays no transfer), then migrates it
-  to the instance at URL with this agent's `MigrationService`: the same cache-aware session as
-  every migration (only the blocks the decode instance lacks are sent; its stage 0 reserves them
-  there, at handoff time). The stages are `migration.core.handoff`'s, as in the simulator: on a
-  prefill-only agent (`holds_first_token`) the server asks the engine to hold the request at its
-  first token (`BatchScheduler.hold_at_first_token`, in the same engine command that adds it), so
-  it is suspended before any decode step here and its KV moves in one stop-and-copy stage; on a
-  mixed agent live stages copy while it decodes. The client's stream goes on from the decode instance
-  (the proxy reattaches there; a non-streamed request is relayed here), no token lost or
-  repeated. A stream that ends before its first token (client gone, request aborted) is not
-  handed off.
-- When the migration aborts (the decode instance refuses, is unreachable, dies before the
-  commit) or cannot start, the request decodes here and the client sees nothing: the
-  migration's abort path resumes it (a held request is resumed here otherwise) and frees the
-  destination's reservation.
+  pairing names the decode instance) runs here like any other. `PDHandoffs.start(stream, url,
+  num_tokens, block_hashes)`, called as it is admitted, opens its migration to the instance at
+  URL with this agent's `MigrationService` at once (once it has a turn, see below), concurrently
+  with the prefill and before any engine call of its own: the same cache-aware session as every
+  migration, opened before the prefill (`migration.source.PrefillOpening`): stage 0 reserves the
+  prompt's blocks there (sharing the ones it caches: only the blocks it lacks are ever sent)
+  while the first prefill chunk computes, so the first token never waits for it; live stages
+  copy the full blocks each chunk of the prefill computes, and the stop-and-copy stage after the
+  first token sends only the rest (the last chunk's blocks). The stages are
+  `migration.core.handoff`'s, as in the simulator: on a prefill-only agent (`holds_first_token`)
+  the server asks the engine to hold the request at its first token
+  (`BatchScheduler.hold_at_first_token`, in the same engine command that adds it), so it is
+  suspended before any decode step here; on a mixed agent live stages go on while it decodes.
+  The stop-and-copy waits until the first token's frame has been written (so TTFT pays no
+  transfer). The client's stream goes on from the decode instance (the proxy reattaches there; a
+  non-streamed request is relayed here), no token lost or repeated.
+- When the migration aborts (the decode instance refuses the reservation, is unreachable, dies
+  mid-prefill or before the commit; the client leaves; the request finishes first) or cannot
+  start, the request is prefilled and decoded here and the client sees nothing: the migration's
+  abort path frees the destination's reservation and resumes a suspended request; a held request
+  is resumed here, or, still prefilling, no longer held (`BatchScheduler.cancel_hold`).
 - The outcome (`Handoff.report`: ``outcome`` ``ok`` or ``fallback``, the abort reason, bytes and
-  blocks sent and skipped, ``stages``, downtime, ``duration_s`` from the first token to the
-  commit or abort, ``queued_s`` of it waiting for a turn, ``in_flight`` handoffs out of this
-  agent when it started, itself included, ``prefill_s`` from admission to the first token)
-  reaches the proxy
-  as one token-ledger comment line ``: kvherd {"handoff": {...}}`` (`annotate`, streamed requests
-  with the ledger only): right before the migration notice, or on a fallback before the next
-  frame; a stream that finishes before the handoff resolved reports ``fallback`` with reason
-  ``finished_first``. A non-streamed response carries the same JSON in the `HANDOFF_HEADER`
-  response header (`header_value`).
+  blocks sent and skipped, ``final_blocks`` of them sent by the stop-and-copy, ``stages``,
+  ``downtime_s`` from the first token (held) to the commit, ``duration_s`` from the first
+  token's frame written (the client has it; not streamed: from the first token) to the commit or
+  abort, i.e. what the client's second token waits for beyond a decode step and the
+  reattachment, ``first_frame_s`` from the first token to that write (the rest of the downtime:
+  the first token's own delivery), ``queued_s`` from admission to the migration's start
+  (waiting for a turn), ``in_flight`` handoffs out of this agent when it started, itself
+  included, ``prefill_s`` from admission to the first token)
+  reaches the proxy as one token-ledger comment line ``: kvherd {"handoff": {...}}``
+  (`annotate`, streamed requests with the ledger only): right before the migration notice, or on
+  a fallback before the next frame; a stream that finishes before the handoff resolved reports
+  ``fallback`` with reason ``finished_first``. A non-streamed response carries the same JSON in
+  the `HANDOFF_HEADER` response header (`header_value`).
 - The header is honoured only with the fleet token (``Authorization: Bearer FLEET_TOKEN``, which
   the proxy adds to such requests) when the agent has one (`PDHandoffs.authorized`): the OpenAI
   routes are open, and a handoff sends KV and the token to the URL it names.
 - Up to `MAX_HANDOFFS_OUT` handoffs out of one instance run at once, the others wait for a turn
-  in order of first tokens (held, not decoding, on a prefill-only agent).
+  in order of admission (one whose turn comes after its first token waits held, not decoding, on
+  a prefill-only agent, and its session finds it so).
 """
 
 from __future__ import annotations
@@ -43,20 +54,21 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvherd import wire
 from kvherd.fleet_token import authorized
 from migration.core.handoff import MAX_HANDOFFS_OUT, handoff_stages, holds_first_token
 from migration.core.protocol import (
-    MigratableEngine,
     MigrateOrder,
     MigrationOutcome,
     MigrationStatus,
 )
+from migration.source import PrefillOpening
 
 if TYPE_CHECKING:
+    from instance_agent.engine.llm_engine import LLMEngine
     from instance_agent.engine_loop import RequestStream
     from instance_agent.migration_routes import MigrationService
 
@@ -81,8 +93,12 @@ class Handoff:
         self.streamed = False
         self.first_frame_sent = asyncio.Event()
         self.outcome: MigrationOutcome | None = None
-        self.prefill_s = 0.0  # from admission to the first token (the handoff's start)
-        self.queued_s = 0.0  # from the first token to the migration's start (its turn)
+        self.prefill_s = 0.0  # from admission to the first token
+        self.queued_s = 0.0  # from admission to the migration's start (its turn)
+        self.first_frame_at: float | None = None  # when the first token's frame was written
+        self.first_frame_s = 0.0  # from the first token to that write
+        self.duration_s = 0.0  # from that write (or the first token) to the commit or abort
+        self.held_s: float | None = None  # held at its first token until the commit
         self.in_flight = 0  # handoffs out of this agent as it started, itself included
         self.skipped = ""  # why no migration was tried
 
@@ -98,11 +114,13 @@ class Handoff:
             "dst": self.dst,
             "stages": out.stages,
             "blocks_sent": out.blocks_sent,
+            "final_blocks": out.final_blocks,
             "blocks_skipped": out.blocks_skipped,
             "bytes_sent": out.bytes_sent,
             "bytes_skipped": out.bytes_skipped,
-            "downtime_s": out.downtime_s,
-            "duration_s": self.queued_s + out.duration_s,
+            "downtime_s": out.downtime_s if self.held_s is None else self.held_s,
+            "duration_s": self.duration_s,
+            "first_frame_s": self.first_frame_s,
             "queued_s": self.queued_s,
             "in_flight": self.in_flight,
             "prefill_s": self.prefill_s,
@@ -133,24 +151,37 @@ class PDHandoffs:
             return True
         return authorized(presented.encode() if presented else None, self._token)
 
-    def start(self, stream: RequestStream, dst: str) -> Handoff:
+    def start(
+        self, stream: RequestStream, dst: str, num_tokens: int, block_hashes: Sequence[int]
+    ) -> Handoff:
+        """Open the handoff of a request just admitted with `num_tokens` tokens (its prompt:
+        the KV its prefill leaves at the first token) and their full-block `block_hashes`."""
         handoff = Handoff(stream.request_id, dst.rstrip("/"))
-        task = asyncio.ensure_future(self._run(stream, handoff))
+        destination = self.service.destination  # this agent's KV geometry
+        opening = PrefillOpening(
+            num_tokens, block_hashes, destination.block_size, destination.kv_bytes_per_block
+        )
+        task = asyncio.ensure_future(self._run(stream, handoff, opening))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return handoff
 
-    async def _run(self, stream: RequestStream, handoff: Handoff) -> None:
+    async def _run(self, stream: RequestStream, handoff: Handoff, opening: PrefillOpening) -> None:
         began = time.perf_counter()
-        try:
-            await stream.started.wait()
-            first_token = time.perf_counter()
-            handoff.prefill_s = first_token - began
+        first_token = asyncio.ensure_future(stream.started.wait())
+        first_token_at: list[float] = []
+        first_token.add_done_callback(lambda _: first_token_at.append(time.perf_counter()))
+
+        async def before_final() -> None:
+            # Held at its first token: the stop-and-copy waits for the first frame's write.
+            await first_token
             if handoff.streamed:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(handoff.first_frame_sent.wait(), FIRST_FRAME_WAIT_S)
+
+        try:
             async with self._turns:
-                handoff.queued_s = time.perf_counter() - first_token
+                handoff.queued_s = time.perf_counter() - began
                 loop = self.service.engine_loop
                 if loop.stream_of(handoff.request_id) is not stream:
                     handoff.skipped = "stream_ended"  # the client left, or it finished and closed
@@ -162,6 +193,8 @@ class PDHandoffs:
                         MigrateOrder(handoff.request_id, handoff.dst),
                         self._stages,
                         MAX_HANDOFFS_OUT,
+                        opening,
+                        before_final,
                     )
                 finally:
                     self._in_flight -= 1
@@ -169,29 +202,49 @@ class PDHandoffs:
             log.exception("handoff of %s failed", handoff.request_id)
             handoff.skipped = "error"
         finally:
+            if first_token_at:
+                handoff.prefill_s = first_token_at[0] - began
+                frame = handoff.first_frame_at
+                if frame is not None and frame >= first_token_at[0]:
+                    handoff.first_frame_s = frame - first_token_at[0]
+                ended = time.perf_counter()
+                handoff.duration_s = ended - max(frame or 0.0, first_token_at[0])
+                if self.holds_first_token and _committed(handoff.outcome):
+                    # Held since it sampled its first token (the session may have seen it
+                    # later, with a live stage still landing).
+                    handoff.held_s = ended - first_token_at[0]
+            first_token.cancel()
             out = handoff.outcome
-            if self.holds_first_token and (
-                out is None or out.status is not MigrationStatus.COMMITTED
-            ):
-                await self._resume_held(handoff.request_id)
+            if self.holds_first_token and not _committed(out):
+                await self._release_held(handoff.request_id)
             key = handoff.report()["outcome"]
             self.outcomes[key] = self.outcomes.get(key, 0) + 1
             handoff.done.set()
 
-    async def _resume_held(self, request_id: str) -> None:
-        """A held request whose handoff did not commit decodes here (the migration's abort path
-        resumed it already, unless it never started)."""
+    async def _release_held(self, request_id: str) -> None:
+        """A held request whose handoff did not commit decodes here: resumed if suspended (the
+        migration's abort path resumed it already, unless it never started), or no longer held
+        if it is still prefilling (the handoff failed before its first token)."""
         if self.service.migrating(request_id):
             return  # another migration of it runs (and suspended it)
 
-        def resume(engine: MigratableEngine) -> None:
-            if engine.request_phase(request_id) == "suspended":
+        def release(engine: LLMEngine) -> None:
+            request = engine.scheduler.requests.get(request_id)
+            if request is None:
+                return
+            if request.migration_phase == "suspended":
                 engine.resume(request_id)
+            else:
+                engine.scheduler.cancel_hold(request_id)
 
         try:
-            await self.service.call(resume)
+            await self.service.engine_loop.call(release)
         except Exception:
-            log.exception("resuming %s after its handoff failed", request_id)
+            log.exception("releasing %s after its handoff failed", request_id)
+
+
+def _committed(outcome: MigrationOutcome | None) -> bool:
+    return outcome is not None and outcome.status is MigrationStatus.COMMITTED
 
 
 def annotate(frames: AsyncIterator[bytes], handoff: Handoff) -> AsyncIterator[bytes]:
@@ -216,6 +269,7 @@ async def _annotated(frames: AsyncIterator[bytes], handoff: Handoff) -> AsyncIte
         yield chunk
         # Resumed: the server has written `chunk`. A frame with tokens names them in its ledger.
         if not handoff.first_frame_sent.is_set() and _TOKEN_LEDGER in chunk:
+            handoff.first_frame_at = time.perf_counter()
             handoff.first_frame_sent.set()
 
 

@@ -33,9 +33,9 @@ Contract (`create_app(agent)` returns the FastAPI app):
   ``kvherd_continuation`` (`protocol.Continuation`) recomputes prompt + output here and streams
   the rest of the very same OpenAI stream (same id, token index, usage), bit-identical for greedy
   and seeded sampling (`LLMEngine.continue_request`).
-- P/D disaggregation: a generation request with ``X-Kvherd-Handoff: URL`` is handed to the
-  decode instance at URL after its first token (`instance_agent.pd_handoff`; 401 without the
-  fleet token when the agent has one); `Agent.role`
+- P/D disaggregation: a generation request with ``X-Kvherd-Handoff: URL`` reserves on the
+  decode instance at URL as it is admitted and is handed to it after its first token
+  (`instance_agent.pd_handoff`; 401 without the fleet token when the agent has one); `Agent.role`
   (``prefill``, ``decode``, ``mixed``) is reported in the state snapshot.
 - `Agent` holds what the routes share: the engine loop, metrics, identity, and the draining flag.
   `Agent.drain` stops accepting work and waits for open requests to finish (or aborts them after
@@ -431,7 +431,7 @@ async def _generate(
         return _error_response(OpenAIError(500, str(exc), type="server_error"), headers)
     handoff = None
     if handoff_dst and agent.handoffs is not None:
-        handoff = agent.handoffs.start(stream, handoff_dst)
+        handoff = agent.handoffs.start(stream, handoff_dst, *meta.admitted)
     if body.stream:
         stream.reattach = request.headers.get("x-kvherd-reattach") == "1"
         fmt = _Format.of(body, _wants_ledger(request))
@@ -494,6 +494,8 @@ class _Meta:
     start: int = 0  # output tokens the client already has (a resumed or continued stream)
     opening: bool = True  # the stream starts here (a chat stream's role chunk goes out here)
     sampling_seed: int | None = None  # known when the request started here
+    # As admitted here: its tokens and their full-block hashes (a P/D handoff reserves for them).
+    admitted: tuple[int, tuple[int, ...]] = (0, ())
 
 
 async def _submit(
@@ -526,6 +528,7 @@ async def _submit(
     params: SamplingParams = protocol.to_sampling_params(body, default_max_tokens)
     continuation = body.kvherd_continuation
     seeds: list[int] = []
+    admitted: list[tuple[int, tuple[int, ...]]] = []
 
     def start(engine: LLMEngine) -> None:
         if continuation is None:
@@ -544,6 +547,7 @@ async def _submit(
                 cache_salt=body.cache_salt,
             )
         seeds.append(request.sampling_seed)
+        admitted.append((request.num_tokens, tuple(request.block_hashes)))
         if hold:
             engine.scheduler.hold_at_first_token(request_id)
 
@@ -560,7 +564,7 @@ async def _submit(
             )
         meta.prompt_len, meta.model = len(prompt_ids), agent.served_model_name
     stream = await agent.engine_loop.open(request_id, start)
-    meta.sampling_seed = seeds[0]
+    meta.sampling_seed, meta.admitted = seeds[0], admitted[0]
     return stream, meta
 
 

@@ -89,6 +89,12 @@ def _snapshot(request_id: str) -> Any:
     return read
 
 
+def _views_and_snapshot(request_id: str) -> Any:
+    # One engine call, so the snapshot sees the step that ends as the views are read.
+    read = _snapshot(request_id)
+    return lambda engine: (engine.kv_block_views(), read(engine))
+
+
 async def migrate_out(
     call: EngineCall,
     hub: TransportHub,
@@ -128,7 +134,10 @@ async def migrate_out(
         try:
             match action:
                 case Snapshot():
-                    snapshot = await call(_snapshot(request_id))
+                    if views is None:  # opened before the prefill: its first engine call
+                        views, snapshot = await call(_views_and_snapshot(request_id))
+                    else:
+                        snapshot = await call(_snapshot(request_id))
                     if snapshot.phase == "suspended" and suspended_at is None:
                         suspended_at = time.perf_counter()  # held at its first token (P/D)
                     action = session.on_snapshot(snapshot)
@@ -167,8 +176,6 @@ async def migrate_out(
                         else:
                             endpoint = answer.transport
                             channel = await asyncio.to_thread(hub.connect, endpoint)
-                            if views is None:  # opened before the prefill: no engine call yet
-                                views = await call(lambda e: e.kv_block_views())
                 case Copy(stage=stage):
                     if stage.num_blocks:
                         assert channel is not None and endpoint is not None
@@ -248,6 +255,7 @@ def _outcome(
         detail=detail or None,
         stages=len(planner.stages),
         blocks_sent=planner.blocks_sent,
+        final_blocks=sum(s.num_blocks for s in planner.stages if s.final),
         blocks_skipped=planner.num_shared_blocks,
         bytes_sent=planner.blocks_sent * bytes_per_block,
         bytes_skipped=planner.num_shared_blocks * bytes_per_block,

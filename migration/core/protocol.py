@@ -315,6 +315,7 @@ class MigrationOutcome(_Message):
     detail: str | None = None
     stages: int = 0  # live stages plus the stop-and-copy stage
     blocks_sent: int = 0
+    final_blocks: int = 0  # of them, sent by the stop-and-copy stage (inside the downtime)
     blocks_skipped: int = 0  # shared from the destination's prefix cache, not sent
     bytes_sent: int = 0
     bytes_skipped: int = 0

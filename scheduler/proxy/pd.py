@@ -4,14 +4,17 @@ Contract:
 - When the fleet pairs a request with a decode instance (`Fleet.handoff_target`), the request goes
   to its prefill instance with `handoff_headers(url, fleet_token)` (``X-Kvherd-Handoff: URL`` and
   the fleet token, per attempt: retries and continuations elsewhere are sent without them). That
-  agent streams the first token at once, then live-migrates the request to URL
-  (`instance_agent.pd_handoff`); the proxy's migration reattachment continues the stream there, a
-  non-streamed request is relayed by the prefill agent.
+  agent reserves on URL as it admits the request, moves its KV there while it prefills, streams
+  the first token at once and hands the request over after it (`instance_agent.pd_handoff`); the
+  proxy's migration reattachment continues the stream there, a non-streamed request is relayed
+  by the prefill agent.
 - `watch(chunks, ...)` passes a streamed request's bytes from its prefill instance through, taking
   out the agent's handoff ledger line (``: kvherd {"handoff": {...}}``; never relayed, never seen
   by the continuation ledger). On ``ok`` it moves the request's accounting to the decode instance
   (`Fleet.request_migrated`) before the migration notice that follows the line is acted on, and
-  records the handoff (`ProxyMetrics.handoff`: outcome, seconds, downtime, bytes, blocks sent and
+  records the handoff (`ProxyMetrics.handoff`: outcome; seconds, the report's ``duration_s``:
+  from the first token's frame written to the commit, the part of the client's second-token gap
+  the handoff causes; downtime, from the first token sampled; bytes, blocks sent and
   deduplicated); ``fallback`` (the request decodes where it was prefilled) is counted as such; a
   stream that breaks or ends before any outcome counts ``failed`` (its continuation elsewhere is
   the proxy's usual one). A client that leaves counts nothing. Whenever the request will not move,

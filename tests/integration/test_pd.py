@@ -1,17 +1,21 @@
 """P/D disaggregation through ``kvherd serve``: real agents with roles, on loopback.
 
 A prefill agent and a decode agent behind the proxy (`serve_fleet`): a request the P/D policy
-disaggregates is prefilled on the prefill agent, its first token streamed from there, and handed to
-the decode agent by live migration. The client must get exactly what a colocated run on one agent
-gives (greedy and seeded sampling, streamed and not, completions and chat, usage included); the
-fault paths (a decode instance that refuses or is dead, a dead prefill instance) must be invisible
-too; and no agent may keep a block or a reservation afterwards.
+disaggregates reserves on the decode agent as the prefill agent admits it, is prefilled there (a
+chunked prefill's full blocks moving while later chunks compute), its first token streamed from
+there, and handed to the decode agent by live migration. The client must get exactly what a
+colocated run on one agent gives (greedy and seeded sampling, streamed and not, completions and
+chat, usage included); the fault paths (a decode instance that refuses the reservation before
+the prefill, is dead, or dies mid-handoff; a client that leaves mid-prefill; a request that
+finishes at its first token; a dead prefill instance) must be invisible too; and no agent may keep
+a block or a reservation afterwards.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import os
@@ -25,6 +29,7 @@ from typing import Any
 import httpx
 import pytest
 from agent_process import AgentProcess, agent_process, free_port
+from fault_relay import Fault, FaultRelay
 from test_migration_proxy import assert_agents_clean
 from test_proxy import TOKEN, RunningProxy, agents, instance_arg, running_proxy
 
@@ -435,13 +440,19 @@ async def test_handoff_header_needs_the_fleet_token() -> None:
 
 
 async def handed_off(
-    client: httpx.AsyncClient, prefill: AgentProcess, decode: AgentProcess, prompt: list[int]
+    client: httpx.AsyncClient,
+    prefill: AgentProcess,
+    decode: AgentProcess | str,
+    prompt: list[int],
+    sampling: dict[str, Any] = SEEDED,
+    max_tokens: int = MAX_TOKENS,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """A plain request sent to the prefill agent with the handoff header (as the proxy sends
     it): the output and the agent's handoff report."""
-    body = completion(prompt, SEEDED, False)
+    body = {**completion(prompt, sampling, False), "max_tokens": max_tokens}
+    dst = decode if isinstance(decode, str) else decode.url
     got = await client.post(
-        f"{prefill.url}/v1/completions", json=body, headers={"X-Kvherd-Handoff": decode.url}
+        f"{prefill.url}/v1/completions", json=body, headers={"X-Kvherd-Handoff": dst}
     )
     assert got.status_code == 200, got.text
     data = got.json()
@@ -454,18 +465,20 @@ async def handed_off(
     return output, json.loads(got.headers["x-kvherd-handoff"])
 
 
-async def test_prefill_agent_hands_off_in_one_stop_and_copy_stage(
+async def test_prefill_agent_reserves_at_admission_then_hands_off_in_one_stop_and_copy_stage(
     pd_pair: list[AgentProcess],
 ) -> None:
-    """Held at its first token, the request's KV moves in one stage (no live stage)."""
+    """Stage 0 reserves on the decode agent at admission (it copies nothing); a prompt prefilled
+    in one chunk and held at its first token then moves in one stop-and-copy stage."""
     prefill, decode = pd_pair
     prompt = fresh_prompt()
     async with httpx.AsyncClient(timeout=60) as client:
         got, report = await handed_off(client, prefill, decode, prompt)
         expected = await run(client, prefill.url, completion(prompt, SEEDED, False))
     assert report["outcome"] == "ok", report
-    assert report["stages"] == 1, report
+    assert report["stages"] == 2, report
     assert report["blocks_sent"] + report["blocks_skipped"] == -(-PROMPT_TOKENS // 16), report
+    assert report["final_blocks"] == report["blocks_sent"], report
     same_output(got, expected)
     await assert_agents_clean(pd_pair)
 
@@ -474,15 +487,162 @@ async def test_handoffs_out_of_one_prefill_agent_run_concurrently(
     pd_pair: list[AgentProcess],
 ) -> None:
     """Requests prefilled together leave together (up to MAX_HANDOFFS_OUT at once), each in one
-    stage, with the outputs a colocated run gives."""
+    stop-and-copy stage after its reservation, with the outputs a colocated run gives."""
     prefill, decode = pd_pair
     prompts = [fresh_prompt() for _ in range(4)]
     async with httpx.AsyncClient(timeout=120) as client:
         results = await asyncio.gather(*(handed_off(client, prefill, decode, p) for p in prompts))
         expected = [await run(client, prefill.url, completion(p, SEEDED, False)) for p in prompts]
     reports = [report for _, report in results]
-    assert all(r["outcome"] == "ok" and r["stages"] == 1 for r in reports), reports
+    assert all(r["outcome"] == "ok" and r["stages"] == 2 for r in reports), reports
     assert max(r["in_flight"] for r in reports) >= 2, reports
     for (got, _), reference in zip(results, expected, strict=True):
         same_output(got, reference)
+    await assert_agents_clean(pd_pair)
+
+
+# -- reservation before the prefill, chunks moving while the prefill computes ---------------------
+CHUNK_PROMPT = 1024  # tokens; `small` agents prefill it in 8 chunks of 128
+RESERVE = "/kvherd/v1/migration/reserve"
+
+
+@pytest.fixture(scope="module")
+def chunked_pair() -> Iterator[list[AgentProcess]]:
+    """A prefill agent with a chunked prefill (128 tokens a step, a model slow enough that a
+    1024-token prompt takes several steps) and its decode agent."""
+    model = ("--model", "small", "--torch-threads", "1")
+    with contextlib.ExitStack() as stack:
+        prefill = stack.enter_context(
+            agent_process("--role", "prefill", *model, "--max-num-batched-tokens", "128")
+        )
+        decode = stack.enter_context(agent_process("--role", "decode", *model))
+        yield [prefill, decode]
+
+
+def long_prompt() -> list[int]:
+    rng = random.Random(next(_prompts))
+    return [rng.randrange(3, 250) for _ in range(CHUNK_PROMPT)]
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+async def test_chunked_prefill_blocks_move_while_later_chunks_compute(
+    chunked_pair: list[AgentProcess], sampling: dict[str, Any]
+) -> None:
+    prefill, decode = chunked_pair
+    async with httpx.AsyncClient(timeout=120) as client:
+        # The pair's transport is set up by a first handoff (its rendezvous is not the point).
+        await handed_off(client, prefill, decode, long_prompt()[:200], sampling, 2)
+        prompt = long_prompt()
+        got, report = await handed_off(client, prefill, decode, prompt, sampling, 16)
+        expected = await run(
+            client, prefill.url, {**completion(prompt, sampling, False), "max_tokens": 16}
+        )
+    assert report["outcome"] == "ok", report
+    # Stage 0 at admission, at least one live stage of full blocks while later chunks computed,
+    # the stop-and-copy of the rest at the first token: every block once.
+    assert report["stages"] >= 3, report
+    assert report["blocks_sent"] + report["blocks_skipped"] == CHUNK_PROMPT // 16, report
+    assert report["final_blocks"] < report["blocks_sent"], report
+    same_output(got, expected)
+    await assert_agents_clean(chunked_pair)
+
+
+async def test_chunked_prefill_through_the_proxy_streams_bit_identically(
+    chunked_pair: list[AgentProcess],
+) -> None:
+    prefill, _ = chunked_pair
+    prompt = long_prompt()
+    async with running_proxy(chunked_pair, *FLAGS) as proxy:
+        await roles_known(proxy, 2)
+        async with httpx.AsyncClient(timeout=120) as client:
+            got = await run(client, proxy.url, completion(prompt, SEEDED, True))
+            counts = await handoffs(client, proxy)
+            expected = await run(client, prefill.url, completion(prompt, SEEDED, True))
+    same_output(got, expected)
+    assert counts["ok"] == 1, counts
+    await assert_agents_clean(chunked_pair)
+
+
+async def test_reservation_refused_before_the_prefill_decodes_here(
+    pd_pair: list[AgentProcess], small_decode: AgentProcess
+) -> None:
+    """The decode agent has no room for the prompt: its stage 0 at admission is refused, nothing
+    is ever sent, and the request is prefilled and decoded on the prefill agent."""
+    prefill, _ = pd_pair
+    prompt = fresh_prompt()
+    async with httpx.AsyncClient(timeout=60) as client:
+        got, report = await handed_off(client, prefill, small_decode, prompt)
+        expected = await run(client, prefill.url, completion(prompt, SEEDED, False))
+    assert report["outcome"] == "fallback" and report["reason"] == "dst_refused", report
+    assert report["stages"] == 0 and report["blocks_sent"] == 0, report
+    same_output(got, expected)
+    await assert_agents_clean([prefill, small_decode])
+
+
+@pytest.mark.parametrize("when", ["after-reservation", "at-next-stage"])
+async def test_decode_agent_dying_mid_handoff_is_invisible(
+    chunked_pair: list[AgentProcess], when: str
+) -> None:
+    """The decode agent dies right after accepting the reservation at admission (while the
+    prefill computes), or as the next stage (a live one mid-prefill, or the stop-and-copy) is
+    reserved: the request is prefilled and decoded on the prefill agent, which holds nothing
+    afterwards."""
+    prefill, _ = chunked_pair
+    prompt = long_prompt()
+    decode_agent = agent_process("--role", "decode", "--model", "small", "--torch-threads", "1")
+    with decode_agent as decode, FaultRelay(decode.url) as relay:
+        kill = functools.partial(os.kill, decode.process.pid, signal.SIGKILL)
+        if when == "after-reservation":
+            fault = Fault(RESERVE, "after", kill, lambda body: body["stage"] == 0)
+        else:
+            fault = Fault(RESERVE, "before", kill, lambda body: body["stage"] > 0)
+        relay.arm(fault)
+        async with httpx.AsyncClient(timeout=120) as client:
+            got, report = await handed_off(client, prefill, relay.url, prompt, SEEDED, 16)
+            expected = await run(
+                client, prefill.url, {**completion(prompt, SEEDED, False), "max_tokens": 16}
+            )
+        assert relay.fired.is_set()
+    assert report["outcome"] == "fallback", report
+    assert report["reason"] in ("dst_failed", "transfer_failed"), report
+    same_output(got, expected)
+    await assert_agents_clean([prefill])
+
+
+async def test_client_gone_mid_prefill_frees_both_agents(chunked_pair: list[AgentProcess]) -> None:
+    """The client leaves once the decode agent holds the reservation made at admission (the
+    prefill still computing): the prefill agent aborts the request and the decode agent gets its
+    blocks back."""
+    prefill, decode = chunked_pair
+    body = {**completion(long_prompt(), GREEDY, True), "max_tokens": 400}
+    headers = {"X-Kvherd-Handoff": decode.url}
+    async with (
+        httpx.AsyncClient(timeout=60) as client,
+        client.stream(
+            "POST", f"{prefill.url}/v1/completions", json=body, headers=headers
+        ) as response,
+    ):
+        assert response.status_code == 200  # the stream's headers come at admission
+        for _ in range(1000):
+            state = f"{decode.url}/kvherd/v1/state?check_integrity=true"
+            if (await client.get(state)).json()["block_owners"]:
+                break
+            await asyncio.sleep(0.005)
+        else:
+            raise AssertionError("the decode agent never held the reservation")
+    await assert_agents_clean(chunked_pair)
+
+
+async def test_request_finished_at_its_first_token_frees_the_reservation(
+    pd_pair: list[AgentProcess],
+) -> None:
+    """One output token: the request ends on the prefill agent before any handoff, and the
+    reservation made at admission is given back."""
+    prefill, decode = pd_pair
+    prompt = fresh_prompt()
+    async with httpx.AsyncClient(timeout=60) as client:
+        got, report = await handed_off(client, prefill, decode, prompt, GREEDY, 1)
+    assert report["outcome"] == "fallback", report
+    assert report["reason"] in ("request_finished", "finished_first"), report
+    assert len(got["tokens"]) == 1
     await assert_agents_clean(pd_pair)
