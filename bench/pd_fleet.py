@@ -1,7 +1,8 @@
 """P/D disaggregation on this machine's CPU fleet: colocated (2 mixed) vs 1 prefill : 1 decode, one run.
 
 Setup: two real ``kvherd agent`` processes (preset ``small``: 8 layers, hidden 512, fp32, CPU,
-block size 16, one torch thread each, KV events on) behind a ``kvherd serve`` process
+block size 16, one torch thread each, KV events on, prefill in chunks of `--chunk` tokens) behind
+a ``kvherd serve`` process
 (``--migration-policy none``: only P/D handoffs move requests; first-byte and inter-chunk
 deadlines and the expected-wait admission limit raised, since a loaded CPU fleet is slow, not
 failing). The same two agents serve both
@@ -15,16 +16,25 @@ colocated, ``prefill,decode`` for P/D), and every run sends prompts no instance 
     the long requests' TTFT; colocated and P/D alternate `--rounds` times for `--seconds` each
     (pooled), so both see the same background load. Target: P/D decode ITL p99 <= 0.5x colocated.
 (b) The handoff's cost to the second token vs context length: one streamed request at a time
-    (`--contexts` prompt tokens, 64 output tokens) through the P/D proxy: TTFT, the gap to the
-    second token, the largest inter-token gap, the median gap, and the handoff's downtime and
-    bytes from the proxy's ``kvherd_pd_handoff_*`` metrics; beside them the largest gap of the
-    same request colocated. Target: flat in context length (like migration downtime).
+    (`--contexts` prompt tokens, 64 output tokens) through the P/D proxy, all on the client's
+    clock: TTFT, the gap to the second token, the median gap, the handoff's cost as the client
+    sees it (second-token gap minus median gap) and the largest gap; beside them, from the
+    proxy's ``kvherd_pd_handoff_*`` metrics, the handoff (from the first token's frame written
+    on the prefill agent to the commit on the decode agent: the part of the second-token gap the
+    handoff causes, the rest being the proxy's reattachment and a decode step) and its downtime
+    (from the first token sampled: it also covers the first token's own delivery, which the
+    client sees in its TTFT, not in the gap), and bytes; then, from one request sent to the
+    prefill agent with the handoff header (its report), the stages and the KV the stop-and-copy
+    stage sent (a chunked prefill's earlier blocks move while later chunks compute); and the
+    largest gap of the same request colocated. Target: flat in context length (like migration
+    downtime).
 (c) Bytes saved by dedup: `--shared` requests with one shared `--prefix`-token prefix and a
     384-token suffix of their own, one after the other through the P/D proxy: KV bytes sent by the
     handoffs vs what a handoff without the decode instance's cache would send, and blocks
     deduplicated.
 
-Usage: ``python bench/pd_fleet.py [--seconds 20] [--rounds 2] [--json out.json]``.
+Usage: ``python bench/pd_fleet.py [--seconds 20] [--rounds 2] [--chunk 512] [--sections abc]
+[--json out.json]``.
 """
 
 from __future__ import annotations
@@ -72,7 +82,7 @@ def quantile(values: list[float], q: float) -> float:
 @contextlib.contextmanager
 def agents(args: argparse.Namespace) -> Iterator[list[AgentProcess]]:
     flags = ["--model", args.model, "--torch-threads", "1", "--max-num-seqs", "32",
-             "--log-level", "warning"]  # fmt: skip
+             "--max-num-batched-tokens", str(args.chunk), "--log-level", "warning"]  # fmt: skip
     with agent_process(*flags, kv_events=True) as a, agent_process(*flags, kv_events=True) as b:
         yield [a, b]
 
@@ -198,6 +208,8 @@ async def second_token(url: str, context: int, pd: bool) -> dict[str, float]:
         "second_token_s": between[0],
         "max_gap_s": max(between),
         "median_gap_s": statistics.median(between),
+        # The handoff's cost as the client sees it: its second token's wait beyond a decode step.
+        "second_token_cost_s": between[0] - statistics.median(between),
     }
     if pd:
         row["handoffs_ok"] = delta(after, before, 'kvherd_pd_handoffs_total{outcome="ok"}')
@@ -205,6 +217,17 @@ async def second_token(url: str, context: int, pd: bool) -> dict[str, float]:
         row["handoff_s"] = delta(after, before, "kvherd_pd_handoff_seconds_sum")
         row["bytes_sent"] = delta(after, before, "kvherd_pd_handoff_bytes_sum")
     return row
+
+
+async def handoff_report(prefill: AgentProcess, decode: AgentProcess, context: int) -> Any:
+    """(b): the prefill agent's own report of one handoff (stages, the stop-and-copy's blocks)."""
+    body = {"prompt": prompt(context), "max_tokens": 8, "ignore_eos": True, "temperature": 0.0}
+    async with httpx.AsyncClient(timeout=600) as client:
+        response = await client.post(
+            f"{prefill.url}/v1/completions", json=body, headers={"x-kvherd-handoff": decode.url}
+        )
+    response.raise_for_status()
+    return json.loads(response.headers["x-kvherd-handoff"])
 
 
 async def dedup(url: str, args: argparse.Namespace) -> dict[str, float]:
@@ -234,61 +257,98 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     contexts = [int(c) for c in args.contexts.split(",")]
     result: dict[str, Any] = {"model": args.model, "args": vars(args)}
     with agents(args) as fleet:
-        # Warm both engines (first forward passes allocate) outside any measurement.
+        # Warm both engines (first forward passes allocate) and the pair's KV transport outside
+        # any measurement.
         async with proxy(fleet, COLOCATED) as url, httpx.AsyncClient(timeout=600) as client:
             await asyncio.gather(*(stream(client, url, prompt(512), 8) for _ in range(4)))
-        pooled: dict[str, dict[str, list[float]]] = {"colocated": {}, "pd": {}}
-        for _ in range(args.rounds):
-            for name, roles in (("colocated", COLOCATED), ("pd", PD)):
-                async with proxy(fleet, roles) as url:
-                    got = await mix(url, args)
-                    if name == "pd":
-                        got["handoffs"] = [
-                            v for k, v in (await metrics(url)).items() if "handoffs_total" in k
-                        ]
-                for key, values in got.items():
-                    pooled[name].setdefault(key, []).extend(values)
-        result["mix"] = {
-            name: {
-                "itl_p50_s": quantile(data["itl"], 0.5),
-                "itl_p99_s": quantile(data["itl"], 0.99),
-                "decode_ttft_p50_s": quantile(data["decode_ttft"], 0.5),
-                "long_ttft_p50_s": quantile(data["long_ttft"], 0.5),
-                "long_ttft_p99_s": quantile(data["long_ttft"], 0.99),
-                "decode_requests": len(data["decode_ttft"]),
-                "long_requests": len(data["long_ttft"]),
-            }
-            for name, data in pooled.items()
-        }
-        rows = []
-        for context in contexts:
-            async with proxy(fleet, COLOCATED) as url:
-                colocated = [await second_token(url, context, False) for _ in range(args.repeats)]
+        async with proxy(fleet, PD) as url, httpx.AsyncClient(timeout=600) as client:
+            await stream(client, url, prompt(512), 8)
+        if "a" in args.sections:
+            result["mix"] = await mixes(fleet, args)
+        if "b" in args.sections:
+            result["second_token"] = await second_tokens(fleet, contexts, args)
+        if "c" in args.sections:
             async with proxy(fleet, PD) as url:
-                pd = [await second_token(url, context, True) for _ in range(args.repeats)]
-            rows.append(
-                {
-                    "context": context,
-                    "pd": {k: statistics.median(r[k] for r in pd) for k in pd[0]},
-                    "colocated": {
-                        k: statistics.median(r[k] for r in colocated) for k in colocated[0]
-                    },
-                }
-            )
-        result["second_token"] = rows
-        async with proxy(fleet, PD) as url:
-            result["dedup"] = await dedup(url, args)
+                result["dedup"] = await dedup(url, args)
     return result
+
+
+async def mixes(fleet: list[AgentProcess], args: argparse.Namespace) -> dict[str, Any]:
+    """(a), colocated and P/D alternating `args.rounds` times."""
+    pooled: dict[str, dict[str, list[float]]] = {"colocated": {}, "pd": {}}
+    for _ in range(args.rounds):
+        for name, roles in (("colocated", COLOCATED), ("pd", PD)):
+            async with proxy(fleet, roles) as url:
+                got = await mix(url, args)
+                if name == "pd":
+                    got["handoffs"] = [
+                        v for k, v in (await metrics(url)).items() if "handoffs_total" in k
+                    ]
+            for key, values in got.items():
+                pooled[name].setdefault(key, []).extend(values)
+    return {
+        name: {
+            "itl_p50_s": quantile(data["itl"], 0.5),
+            "itl_p99_s": quantile(data["itl"], 0.99),
+            "decode_ttft_p50_s": quantile(data["decode_ttft"], 0.5),
+            "long_ttft_p50_s": quantile(data["long_ttft"], 0.5),
+            "long_ttft_p99_s": quantile(data["long_ttft"], 0.99),
+            "decode_requests": len(data["decode_ttft"]),
+            "long_requests": len(data["long_ttft"]),
+        }
+        for name, data in pooled.items()
+    }
+
+
+async def second_tokens(
+    fleet: list[AgentProcess], contexts: list[int], args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """(b): per context, `args.repeats` requests colocated and through P/D (medians; every
+    column's median over the same requests), and one handoff report from the prefill agent."""
+    rows = []
+    for context in contexts:
+        async with proxy(fleet, COLOCATED) as url:
+            colocated = [await second_token(url, context, False) for _ in range(args.repeats)]
+        async with proxy(fleet, PD) as url:
+            pd = [await second_token(url, context, True) for _ in range(args.repeats)]
+        report = await handoff_report(fleet[0], fleet[1], context)
+        rows.append(
+            {
+                "context": context,
+                "pd": {k: statistics.median(r[k] for r in pd) for k in pd[0]},
+                "colocated": {k: statistics.median(r[k] for r in colocated) for k in colocated[0]},
+                "report": report,
+            }
+        )
+    return rows
 
 
 def report(result: dict[str, Any]) -> None:
     args = result["args"]
-    mix_ = result["mix"]
     print(
-        f"\nP/D on the CPU fleet ({result['model']}, 2 agents): {args['decoders']} decode streams "
-        f"({DECODE_PROMPT}-token prompts, {DECODE_TOKENS} tokens) + {args['prefillers']} "
-        f"long-prompt streams ({args['long_prompt']} tokens, {LONG_TOKENS} out), "
-        f"{args['rounds']} x {args['seconds']} s each"
+        f"\nP/D on the CPU fleet ({result['model']}, 2 agents, prefill chunks of {args['chunk']})"
+    )
+    if "mix" in result:
+        report_mix(result["mix"], args)
+    if "second_token" in result:
+        report_second_token(result["second_token"])
+    if "dedup" in result:
+        d = result["dedup"]
+        total = d["bytes_sent"] + d["bytes_skipped"]
+        print(
+            f"\nDedup: {d['requests']:.0f} requests sharing a {args['prefix']}-token prefix "
+            f"(+384 tokens each), {d['handoffs_ok']:.0f} handed off: sent "
+            f"{d['bytes_sent'] / 2**20:.1f} MiB of {total / 2**20:.1f} MiB "
+            f"({d['bytes_skipped'] / max(total, 1):.0%} saved; {d['blocks_deduplicated']:.0f} "
+            f"blocks deduplicated, {d['blocks_sent']:.0f} sent)"
+        )
+
+
+def report_mix(mix_: dict[str, Any], args: dict[str, Any]) -> None:
+    print(
+        f"{args['decoders']} decode streams ({DECODE_PROMPT}-token prompts, {DECODE_TOKENS} "
+        f"tokens) + {args['prefillers']} long-prompt streams ({args['long_prompt']} tokens, "
+        f"{LONG_TOKENS} out), {args['rounds']} x {args['seconds']} s each"
     )
     print(
         f"{'fleet':>12} {'ITL p50 ms':>11} {'ITL p99 ms':>11} {'decode TTFT p50':>16} "
@@ -304,33 +364,38 @@ def report(result: dict[str, Any]) -> None:
         )
     ratio = mix_["pd"]["itl_p99_s"] / mix_["colocated"]["itl_p99_s"]
     print(f"decode ITL p99, 1P:1D / 2 mixed: {ratio:.2f}x (target <= 0.5)")
-    print("\nHandoff cost to the second token (one request at a time, 64 output tokens; medians)")
+
+
+def report_second_token(rows: list[dict[str, Any]]) -> None:
     print(
-        f"{'context':>8} {'TTFT ms':>8} {'2nd tok ms':>11} {'max gap ms':>11} {'median gap':>11} "
-        f"{'downtime ms':>12} {'handoff ms':>11} {'MiB sent':>9} {'colocated max gap':>18}"
+        "\nHandoff cost to the second token (one request at a time, 64 output tokens; medians).\n"
+        "Client clock: TTFT, 2nd-token gap, median gap, cost = 2nd gap - median gap, max gap.\n"
+        "Proxy metrics: handoff = first token's frame written -> commit (inside the 2nd gap),\n"
+        "downtime = first token sampled -> commit (its first part delays token 1's delivery).\n"
+        "Prefill agent's report: stages, KV sent by the stop-and-copy, KV sent in all."
     )
-    for row in result["second_token"]:
-        pd, co = row["pd"], row["colocated"]
+    print(
+        f"{'context':>8} {'TTFT ms':>8} {'2nd gap':>8} {'median':>7} {'cost ms':>8} "
+        f"{'max gap':>8} {'handoff':>8} {'downtime':>9} {'stages':>7} {'final MiB':>10} "
+        f"{'MiB sent':>9} {'colocated max gap':>18}"
+    )
+    for row in rows:
+        pd, co, rep = row["pd"], row["colocated"], row["report"]
+        per_block = rep.get("bytes_sent", 0) / max(rep.get("blocks_sent", 0), 1)
+        final = rep.get("final_blocks", float("nan")) * per_block / 2**20
         print(
-            f"{row['context']:>8} {pd['ttft_s'] * 1e3:>8.0f} {pd['second_token_s'] * 1e3:>11.1f} "
-            f"{pd['max_gap_s'] * 1e3:>11.1f} {pd['median_gap_s'] * 1e3:>9.1f}ms "
-            f"{pd['downtime_s'] * 1e3:>12.1f} {pd['handoff_s'] * 1e3:>11.0f} "
+            f"{row['context']:>8} {pd['ttft_s'] * 1e3:>8.0f} {pd['second_token_s'] * 1e3:>8.1f} "
+            f"{pd['median_gap_s'] * 1e3:>7.1f} {pd['second_token_cost_s'] * 1e3:>8.1f} "
+            f"{pd['max_gap_s'] * 1e3:>8.1f} {pd['handoff_s'] * 1e3:>8.1f} "
+            f"{pd['downtime_s'] * 1e3:>9.1f} {rep.get('stages', 0):>7} {final:>10.2f} "
             f"{pd['bytes_sent'] / 2**20:>9.2f} {co['max_gap_s'] * 1e3:>16.1f}ms"
         )
-    rows = result["second_token"]
-    flat = rows[-1]["pd"]["max_gap_s"] / rows[0]["pd"]["max_gap_s"]
+    first, last = rows[0]["pd"], rows[-1]["pd"]
     print(
-        f"largest gap {rows[-1]['context']}/{rows[0]['context']} tokens of context: {flat:.2f}x "
-        f"(target: flat); downtime {rows[-1]['pd']['downtime_s'] * 1e3:.1f} vs "
-        f"{rows[0]['pd']['downtime_s'] * 1e3:.1f} ms"
-    )
-    d = result["dedup"]
-    total = d["bytes_sent"] + d["bytes_skipped"]
-    print(
-        f"\nDedup: {d['requests']:.0f} requests sharing a {args['prefix']}-token prefix "
-        f"(+384 tokens each), {d['handoffs_ok']:.0f} handed off: sent {d['bytes_sent'] / 2**20:.1f} "
-        f"MiB of {total / 2**20:.1f} MiB ({d['bytes_skipped'] / max(total, 1):.0%} saved; "
-        f"{d['blocks_deduplicated']:.0f} blocks deduplicated, {d['blocks_sent']:.0f} sent)"
+        f"{rows[-1]['context']}/{rows[0]['context']} tokens of context: largest gap "
+        f"{last['max_gap_s'] / first['max_gap_s']:.2f}x, 2nd-token gap "
+        f"{last['second_token_s'] / first['second_token_s']:.2f}x, handoff "
+        f"{last['handoff_s'] / max(first['handoff_s'], 1e-9):.2f}x (target: flat)"
     )
 
 
@@ -346,6 +411,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="requests per context, (b)")
     parser.add_argument("--prefix", type=int, default=1024, help="shared prefix, (c)")
     parser.add_argument("--shared", type=int, default=6, help="requests sharing it, (c)")
+    parser.add_argument("--chunk", type=int, default=512, help="prefill tokens per engine step")
+    parser.add_argument("--sections", default="abc", help="which of (a), (b), (c) to run")
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args()
     result = asyncio.run(run(args))
