@@ -102,7 +102,7 @@ class KvherdDispatch:
         short = maximum(shortfall - matched + request.num_blocks, 0.0)
         return cost + self.memory_penalty * bs * short * capacity_known
 
-    def cost(self, request: RequestView, inst: InstanceView, matched_blocks: int) -> float:
+    def cost(self, request: RequestView, inst: InstanceView, matched_blocks: float) -> float:
         """`ttft_cost` for one instance."""
         return float(
             self.ttft_cost(
@@ -172,17 +172,8 @@ class KvherdDispatch:
             raise NoInstanceError(f"no dispatchable instance among {len(cluster)} registered")
         least = min(inst.inflight for inst, ok in zip(instances, allowed, strict=True) if ok)
         matched = cluster.prefix_match_array(request).tolist()  # the core's one form of the match
-        rule = self.ttft_cost
         cost = [
-            rule(
-                request,
-                max(inst.waiting_prefill_tokens, inst.pending_prefill_tokens),
-                blocks,
-                inst.num_running,
-                inst.head_waiting_blocks - inst.free_blocks,
-                inst.capacity > 0,
-                max,
-            )
+            self.cost(request, inst, blocks)
             if ok
             and not (
                 inst.inflight - least > self.balance_abs_threshold
