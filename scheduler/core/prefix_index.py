@@ -84,9 +84,10 @@ class BlockOwners:
     """kvherd block hash -> bitmask of the instances holding it, split over `num_shards` dicts by
     the hash's low bits.
 
-    Every update takes a run of blocks at once (a KV event or a routed chain names one to
-    thousands), and its lookups and updates run in C iterators, written once for any shard count.
-    One shard (the precise index, the simulator) is one plain dict. Several: the approximate index
+    `add_many`/`discard_many` take a run of blocks at once (a routed chain names up to thousands)
+    and run in C iterators, written once for any shard count: the approximate index's updates.
+    The precise index keeps one shard, one plain dict, which its own store and removal loops
+    update block by block with the instance's entries. Several shards: the approximate index
     grows inside routing decisions (every routed chain is recorded), and a CPython dict grows by
     rebuilding its whole table: one dict of ~170k entries (a few hundred routed 32k-token prompts)
     costs one decision several milliseconds. Split, each rebuild touches 1/`num_shards` of the
