@@ -9,10 +9,11 @@ Contract:
 - Client streams: on the destination the engine loop runs the adopted request without a client
   and buffers its outputs for a follower (`EngineLoop.attach`); on the source, right after a
   commit, the request's open client stream is handed off (`EngineLoop.hand_off`) to
-  `relay.follow` of the destination, so the client gets every token exactly once; a stream whose
-  client reattaches itself (the proxy) is ended with a migration notice instead
-  (`EngineLoop.redirect`). With no open
-  stream (the client left) the destination's copy is aborted at once.
+  `relay.follow`, a client of the destination's ``/resume`` (the proxy's protocol), from the
+  released state, so the client gets every token exactly once; a stream whose client reattaches
+  itself (the proxy) is ended with a migration notice instead (`EngineLoop.redirect`). With no
+  open stream (the client left) the destination's copy is resumed and hung up on at once, which
+  aborts it there.
 - `create_migration_router(service)` serves, under ``/kvherd/v1``:
   ``POST /migrate {"request_id", "dst"}`` on the source: runs the migration and returns its
   `MigrationOutcome` (200 whether it committed or aborted; the body says which and why);
@@ -234,6 +235,7 @@ class MigrationService:
             )
         else:
             self._outgoing.add(order.request_id)
+            released: list[RequestState] = []
             try:
                 link = HttpDestination(order.dst, self._http)
                 outcome = await migrate_out(
@@ -243,43 +245,60 @@ class MigrationService:
                     order.request_id,
                     self.src_name,
                     self.settings.stages if stages is None else stages,
-                    self._released_hook(order.dst),
+                    self._released_hook(order.dst, released),
                     opening,
                     before_final,
                 )
             finally:
                 self._outgoing.discard(order.request_id)
             if outcome.status is MigrationStatus.COMMITTED:
-                await self._hand_off(order)
+                await self._hand_off(order, released[0])
         key = outcome.reason.value if outcome.reason else outcome.status.value
         self.outcomes[key] = self.outcomes.get(key, 0) + 1
         if self.metrics is not None:
             self.metrics.record(outcome)
         return outcome
 
-    async def _hand_off(self, order: MigrateOrder) -> None:
+    async def _hand_off(self, order: MigrateOrder, state: RequestState) -> None:
         """Continue the client's stream from the destination, or end the orphaned copy there."""
         rid = order.request_id
+        start, num_prompt = len(state.output_token_ids), len(state.prompt_token_ids)
         try:
             stream = self.engine_loop.stream_of(rid)
             if stream is not None and stream.reattach:
                 self.engine_loop.redirect(rid, order.dst)  # the proxy reattaches there itself
             else:
-                self.engine_loop.hand_off(rid, relay.follow(self._http, order.dst, rid))
+                outputs = relay.follow(
+                    self._http,
+                    order.dst,
+                    rid,
+                    start=start,
+                    num_prompt_tokens=num_prompt,
+                    num_cached_tokens=max(state.num_cached_tokens, 0),
+                )
+                self.engine_loop.hand_off(rid, outputs)
         except KeyError:
             # The client left while the request moved: nobody will follow it on the
-            # destination, so attach and hang up at once (closing aborts it there) instead of
-            # letting it run until the destination's detached-stream TTL.
+            # destination, so resume it there and hang up at once (closing aborts it there)
+            # instead of letting it run until the destination's detached-stream TTL.
             with contextlib.suppress(httpx.HTTPError):
-                url = f"{order.dst.rstrip('/')}/kvherd/v1/requests/{rid}/stream"
-                async with self._http.stream("GET", url, params={"wait": 5}):
+                url = f"{order.dst.rstrip('/')}/kvherd/v1/requests/{rid}/resume"
+                resume = relay.resume_object(rid, start, num_prompt)
+                async with self._http.stream("POST", url, json=resume, params={"wait": 5}):
                     pass
 
-    def _released_hook(self, dst: str) -> Callable[[RequestState], None] | None:
+    def _released_hook(
+        self, dst: str, released: list[RequestState]
+    ) -> Callable[[RequestState], None]:
+        """Keeps the released state (the hand-off continues from it) and tells `on_released`."""
         hook = self.on_released
-        if hook is None:
-            return None
-        return lambda state: hook(state.request_id, dst, len(state.output_token_ids))
+
+        def on_released(state: RequestState) -> None:
+            released.append(state)
+            if hook is not None:
+                hook(state.request_id, dst, len(state.output_token_ids))
+
+        return on_released
 
     async def close(self) -> None:
         await self.destination.close()

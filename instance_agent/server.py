@@ -15,7 +15,6 @@ Contract (`create_app(agent)` returns the FastAPI app):
   (Prometheus, vLLM names), ``GET /kvherd/v1/state`` (see `state.snapshot`;
   ``?block_hashes=true`` adds the cached block hashes; ``?check_integrity=true`` adds
   ``"integrity": "ok"`` or the block manager's failed invariant, a debugging aid for tests).
-- ``GET /kvherd/v1/requests/{id}/stream``: follow a request migrated in (see `relay`).
 - What peer routers (sglang-router, vllm-router) and vLLM clients probe: ``/server_info``,
   ``/model_info``, ``/tokenize``, ``/detokenize``, ``/v1/(chat/)completions/render`` (`compat_routes`).
 - With a fleet token (``create_app(..., fleet_token=...)``) every ``/kvherd/v1/*`` route answers
@@ -26,7 +25,7 @@ Contract (`create_app(agent)` returns the FastAPI app):
   ``resume`` object as body continues the very same OpenAI stream there from the next token
   (``resume.from``; ``?wait=`` seconds for the request to arrive, default 5, else 404), and may
   end with a notice again. Clients without the header are relayed by
-  the source instead.
+  the source instead, through this same route (`relay.follow`).
 - Token ledger (``X-Kvherd-Token-Ids: 1``, `kvherd.wire`): streamed frames carry comment lines
   with their token ids and the first one the continuation state (resume object, sampling seed).
 - Continuation of a request whose instance was lost: the original streamed body plus
@@ -64,7 +63,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from instance_agent import pd_handoff, protocol, relay
+from instance_agent import pd_handoff, protocol
 from instance_agent.compat_routes import create_compat_router
 from instance_agent.control_auth import FleetTokenMiddleware
 from instance_agent.engine.core.request import InvalidRequestError, SamplingParams
@@ -352,12 +351,6 @@ def create_app(
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await _generate(agent, body, request)
-
-    @app.get("/kvherd/v1/requests/{request_id}/stream", response_model=None)
-    async def follow_request(request_id: str, wait: float = 5.0) -> Response:
-        _check_wait(wait)
-        stream = await _follow(agent, request_id, wait)
-        return StreamingResponse(_relay_frames(stream), media_type="text/event-stream")
 
     @app.post("/kvherd/v1/requests/{request_id}/resume", response_model=None)
     async def resume_request(request_id: str, request: Request, wait: float = 5.0) -> Response:
@@ -750,17 +743,3 @@ class DrainingServer(uvicorn.Server):
 
         if self._drain_task is None:
             self._drain_task = asyncio.ensure_future(drain())
-
-
-async def _relay_frames(stream: RequestStream) -> AsyncIterator[bytes]:
-    """The attach stream of a migrated-in request (format: `relay`)."""
-    try:
-        # One output at a time: a relayed output (this request moved on again) carries its
-        # position only in the stream, not in its own token list.
-        async for output in stream:
-            yield relay.encode_output(output, stream.index)
-    except (RequestAborted, EngineDeadError) as exc:
-        yield wire.sse(OpenAIError(503, str(exc), type="server_error").body())
-    finally:
-        stream.close()
-    yield wire.SSE_DONE

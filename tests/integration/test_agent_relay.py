@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import httpx
 import pytest
@@ -14,7 +15,7 @@ from agent_process import free_port
 
 from instance_agent import relay
 from instance_agent.engine.core.request import SamplingParams
-from instance_agent.engine.llm_engine import EngineConfig, LLMEngine
+from instance_agent.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
 from instance_agent.engine_loop import EngineLoop, RequestAborted
 from instance_agent.metrics import AgentMetrics
 from instance_agent.server import Agent, create_app
@@ -57,8 +58,9 @@ async def _served(detached_ttl_s: float = 30.0) -> AsyncIterator[tuple[str, Engi
         await task
 
 
-async def _move(src: EngineLoop, dst: EngineLoop, request_id: str) -> None:
-    """Migrate a running request with the engines' own hooks (what the migration layer does)."""
+async def _move(src: EngineLoop, dst: EngineLoop, request_id: str) -> dict[str, Any]:
+    """Migrate a running request with the engines' own hooks (what the migration layer does);
+    returns its state as it left."""
 
     def export(engine: LLMEngine) -> tuple[dict[str, object], list[int], object]:
         engine.suspend(request_id)
@@ -76,6 +78,21 @@ async def _move(src: EngineLoop, dst: EngineLoop, request_id: str) -> None:
 
     await dst.call(adopt)
     await src.call(lambda engine: engine.release_migrated(request_id))
+    return state
+
+
+def _follow(
+    client: httpx.AsyncClient, url: str, request_id: str, state: dict[str, Any]
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """What the migration layer hands off to: the destination's stream from the released state."""
+    return relay.follow(
+        client,
+        url,
+        request_id,
+        start=len(state["output_token_ids"]),
+        num_prompt_tokens=len(state["prompt_token_ids"]),
+        num_cached_tokens=max(state["num_cached_tokens"], 0),
+    )
 
 
 async def _idle(loop: EngineLoop) -> bool:
@@ -99,8 +116,8 @@ async def test_stream_continues_exactly_once_from_the_destination() -> None:
                 text += output.text_delta
                 if len(tokens) >= 5:
                     break
-            await _move(source, destination, "m1")
-            source.hand_off("m1", relay.follow(client, url, "m1"))
+            state = await _move(source, destination, "m1")
+            source.hand_off("m1", _follow(client, url, "m1", state))
             async for output in stream:
                 tokens += output.new_token_ids
                 text += output.text_delta
@@ -113,6 +130,47 @@ async def test_stream_continues_exactly_once_from_the_destination() -> None:
         source.stop()
 
 
+async def test_relay_follows_the_request_when_it_migrates_again() -> None:
+    """Source -> B, then B -> C: B ends the relay's stream with a migration notice and the relay
+    resumes at C, so B leaves the path and the client still gets every token exactly once."""
+    expected = _engine().generate([PROMPT], _params())[0]
+    source = EngineLoop(_engine())
+    source.start()
+    try:
+        async with (
+            _served() as (b_url, b),
+            _served() as (c_url, c),
+            httpx.AsyncClient(timeout=30) as client,
+        ):
+            stream = await source.add("m5", PROMPT, _params())
+            tokens: list[int] = []
+            text = ""
+
+            async def take(count: int) -> None:
+                nonlocal text
+                async for output in stream:
+                    tokens.extend(output.new_token_ids)
+                    text += output.text_delta
+                    if len(tokens) >= count:
+                        return
+
+            await take(5)
+            state = await _move(source, b, "m5")
+            source.hand_off("m5", _follow(client, b_url, "m5", state))
+            await take(10)  # relayed from B: B's stream is attached
+            await _move(b, c, "m5")
+            b.redirect("m5", c_url)  # what B's migration layer does for a reattaching client
+            await take(len(expected.output_token_ids))
+            assert tokens == expected.output_token_ids
+            assert text == expected.text
+            assert stream.finished
+            for loop in (b, c):
+                await _poll(lambda loop=loop: _idle(loop))
+        await _poll(lambda: _idle(source))
+    finally:
+        source.stop()
+
+
 async def test_client_leaving_mid_relay_frees_the_destination() -> None:
     source = EngineLoop(_engine())
     source.start()
@@ -120,8 +178,8 @@ async def test_client_leaving_mid_relay_frees_the_destination() -> None:
         async with _served() as (url, destination), httpx.AsyncClient(timeout=30) as client:
             stream = await source.add("m2", PROMPT, SamplingParams(max_tokens=1500, seed=1))
             await anext(stream)
-            await _move(source, destination, "m2")
-            source.hand_off("m2", relay.follow(client, url, "m2"))
+            state = await _move(source, destination, "m2")
+            source.hand_off("m2", _follow(client, url, "m2", state))
             await anext(stream)  # a token relayed from the destination
             assert await destination.call(lambda e: "m2" in e.scheduler.requests)
             stream.close()  # the client went away
@@ -142,11 +200,15 @@ async def test_unfollowed_request_is_aborted_and_unknown_ids_get_404() -> None:
             stream.close()
             await _poll(lambda: _idle(destination))  # nobody attached within the TTL
             async with httpx.AsyncClient(timeout=30) as client:
-                missing = await client.get(f"{url}/kvherd/v1/requests/m3/stream?wait=0.05")
+                resume = relay.resume_object("m3", 1, len(PROMPT))
+                missing = await client.post(
+                    f"{url}/kvherd/v1/requests/m3/resume?wait=0.05", json=resume
+                )
                 assert missing.status_code == 404
                 assert missing.json()["error"]["code"] == "request_not_found"
                 with pytest.raises(relay.RelayError, match="404"):
-                    async for _ in relay.follow(client, url, "nope"):
+                    state = {"output_token_ids": [], "prompt_token_ids": [], "num_cached_tokens": 0}
+                    async for _ in _follow(client, url, "nope", state):
                         pass
     finally:
         source.stop()
@@ -161,7 +223,8 @@ async def test_relay_failure_ends_the_client_stream_clearly() -> None:
         await source.call(lambda e: e.release_migrated("m4"))
         async with httpx.AsyncClient(timeout=5) as client:
             dead = f"http://127.0.0.1:{free_port()}"
-            source.hand_off("m4", relay.follow(client, dead, "m4"))
+            state = {"output_token_ids": [0], "prompt_token_ids": PROMPT, "num_cached_tokens": 0}
+            source.hand_off("m4", _follow(client, dead, "m4", state))
             with pytest.raises(RequestAborted, match="lost in transit"):
                 async for _ in stream:
                     pass
