@@ -2,9 +2,8 @@
 ``kvherd serve`` (`chaos_scenarios.migration_fault`): each agent sits behind a `FaultRelay` that
 fires the kill at one control message of the migration.
 
-Stages: ``live`` (a long request's first stage reserved: its KV copy under way while it decodes),
-``stop-and-copy`` (a short request's only stage reserved: the request suspended on the source),
-``commit`` (every block landed, the commit about to be delivered), ``committed`` (the destination
+Stages: ``live`` (a stage reserved while the request decodes on the source: its KV copy under
+way), ``stop-and-copy`` (a stage reserved once the request is suspended on the source), ``commit`` (every block landed, the commit about to be delivered), ``committed`` (the destination
 accepted the request). What must hold: the stream and a plain request sent alongside complete with
 exactly the output of an undisturbed run (the migration aborts and the source resumes, or the proxy
 continues the stream on the surviving agent), nothing hangs, and the surviving agent holds no block

@@ -27,7 +27,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -282,7 +282,7 @@ async def _load_with_fault(
 ) -> list[tuple[int, Outcome]]:
     kinds = itertools.count()
     results: list[tuple[int, Outcome]] = []
-    in_flight: list[Outcome] = []
+    started: list[Outcome] = []
     faulted = asyncio.Event()
     sent_after = 0
 
@@ -292,13 +292,13 @@ async def _load_with_fault(
             kind = next(kinds)
             sent_after += faulted.is_set()
             outcome = Outcome()
-            in_flight.append(outcome)
+            started.append(outcome)
             results.append((kind, await send(client, served.url, *payload(kind), outcome)))
 
     async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as http:
         loops = [asyncio.ensure_future(client_loop(http)) for _ in range(clients)]
         # The fault lands once every client has a request going and some streams are mid-way.
-        while not (len(in_flight) >= 2 * clients and sum(o.frames >= 8 for o in in_flight) >= 2):
+        while not (len(started) >= 2 * clients and sum(o.frames >= 8 for o in started) >= 2):
             await asyncio.sleep(0.005)
         os.kill(victim.process.pid, sig)
         at = time.monotonic()
@@ -312,16 +312,17 @@ async def _load_with_fault(
 Victim = Literal["destination", "source"]
 Point = Literal["live", "stop-and-copy", "commit", "committed"]
 # Where each point is, as the destination's control messages show it: a stage's reservation
-# answered (its KV copy is under way), a commit about to be delivered, a commit accepted.
-# "live" migrates a long request (its first stage copies while it decodes); "stop-and-copy" a
-# short one (at most 4 blocks: the first stage is the stop-and-copy, the request suspended).
+# answered (its KV copy is under way) while the request still decodes on the source ("live") or
+# once it is suspended there ("stop-and-copy", whichever stage that is), a commit about to be
+# delivered, a commit accepted. The stream migrates after 60 tokens: 92 tokens of context, 6
+# blocks, more than the 4 a stop-and-copy takes, so its first stage is live.
 _FAULTS: dict[Point, tuple[str, Literal["before", "after"]]] = {
     "live": ("/kvherd/v1/migration/reserve", "after"),
     "stop-and-copy": ("/kvherd/v1/migration/reserve", "after"),
     "commit": ("/kvherd/v1/migration/commit", "before"),
     "committed": ("/kvherd/v1/migration/commit", "after"),
 }
-_MIGRATE_AT: dict[Point, int] = {"live": 60, "stop-and-copy": 1, "commit": 30, "committed": 30}
+MIGRATE_AFTER = 60
 
 
 @contextlib.contextmanager
@@ -352,14 +353,15 @@ async def migration_fault(victim: Victim, point: Point, max_tokens: int = 700) -
                 running = asyncio.ensure_future(
                     send(http, served.url, *payload(kind, max_tokens), stream, "chaos-stream")
                 )
-                await _wait(lambda: stream.frames >= _MIGRATE_AT[point] or running.done())
-                src = await _instance_of(http, served, pair, relays)
+                await _wait(lambda: stream.frames >= MIGRATE_AFTER or running.done())
+                src = await _instance_of(http, pair, relays)
                 s = next(k for k, r in enumerate(relays) if r.url == src)
                 d = 1 - s
                 dead = pair[d] if victim == "destination" else pair[s]
                 path, when = _FAULTS[point]
-                relays[d].arm(Fault(path, when, lambda: os.kill(dead.process.pid, signal.SIGKILL),
-                                    _stage_zero))  # fmt: skip
+                match = _while(point == "live", pair[s]) if "reserve" in path else _anything
+                kill = lambda: os.kill(dead.process.pid, signal.SIGKILL)  # noqa: E731
+                relays[d].arm(Fault(path, when, kill, match))
                 # A plain request sent alongside: it must complete whatever happens.
                 plain = asyncio.ensure_future(
                     send(http, served.url, *payload(1, max_tokens), Outcome())
@@ -383,13 +385,26 @@ async def migration_fault(victim: Victim, point: Point, max_tokens: int = 700) -
     return figures
 
 
-def _stage_zero(body: Any) -> bool:
-    """Reservations: the first stage's (commits have no stage)."""
-    return not isinstance(body, dict) or body.get("stage", 0) == 0
+def _while(decoding: bool, source: AgentProcess) -> Callable[[Any], bool]:
+    """A reservation for a request that is decoding on `source` (or, not `decoding`, suspended
+    there: the stop-and-copy stage)."""
+
+    def match(body: Any) -> bool:
+        if not isinstance(body, dict):
+            return False
+        state = httpx.get(f"{source.url}/kvherd/v1/state", timeout=10).json()
+        running = {r["request_id"] for r in state["running"]}
+        return (body.get("request_id") in running) == decoding
+
+    return match
+
+
+def _anything(body: Any) -> bool:
+    return True
 
 
 async def _instance_of(
-    http: httpx.AsyncClient, served: Served, pair: list[AgentProcess], relays: list[FaultRelay]
+    http: httpx.AsyncClient, pair: list[AgentProcess], relays: list[FaultRelay]
 ) -> str:
     """The relay URL of the agent running the stream (the only request so far)."""
     for agent, relay in zip(pair, relays, strict=True):
