@@ -92,10 +92,8 @@ class RequestStream:
         self._closed = False
         self._relay: asyncio.Task[None] | None = None  # feeds the queue once handed off
         # Position in the whole output of the token after the last one put into this stream
-        # (an adopted request's stream starts mid-way), and of each queued output's first token.
+        # (an adopted request's stream starts mid-way).
         self.next_index = 0
-        self._starts: deque[int] = deque()
-        self.index = 0  # position of the first new token of the output last taken
         # The client follows a migration itself (`EngineLoop.redirect`) instead of being relayed.
         self.reattach = False
         self.started = asyncio.Event()  # a token output is queued, or the stream ended
@@ -119,7 +117,6 @@ class RequestStream:
             self.finished = True
             self.close()
             raise item
-        self.index = self._starts.popleft()
         if item.finished:
             self.finished = True
             self.close()
@@ -145,7 +142,6 @@ class RequestStream:
         if item is not _ABORTED and not isinstance(item, (BaseException, _Moved)):
             if index is None:
                 index = len(item.output_token_ids) - len(item.new_token_ids)
-            self._starts.append(index)
             self.next_index = index + len(item.new_token_ids)
             if item.new_token_ids or item.finished:
                 self.started.set()
