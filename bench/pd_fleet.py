@@ -1,13 +1,13 @@
 """P/D disaggregation on this machine's CPU fleet: colocated (2 mixed) vs 1 prefill : 1 decode, one run.
 
 Setup: two real ``kvherd agent`` processes (preset ``small``: 8 layers, hidden 512, fp32, CPU,
-block size 16, one torch thread each, KV events on, prefill in chunks of `--chunk` tokens) behind
-a ``kvherd serve`` process
+block size 16, one torch thread each, KV events on, prefill in chunks of `--chunk` tokens;
+``--role prefill`` and ``--role decode``) behind a ``kvherd serve`` process
 (``--migration-policy none``: only P/D handoffs move requests; first-byte and inter-chunk
 deadlines and the expected-wait admission limit raised, since a loaded CPU fleet is slow, not
-failing). The same two agents serve both
-configurations; only the proxy's ``--instance URL,role=...`` differs (``mixed,mixed`` for
-colocated, ``prefill,decode`` for P/D), and every run sends prompts no instance has seen.
+failing). The same two agents serve both configurations; only the proxy's
+``--instance URL,role=...`` differs (``mixed,mixed`` for colocated, overriding the agents' roles,
+``prefill,decode`` for P/D), and every run sends prompts no instance has seen.
 
 (a) Decode inter-token latency under a prefill-heavy mix: `--decoders` closed-loop streams of short
     prompts (64 tokens) with long outputs (128 tokens), the decode work, while `--prefillers`
@@ -83,7 +83,13 @@ def quantile(values: list[float], q: float) -> float:
 def agents(args: argparse.Namespace) -> Iterator[list[AgentProcess]]:
     flags = ["--model", args.model, "--torch-threads", "1", "--max-num-seqs", "32",
              "--max-num-batched-tokens", str(args.chunk), "--log-level", "warning"]  # fmt: skip
-    with agent_process(*flags, kv_events=True) as a, agent_process(*flags, kv_events=True) as b:
+    # The roles P/D runs with (a prefill agent holds a handed-off request at its first token, so
+    # its second token waits for the handoff); colocated, the proxy overrides them to mixed, and
+    # without a handoff header neither agent acts on its role.
+    with (
+        agent_process(*flags, "--role", "prefill", kv_events=True) as a,
+        agent_process(*flags, "--role", "decode", kv_events=True) as b,
+    ):
         yield [a, b]
 
 
