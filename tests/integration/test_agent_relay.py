@@ -42,9 +42,10 @@ async def _poll(condition: Callable[[], object], timeout: float = 30.0) -> None:
 async def _served(detached_ttl_s: float = 30.0) -> AsyncIterator[tuple[str, EngineLoop]]:
     """An agent app on loopback, in this event loop (the destination)."""
     engine = _engine()
-    loop = EngineLoop(engine, detached_ttl_s=detached_ttl_s)
+    metrics = AgentMetrics("tiny", {})
+    loop = EngineLoop(engine, detached_ttl_s=detached_ttl_s, metrics=metrics)
     port = free_port()
-    agent = Agent(loop, AgentMetrics("tiny", {}), f"dst:{port}", "tiny", "tiny")
+    agent = Agent(loop, metrics, f"dst:{port}", "tiny", "tiny")
     server = uvicorn.Server(
         uvicorn.Config(create_app(agent), host="127.0.0.1", port=port, log_level="warning")
     )
@@ -164,8 +165,8 @@ async def test_relay_follows_the_request_when_it_migrates_again() -> None:
             assert tokens == expected.output_token_ids
             assert text == expected.text
             assert stream.finished
-            for loop in (b, c):
-                await _poll(lambda loop=loop: _idle(loop))
+            await _poll(lambda: _idle(b))
+            await _poll(lambda: _idle(c))
         await _poll(lambda: _idle(source))
     finally:
         source.stop()
@@ -184,6 +185,34 @@ async def test_client_leaving_mid_relay_frees_the_destination() -> None:
             assert await destination.call(lambda e: "m2" in e.scheduler.requests)
             stream.close()  # the client went away
             await _poll(lambda: _idle(destination))
+        await _poll(lambda: _idle(source))
+    finally:
+        source.stop()
+
+
+async def test_resuming_and_hanging_up_aborts_an_orphaned_copy() -> None:
+    """What the source does when the client left while its request moved (no TTL wait)."""
+    source = EngineLoop(_engine())
+    source.start()
+    try:
+        async with _served(detached_ttl_s=300) as (url, destination):
+            stream = await source.add("m6", PROMPT, SamplingParams(max_tokens=1500, seed=1))
+            await anext(stream)
+            state = await _move(source, destination, "m6")
+            stream.close()
+            assert await destination.call(lambda e: "m6" in e.scheduler.requests)
+            resume = relay.resume_object("m6", len(state["output_token_ids"]), len(PROMPT))
+            async with (
+                httpx.AsyncClient(timeout=30) as client,
+                client.stream("POST", f"{url}/kvherd/v1/requests/m6/resume", json=resume) as r,
+            ):
+                assert r.status_code == 200
+            await _poll(lambda: _idle(destination))
+            assert destination.metrics is not None
+            rendered = destination.metrics.render().decode()
+            # Aborted, not run to its end.
+            assert 'finished_reason="abort"' in rendered
+            assert 'finished_reason="length"' not in rendered
         await _poll(lambda: _idle(source))
     finally:
         source.stop()
