@@ -91,8 +91,9 @@ class KvherdDispatch:
         """The cost, written once: estimated TTFT in prefill-token equivalents (module docstring)
         over one instance's figures (numbers, `maximum` = `max`) or every instance's columns
         (float64 arrays, `maximum` = `np.maximum`). `queued` is max(waiting, pending) prefill
-        tokens, `shortfall` head-of-line waiting blocks minus free blocks (None: no instance is
-        short, cached or not), `capacity_known` 1 where the instance's KV capacity is known."""
+        tokens, `shortfall` head-of-line waiting blocks minus free blocks (None: the memory term
+        is 0, as no instance is short, cached or not, or the one instance's capacity is unknown),
+        `capacity_known` 1 where the instance's KV capacity is known."""
         bs = request.block_size
         uncached = maximum(matched * -bs + request.num_tokens, 0.0)  # prompt tokens not cached
         cost = queued + self.uncached_weight * uncached + self.decode_token_cost * running
@@ -104,16 +105,14 @@ class KvherdDispatch:
 
     def cost(self, request: RequestView, inst: InstanceView, matched_blocks: float) -> float:
         """`ttft_cost` for one instance."""
-        return float(
-            self.ttft_cost(
-                request,
-                max(inst.waiting_prefill_tokens, inst.pending_prefill_tokens),
-                matched_blocks,
-                inst.num_running,
-                inst.head_waiting_blocks - inst.free_blocks,
-                inst.capacity > 0,
-                max,
-            )
+        return self.ttft_cost(
+            request,
+            max(inst.waiting_prefill_tokens, inst.pending_prefill_tokens),
+            matched_blocks,
+            inst.num_running,
+            inst.head_waiting_blocks - inst.free_blocks if inst.capacity > 0 else None,
+            1,
+            max,
         )
 
     def costs(self, request: RequestView, cluster: ClusterView) -> tuple[np.ndarray, np.ndarray]:
