@@ -3,7 +3,8 @@
 fires the kill at one control message of the migration.
 
 Stages: ``live`` (a stage reserved while the request decodes on the source: its KV copy under
-way), ``stop-and-copy`` (a stage reserved once the request is suspended on the source), ``commit`` (every block landed, the commit about to be delivered), ``committed`` (the destination
+way), ``stop-and-copy`` (a stage reserved once the request is suspended on the source),
+``commit`` (every block landed, the commit about to be delivered), ``committed`` (the destination
 accepted the request). What must hold: the stream and a plain request sent alongside complete with
 exactly the output of an undisturbed run (the migration aborts and the source resumes, or the proxy
 continues the stream on the surviving agent), nothing hangs, and the surviving agent holds no block
