@@ -100,7 +100,7 @@ from scheduler.core.deadlines import Deadlines, DeadlineSettings
 from scheduler.core.tenancy import Tenant, TenantRegistry
 from scheduler.fleet import Fleet, FleetInstance, NoCapacityError
 from scheduler.proxy import pd
-from scheduler.proxy.continuation import StreamLedger, error_frame, with_token_ids
+from scheduler.proxy.continuation import Continued, StreamLedger, error_frame, with_token_ids
 from scheduler.proxy.forwarding import (
     UpstreamConnectTimeout,
     UpstreamError,
@@ -708,9 +708,14 @@ class Proxy:
                 exchange.end_stream()
                 return response.status
             opened = None
-            while opened is None and attempts < self.config.max_continuations:
+            continued = ledger.continuation(job.body)
+            if continued is None:  # not continuable exactly: no attempt would change that
+                self.metrics.continuation("unsupported")
+            while continued is not None and opened is None:
+                if attempts >= self.config.max_continuations:
+                    break
                 attempts += 1
-                opened = await self._continue(ledger, job, key)
+                opened = await self._continue(continued, job, key)
             if opened is None:
                 self.metrics.continuation("gave_up")
                 await exchange.write_chunk(error_frame("the instance serving this stream was lost"))
@@ -743,14 +748,10 @@ class Proxy:
             raise UpstreamError("the stream ended before its [DONE]")
 
     async def _continue(
-        self, ledger: StreamLedger, job: _Job, key: str
+        self, continued: Continued, job: _Job, key: str
     ) -> tuple[FleetInstance, UpstreamResponse, AsyncIterator[bytes], bytes] | None:
-        """One attempt to open the rest of the stream on another instance of its kind (a kvherd
-        agent for an agent's stream, vLLM for vLLM's)."""
-        continued = ledger.continuation(job.body)
-        if continued is None:
-            self.metrics.continuation("unsupported")
-            return None
+        """One attempt to open the rest of the stream (`continued`) on another instance of its
+        kind (a kvherd agent for an agent's stream, vLLM for vLLM's)."""
         done = continued.done
         exclude = job.tried | {
             i
