@@ -31,7 +31,9 @@ Contract (`create_app(agent)` returns the FastAPI app):
 - Continuation of a request whose instance was lost: the original streamed body plus
   ``kvherd_continuation`` (`protocol.Continuation`) recomputes prompt + output here and streams
   the rest of the very same OpenAI stream (same id, token index, usage), bit-identical for greedy
-  and seeded sampling (`LLMEngine.continue_request`).
+  and seeded sampling (`LLMEngine.continue_request`). A continuation for a request this agent
+  already runs (migrated in, its source lost between the commit and the notice) follows it from
+  the client's tokens, as ``/resume`` does.
 - P/D disaggregation: a generation request with ``X-Kvherd-Handoff: URL`` reserves on the
   decode instance at URL as it is admitted and is handed to it after its first token
   (`instance_agent.pd_handoff`; 401 without the fleet token when the agent has one); `Agent.role`
@@ -66,7 +68,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from instance_agent import pd_handoff, protocol
 from instance_agent.compat_routes import create_compat_router
 from instance_agent.control_auth import FleetTokenMiddleware
-from instance_agent.engine.core.request import InvalidRequestError, SamplingParams
+from instance_agent.engine.core.request import (
+    REQUEST_ID_IN_USE,
+    InvalidRequestError,
+    SamplingParams,
+)
 from instance_agent.engine_loop import (
     EngineDeadError,
     EngineLoop,
@@ -90,6 +96,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _REQUEST_ID_RE = re.compile(r"^[\x21-\x7e]{1,256}$")  # printable ASCII, no spaces
+# How long a continuation of a request migrated here waits for its first output here.
+_FOLLOW_CONTINUED_WAIT_S = 2.0
 
 
 @dataclass
@@ -419,7 +427,10 @@ async def _generate(
     except OpenAIError as exc:
         return _error_response(exc, headers)
     except InvalidRequestError as exc:
-        return _error_response(protocol.from_invalid_request(exc), headers)
+        followed = await _follow_continued(agent, body, request_id, exc)
+        if followed is None:
+            return _error_response(protocol.from_invalid_request(exc), headers)
+        stream, meta = followed
     except EngineDeadError as exc:
         return _error_response(OpenAIError(500, str(exc), type="server_error"), headers)
     handoff = None
@@ -682,6 +693,34 @@ async def _follow(agent: Agent, request_id: str, wait: float) -> RequestStream:
             code="request_not_found",
         )
     return stream
+
+
+async def _follow_continued(
+    agent: Agent,
+    body: CompletionRequest | ChatCompletionRequest,
+    request_id: str,
+    refusal: InvalidRequestError,
+) -> tuple[RequestStream, _Meta] | None:
+    """A continuation for a request already here: it migrated in and its source was lost before
+    pointing the client here (between the commit and the notice). Request ids are the proxy's
+    own, so it is that very request: the continuation follows it from the tokens the client has,
+    as ``/resume`` would. None when `refusal` is another refusal or nobody waits to be followed."""
+    continuation = body.kvherd_continuation
+    if continuation is None or refusal.code != REQUEST_ID_IN_USE:
+        return None
+    try:
+        meta, _ = _resumed(continuation.resume, False)
+    except OpenAIError:
+        return None
+    stream = await agent.engine_loop.attach(request_id, timeout=_FOLLOW_CONTINUED_WAIT_S)
+    if stream is None:
+        return None
+    if meta.chat != isinstance(body, ChatCompletionRequest):
+        stream.close()
+        return None
+    meta.start = len(continuation.output_token_ids)
+    meta.sampling_seed = continuation.sampling_seed
+    return stream, meta
 
 
 def _resumed(body: Any, ledger: bool) -> tuple[_Meta, _Format]:

@@ -40,7 +40,7 @@ FLAGS = (
     "--load-interval",
     "0.1",
     # Half the fleet goes at once here: admission by expected wait may then rightly answer 429
-    # with Retry-After (tests/integration/test_overload.py); these tests are about what was admitted.
+    # with Retry-After (tests/chaos/test_overload.py); these tests are about what was admitted.
     "--max-queue-wait",
     "60",
 )

@@ -18,21 +18,13 @@ from chaos_scenarios import Figures, Point, Victim, migration_fault
 
 pytestmark = pytest.mark.timeout(600)
 
-# A source killed once every block landed on the destination: the proxy's continuation of the
-# stream on the destination is refused (HTTP 400) while the destination holds the request under
-# the same id, as a reservation awaiting its commit or as a committed request awaiting its
-# reattachment (the source died before its notice reached the proxy). Known gap: strict, so the
-# fix shows.
-_HELD_AT_THE_DESTINATION = pytest.mark.xfail(
-    strict=True, reason="continuation refused by a destination holding the request's id"
-)
 CASES = [
     *(pytest.param("destination", point, id=f"destination-{point}") for point in
       ("live", "stop-and-copy", "commit", "committed")),
     pytest.param("source", "live", id="source-live"),
     pytest.param("source", "stop-and-copy", id="source-stop-and-copy"),
-    pytest.param("source", "commit", id="source-commit", marks=_HELD_AT_THE_DESTINATION),
-    pytest.param("source", "committed", id="source-committed", marks=_HELD_AT_THE_DESTINATION),
+    pytest.param("source", "commit", id="source-commit"),
+    pytest.param("source", "committed", id="source-committed"),
 ]  # fmt: skip
 
 

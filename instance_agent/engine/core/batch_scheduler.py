@@ -35,7 +35,12 @@ from dataclasses import dataclass, field
 from sortedcontainers import SortedList
 
 from instance_agent.engine.core.block_manager import BlockManager
-from instance_agent.engine.core.request import InvalidRequestError, Request, RequestStatus
+from instance_agent.engine.core.request import (
+    REQUEST_ID_IN_USE,
+    InvalidRequestError,
+    Request,
+    RequestStatus,
+)
 
 
 @dataclass(slots=True)
@@ -163,7 +168,11 @@ class BatchScheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request. Refuses, before any block is allocated, one that could never fit."""
         if request.request_id in self.requests:
-            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+            raise InvalidRequestError(
+                f"request id {request.request_id!r} is already in use",
+                "X-Request-Id",
+                REQUEST_ID_IN_USE,
+            )
         if request.num_prompt_tokens == 0:
             raise InvalidRequestError("the prompt must contain at least one token", "prompt")
         if request.num_prompt_tokens >= self.config.max_model_len:

@@ -34,6 +34,8 @@ from kvherd.block_hash import (
     next_block_hash,
 )
 
+REQUEST_ID_IN_USE = "request_id_in_use"  # `InvalidRequestError.code`: the id names a request here
+
 
 class InvalidRequestError(ValueError):
     """A request the engine refuses; `param` names the offending field (OpenAI error object)."""
