@@ -8,12 +8,18 @@ Contract:
 - Service rate: completions per second of *busy* time, as exponentially decayed sums
   (time constant ``decay_s``): an interval counts only when requests were waiting through it,
   because only then do completions measure what the fleet can serve rather than what clients
-  asked for. Until ``min_busy_s`` of busy time was seen the rate is unknown (`rate` is None).
+  asked for. The measured rate (completions over busy time) is used once ``min_busy_s`` of busy
+  time and at least one (decayed) completion are behind it. Short of that, the fleet is bounded by
+  what it did not do: busy for ``s`` seconds since its last completion, it completes at most about
+  one request per ``s`` seconds, and `rate` is that bound (so a cold fleet serving long requests,
+  or a stalled one, refuses by how long it has gone without a completion, neither admitting
+  without limit nor refusing everything). `rate` is None while neither is known: before any
+  busy time, or at a completion before the measured rate is used.
 - `refusal(ahead)`: None to admit, else a `Refusal` with the expected wait ``ahead / rate``
   (seconds) and ``retry_after_s``, an integer of seconds in ``[1, max_retry_after_s]``: when enough
   of the queue ahead will have been served for the wait to be back within bounds. Requests are
-  refused only while the expected wait exceeds ``max_queue_wait_s``; with an unknown rate nothing
-  is refused here (the caller's count bound on its queue still holds).
+  refused only while the expected wait exceeds ``max_queue_wait_s``; with an unknown rate
+  nothing is refused here (the caller's count bound on its queue still holds).
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ class Refusal:
 class Admission:
     """The fleet's service rate and the expected-wait admission rule (see the module contract)."""
 
-    __slots__ = ("_ahead", "_busy", "_completed", "_done", "_last", "settings")
+    __slots__ = ("_ahead", "_busy", "_completed", "_done", "_last", "_stalled", "settings")
 
     def __init__(self, settings: AdmissionSettings | None = None) -> None:
         self.settings = settings or AdmissionSettings()
@@ -54,6 +60,7 @@ class Admission:
         self._done = 0  # the fleet's completion count at the last observation
         self._completed = 0.0  # decayed completions over busy time
         self._busy = 0.0  # decayed busy seconds
+        self._stalled = 0.0  # busy seconds since the last completion
 
     def observe(self, now: float, completed: int, ahead: int) -> None:
         last = self._last
@@ -66,6 +73,9 @@ class Admission:
                 decay = math.exp(-(now - last) / self.settings.decay_s)
                 self._completed = self._completed * decay + finished
                 self._busy = self._busy * decay + (now - last)
+                self._stalled = 0.0 if finished else self._stalled + (now - last)
+            elif finished:
+                self._stalled = 0.0
         if last is None or now >= last:
             self._last = now
         self._done = completed
@@ -73,10 +83,13 @@ class Admission:
 
     @property
     def rate(self) -> float | None:
-        """Requests the fleet completes per second while busy; None until measured."""
-        if self._busy < self.settings.min_busy_s or self._busy <= 0:
-            return None
-        return self._completed / self._busy
+        """Requests the fleet completes per second while busy (measured, or bounded by the busy
+        time since its last completion); None before any busy time."""
+        if self._busy >= self.settings.min_busy_s and self._completed >= 1:
+            return self._completed / self._busy
+        if self._stalled > 0:
+            return 1 / self._stalled
+        return None
 
     def expected_wait(self, ahead: int) -> float | None:
         """Seconds a request arriving behind `ahead` waiting ones would wait; None if unknown."""
@@ -85,7 +98,7 @@ class Admission:
         rate = self.rate
         if rate is None:
             return None
-        return math.inf if rate <= 0 else ahead / rate
+        return ahead / rate
 
     def refusal(self, ahead: int) -> Refusal | None:
         wait = self.expected_wait(ahead)
@@ -93,5 +106,4 @@ class Admission:
         if wait is None or wait <= limit:
             return None
         cap = self.settings.max_retry_after_s
-        retry = cap if math.isinf(wait) else min(cap, max(1, math.ceil(wait - limit)))
-        return Refusal(wait, retry)
+        return Refusal(wait, min(cap, max(1, math.ceil(wait - limit))))

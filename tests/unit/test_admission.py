@@ -87,3 +87,39 @@ def test_settings_are_checked() -> None:
         AdmissionSettings(max_queue_wait_s=0)
     with pytest.raises(ValueError):
         AdmissionSettings(max_retry_after_s=0)
+
+
+def cold_fleet_busy(seconds: float, ahead: int, step: float = 0.01) -> Admission:
+    """A fresh `Admission` that saw `ahead` requests wait `seconds` with no completion yet."""
+    admission = Admission(AdmissionSettings(max_queue_wait_s=1.0))
+    for i in range(round(seconds / step) + 1):
+        admission.observe(i * step, 0, ahead)
+    return admission
+
+
+def test_a_cold_flood_is_refused_before_the_rate_is_measured() -> None:
+    # 0.1 s of busy time, less than min_busy_s, and no completion: the fleet completes at most
+    # about one request per 0.1 s, so 100 waiting would take about 10 s to start.
+    admission = cold_fleet_busy(0.1, ahead=100)
+    assert admission.rate == pytest.approx(10.0)
+    refused = admission.refusal(100)
+    assert refused is not None
+    assert refused.expected_wait_s == pytest.approx(10.0)
+    assert refused.retry_after_s == 9
+    assert admission.refusal(5) is None  # about 0.5 s
+
+
+def test_a_cold_fleet_of_long_requests_refuses_by_its_time_without_a_completion() -> None:
+    # Long requests: busy 1 s before the first completion. The wait is bounded by that second
+    # per request ahead, not unbounded (a Retry-After of a minute for a fleet about to finish).
+    admission = cold_fleet_busy(1.0, ahead=3)
+    refused = admission.refusal(3)
+    assert refused is not None
+    assert refused.expected_wait_s == pytest.approx(3.0)
+    assert refused.retry_after_s == 2
+    assert admission.refusal(1) is None
+    # The first completions arrive (4 in about a second of busy time): the measured rate takes
+    # over, and 3 waiting are within the allowed wait.
+    admission.observe(1.02, 4, 3)
+    assert admission.rate is not None and 4.0 < admission.rate < 5.0
+    assert admission.refusal(3) is None
