@@ -50,7 +50,8 @@ Contract:
 - Admission by expected wait (`scheduler.core.admission`): a new request is refused, before its
   body is even parsed, when the requests waiting ahead of it (the admission queue plus the
   instances' own queues) would take the fleet longer than ``max_queue_wait_s`` to start, at the
-  rate the fleet was measured to complete requests while busy: 429, ``Retry-After`` (whole
+  rate the fleet was measured to complete requests while busy (short of a measurement, at most
+  one request per the busy time since its last completion): 429, ``Retry-After`` (whole
   seconds) and an OpenAI error object (``code: queue_wait``). So a flood leaves at most that much
   work queued, and normal service returns within about that long of its end.
   An instance is saturated when the proxy has ``max_inflight_per_instance`` requests in flight on
