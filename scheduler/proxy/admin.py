@@ -171,7 +171,8 @@ def build_admin_app(fleet: Fleet, token: str, allow: RegistrationPolicy) -> Fast
 
     @app.exception_handler(FleetError)
     async def fleet_error(_: Request, exc: FleetError) -> Response:
-        return _error(exc.status, exc.message, "invalid_request_error", exc.param)
+        kind = "server_error" if exc.status >= 500 else "invalid_request_error"
+        return _error(exc.status, exc.message, kind, exc.param)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, exc: OpenAIError) -> Response:

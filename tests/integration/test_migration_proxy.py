@@ -235,6 +235,7 @@ async def test_admin_migrate_refuses_bad_orders(proxy: RunningProxy) -> None:
             response = await client.post(url, json=order, headers=ADMIN)
             assert response.status_code == status, (order, response.text)
             assert response.json()["error"]["param"] == param
+            assert response.json()["error"]["type"] == "invalid_request_error"
         assert (await client.post(url, json={})).status_code == 401
 
 
