@@ -28,8 +28,9 @@ Contract (what ``GET /metrics`` on the proxy exposes):
 - P/D handoffs (`scheduler.proxy.pd`): ``kvherd_pd_handoffs_total{outcome}`` (``ok``: the request
   moved to its decode instance; ``fallback``: it kept decoding on its prefill instance;
   ``failed``: its prefill stream broke before the handoff resolved),
-  ``kvherd_pd_handoff_seconds`` (first token to commit), ``kvherd_pd_handoff_downtime_seconds``
-  (the request suspended), ``kvherd_pd_handoff_bytes`` (KV bytes sent per handoff), and
+  ``kvherd_pd_handoff_seconds`` (the first token's frame written to the commit),
+  ``kvherd_pd_handoff_downtime_seconds`` (the request suspended), ``kvherd_pd_handoff_bytes``
+  (KV bytes sent per handoff), and
   ``kvherd_pd_handoff_blocks_total{kind}`` (``sent``, ``deduplicated``: already cached on the
   decode instance, not sent; ``kvherd_pd_handoff_skipped_bytes_total`` their bytes).
 
@@ -178,7 +179,7 @@ class ProxyMetrics:
         )
         self.handoff_seconds = Histogram(
             "kvherd_pd_handoff_seconds",
-            "P/D handoff duration, first token to commit on the decode instance",
+            "P/D handoff duration, first token's frame written to commit on the decode instance",
             buckets=_HANDOFF_BUCKETS,
             registry=r,
         )
