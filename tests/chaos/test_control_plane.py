@@ -150,7 +150,6 @@ async def test_agent_control_routes_need_the_fleet_token(pair: list[AgentProcess
         ("POST", "/kvherd/v1/migration/reserve"),
         ("POST", "/kvherd/v1/migration/commit"),
         ("POST", "/kvherd/v1/migration/abort"),
-        ("GET", "/kvherd/v1/requests/someone/stream?wait=0"),
         ("POST", "/kvherd/v1/requests/someone/resume?wait=0"),
         ("GET", "/kvherd/v1/no-such-route"),
     ]
