@@ -44,11 +44,16 @@ Contract:
   ones): the router pairs each request with the P/D policy (`Router(..., pd_policy)`, as the
   proxy does), the prefill instance computes the prompt and the first token, and the request is
   handed to its decode instance through the same migration driver and session as a live
-  migration (`simulator.pd.SimHandoffs`: order, queueing, outcomes), each stage timed on the
-  pair's link (`transfer: simulator.transfer.TransferModel`); a refused or aborted handoff
-  decodes on the prefill instance. Handoff byte counts go to `handoff_stats`, outcomes to
-  `handoffs.stats`. Decode fast-forward is off in such a fleet (handoffs touch decode instances
-  at any step).
+  migration (`simulator.pd.SimHandoffs`: order, queueing, outcomes), opened as the agents open
+  it, at admission (stage 0 reserves the prompt's blocks on the decode instance from its block
+  hashes, sharing those it caches, the rest held there under the migration's owner until later
+  stages fill them; while the request waits or prefills, `Wait` drives the session again after
+  the source's next step, and each step that filled blocks gets a live stage; the stop-and-copy
+  at the first token sends only the rest), each stage timed on the pair's link (`transfer:
+  simulator.transfer.TransferModel`); a refused or aborted handoff decodes on the prefill
+  instance (held: resumed; still prefilling: no longer held), its reservation freed. Handoff
+  byte counts go to `handoff_stats`, outcomes to `handoffs.stats`. Decode fast-forward is off
+  in such a fleet (handoffs touch decode instances at any step).
 - A request the engine refuses (too long for an instance) is counted as failed, never crashes the run.
 - Deterministic: same trace, config and seed -> identical results.
 """
@@ -79,6 +84,7 @@ from migration.core.session import (
     SourceAction,
     SourceSession,
     Suspend,
+    Wait,
 )
 from migration.core.stages import Stage, StageConfig
 from policies.base import DispatchPolicy, MigrationPolicy, PDPolicy
@@ -188,6 +194,9 @@ class _Migration:
     link: TransferLink  # times each stage's copy
     on_done: Callable[[str, str | None], None]  # (request id, abort reason or None: committed)
     suspended_at: float = math.nan
+    # Blocks stage 0 reserved on the destination for later stages (`Stage.expected_blocks`), in
+    # order; held under `owner` with the rest, so freeing the owner frees them.
+    ahead: list[int] = field(default_factory=list)
 
 
 class SimCluster:
@@ -371,8 +380,10 @@ class SimCluster:
             self._done_one()
             return
         pair = self.handoffs.paired(rid)
-        if pair is not None and holds_first_token(self._role(pair[0])):
-            instance.scheduler.hold_at_first_token(rid)  # it never decodes on a prefill instance
+        if pair is not None:
+            if holds_first_token(self._role(pair[0])):
+                instance.scheduler.hold_at_first_token(rid)  # it never decodes there
+            self.handoffs.on_admitted(rid)  # reserve on the decode instance now
         # Admissions are stamped in admission order at one priority, so they queue behind the head: a
         # decode run planned behind a waiting head stays exact (see `_start_step`).
         assert head is None or waiting[0] is head, "an admission overtook the waiting head"
@@ -557,23 +568,28 @@ class SimCluster:
         )
 
     def _start_handoff(self, order: MigrationOrder) -> None:
-        """`SimHandoffs`' executor: the handoff starts once the prefill instance's engine loop
-        picks it up (an event right after the step that sampled the first token; the engine
-        goes on stepping meanwhile, as an agent's does)."""
+        """`SimHandoffs`' executor: the handoff starts once the prefill instance's agent picks
+        it up (an event right after its admission or its turn; the engine goes on stepping
+        meanwhile, as an agent's does)."""
         self.loop.call_at_quiet(self.loop.now, self._open_handoff, order)
 
     def _open_handoff(self, order: MigrationOrder) -> None:
         src = self.instances[order.src]
-        if order.request_id not in src.scheduler.requests:
+        request = src.scheduler.requests.get(order.request_id)
+        if request is None:
             self.handoffs.on_done(order.request_id, FINISHED_FIRST)
             return
         link = self.config.transfer.link(order.src, order.dst)
         stages = handoff_stages(self._role(order.src), self.config.migration_stages)
-        self._open_migration(order, self.handoff_stats, link, self._handoff_done, stages)
+        self._open_migration(
+            order, self.handoff_stats, link, self._handoff_done, stages, request.num_prompt_tokens
+        )
 
     def _handoff_done(self, request_id: str, reason: str | None) -> None:
         """A handoff ended; one that did not commit leaves its request decoding where it was
-        prefilled (a held request that no session suspended is resumed here)."""
+        prefilled (a held request that no session suspended is resumed here, one still
+        prefilling is no longer held). A request that finished first counts as the agents
+        report it (``finished_first``)."""
         pair = self.handoffs.paired(request_id)
         src = None if pair is None else self.instances[pair[0]]
         request = None if src is None else src.scheduler.requests.get(request_id)
@@ -581,12 +597,16 @@ class SimCluster:
             reason is not None
             and src is not None
             and request is not None
-            and request.status is RequestStatus.SUSPENDED
             and request_id not in self._migrating
         ):
-            src.scheduler.resume(request_id)
-            if src.idle:
-                self._start_step(src)
+            if request.status is RequestStatus.SUSPENDED:
+                src.scheduler.resume(request_id)
+                if src.idle:
+                    self._start_step(src)
+            else:
+                src.scheduler.cancel_hold(request_id)
+        if reason == AbortReason.REQUEST_FINISHED.value:
+            reason = FINISHED_FIRST
         self.handoffs.on_done(request_id, reason)
 
     def _role(self, instance_id: str) -> str:
@@ -599,10 +619,13 @@ class SimCluster:
         link: TransferLink,
         on_done: Callable[[str, str | None], None],
         stages: StageConfig | None = None,
+        prefill_tokens: int = 0,
     ) -> None:
         """Start one migration through the sessions (`stages`: the migrations' unless given; a
         handoff's may find its request held, suspended at its first token), or report it failed
-        at once."""
+        at once. `prefill_tokens` > 0: a P/D handoff opened as its request is admitted, as
+        `migration.source.PrefillOpening` opens it (stage 0 at once, from the prompt's hashes,
+        before any look at the engine; the request may still wait or prefill)."""
         src = self.instances.get(order.src)
         dst = self.instances.get(order.dst)
         request = None if src is None else src.scheduler.requests.get(order.request_id)
@@ -613,6 +636,7 @@ class SimCluster:
             or (
                 request.status is not RequestStatus.RUNNING
                 and (stages is None or request.status is not RequestStatus.SUSPENDED)
+                and not prefill_tokens
             )
             or order.request_id in self._migrating
         ):
@@ -622,7 +646,7 @@ class SimCluster:
         rid = request.request_id
         m = _Migration(
             order,
-            SourceSession(rid, block_size, stages or self.config.migration_stages),
+            SourceSession(rid, block_size, stages or self.config.migration_stages, prefill_tokens),
             DestinationSession(rid, dst.block_manager.block_size),
             owner=f"migration:{rid}",
             stats=stats,
@@ -631,7 +655,13 @@ class SimCluster:
         )
         self._migrating[rid] = m
         stats.started += 1
-        self._run_between_steps(src, lambda: self._drive(m, m.session.start()))
+        if prefill_tokens:
+            # As admitted: nothing computed yet (what the engine computed since, the next
+            # snapshot sees), so stage 0 copies nothing and reserves the whole prompt.
+            hashes = request.block_hashes[: prefill_tokens // block_size]
+            self._drive(m, m.session.on_snapshot(RequestSnapshot("waiting", (), 0, hashes)))
+        else:
+            self._run_between_steps(src, lambda: self._drive(m, m.session.start()))
 
     def _finish_migration(self, request_id: str, reason: str | None) -> None:
         assert self.migration_loop is not None
@@ -672,6 +702,12 @@ class SimCluster:
                     src.scheduler.suspend(rid)
                     m.suspended_at = self.loop.now
                     action = session.on_suspended()
+                case Wait():
+                    # No new full block yet: look again after the source's next step.
+                    self._between_steps.setdefault(src.instance_id, []).append(
+                        lambda: self._drive(m, Snapshot())
+                    )
+                    return
                 case Reserve(stage=stage):
                     action = self._reserve_on_dst(m, dst, stage)
                 case Copy(stage=stage):
@@ -696,12 +732,12 @@ class SimCluster:
         """The destination's answer to one stage's reservation (as `migration.destination`)."""
         bm = dst.block_manager
         hashes = DestinationSession.hashes_to_share(
-            stage.index, stage.num_blocks, stage.block_hashes
+            stage.index, max(stage.num_blocks, stage.expected_blocks), stage.block_hashes
         )
         shared = bm.lookup_cached_prefix(hashes) if hashes else []
         if shared:
             bm.share_cached_blocks(m.owner, shared)
-        reserved = bm.reserve_blocks(m.owner, stage.num_blocks - len(shared))
+        reserved = self._take_blocks(m, dst, stage, len(shared))
         answer = DestinationSession.answer(stage.num_blocks, shared, reserved)
         if not answer.accepted:
             bm.free_owner(m.owner)
@@ -717,6 +753,28 @@ class SimCluster:
             answer.reason,
         )
 
+    @staticmethod
+    def _take_blocks(
+        m: _Migration, dst: SimInstance, stage: Stage, num_shared: int
+    ) -> list[int] | None:
+        """The stage's blocks past the `num_shared` cached ones, as `migration.destination`
+        takes them: first the blocks reserved ahead, then fresh ones (None: no room). Stage 0
+        with `expected_blocks` reserves them all now."""
+        bm = dst.block_manager
+        want = max(0, stage.num_blocks - num_shared)
+        if stage.index == 0:
+            ahead = max(stage.num_blocks, stage.expected_blocks) - num_shared
+            reserved = bm.reserve_blocks(m.owner, max(ahead, 0))
+            if reserved is None:
+                return None
+            m.ahead = reserved[want:]
+            return reserved[:want]
+        taken, m.ahead = m.ahead[:want], m.ahead[want:]
+        if len(taken) == want:
+            return taken
+        fresh = bm.reserve_blocks(m.owner, want - len(taken))
+        return None if fresh is None else taken + fresh
+
     def _stage_landed(self, m: _Migration) -> None:
         action = m.session.on_landed()
         if isinstance(action, Commit):  # the request is suspended: no step can race the commit
@@ -730,6 +788,11 @@ class SimCluster:
         request = src.scheduler.requests.get(session.request_id)
         if request is None:
             return session.fail(AbortReason.REQUEST_FINISHED, "finished or aborted on the source")
+        if m.ahead:
+            dst.block_manager.free_owner(m.owner)
+            return session.on_commit_answer(
+                False, f"{len(m.ahead)} blocks reserved ahead were never filled"
+            )
         state = request.to_state()
         refusal = m.destination.commit_refusal(
             state["request_id"],

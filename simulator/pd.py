@@ -1,27 +1,30 @@
-"""P/D disaggregation in the simulator: each paired request moves to its decode instance after its
-first token, through the fleet's own live-migration session.
+"""P/D disaggregation in the simulator: each paired request's handoff to its decode instance opens
+as it is admitted on its prefill instance and commits after its first token, through the fleet's
+own live-migration session.
 
 Contract:
 - Pairing is production's: the `Router` with a P/D policy (`policies.base.PDPolicy`) routes each
   arrival, and `Routed.decode_id` names the decode instance (None: no handoff, e.g. conditional
   disaggregation ran it where it decodes). `expect(request_id, prefill, decode)` records one.
+- `on_admitted(request_id)`: the prefill instance's engine took the request; its handoff joins
+  that instance's queue: up to `MAX_HANDOFFS_OUT` handoffs out of one instance run at once, the
+  rest wait in order of admission, as in the agents (`instance_agent.pd_handoff`); one whose
+  turn comes after its first token finds it held. Out of a prefill-only instance the request is
+  held (suspended) from its first token, so it never decodes there (`migration.core.handoff`;
+  the cluster asks the engine for the hold at admission).
 - `on_first_token(request_id, now)`: the prefill instance sampled the first token (so TTFT is
   recorded there and pays no transfer); `first_token_at(request_id)` keeps its time until the
-  handoff ends (a held request stops decoding then, so its handoff's downtime starts there, not
-  when its session first runs, which may be a prefill step later). The handoff joins its prefill
-  instance's queue: up to `MAX_HANDOFFS_OUT` handoffs out of one instance run at once, the rest
-  wait in order of first tokens, as in the agents (`instance_agent.pd_handoff`). Out of a
-  prefill-only instance the request is held (suspended) from its first token, so it never decodes
-  there meanwhile (`migration.core.handoff`; the cluster asks the engine for the hold at
-  admission).
+  handoff ends (a held request stops decoding then, so its handoff's downtime starts there).
 - A handoff is the `MigrationOrder(request, prefill, decode, "pd_handoff")` given to `start`: the
-  cluster's migration driver, i.e. the agents' `SourceSession`/`DestinationSession` (cache-aware
-  stages that copy only the blocks the decode instance lacks, the stop-and-copy stage, the commit
-  of `Request.to_state()`), reserving on the decode instance at handoff time. `on_done(request_id,
+  cluster's migration driver, i.e. the agents' `SourceSession`/`DestinationSession` opened before
+  the prefill (stage 0 reserves the prompt's blocks on the decode instance, sharing the ones it
+  caches; live stages copy a chunked prefill's full blocks while it computes; the stop-and-copy
+  at the first token sends the rest; the commit of `Request.to_state()`). `on_done(request_id,
   reason)` ends it: reason None (committed) counts ``ok``; otherwise the request decodes on its
   prefill instance and counts ``fallback`` by the abort reason (``dst_refused``: no room there).
-- `on_finished(request_id)`: a request that ends before its handoff started (one output token,
-  or still waiting for its turn) counts ``fallback`` ``finished_first``, as the agents report it.
+- `on_finished(request_id)`: a request that ends before its handoff started (still waiting for
+  its turn) counts ``fallback`` ``finished_first``, as the agents report it (the cluster reports
+  a handoff whose session found its request finished the same way).
 - Every expected handoff ends exactly once as ``ok`` or ``fallback`` (`ok + sum(fallback)` equals
   the handoffs expected, once the run is over).
 """
@@ -76,14 +79,17 @@ class SimHandoffs:
         """When a request whose handoff has not ended got its first token (None: not yet)."""
         return self._first_token_at.get(request_id)
 
-    def on_first_token(self, request_id: str, now: float) -> None:
+    def on_admitted(self, request_id: str) -> None:
         pair = self._paired.get(request_id)
         if pair is None:
             return
-        self._first_token_at[request_id] = now
         prefill = pair[0]
         self._queues.setdefault(prefill, deque()).append(request_id)
         self._next(prefill)
+
+    def on_first_token(self, request_id: str, now: float) -> None:
+        if request_id in self._paired:
+            self._first_token_at[request_id] = now
 
     def on_finished(self, request_id: str) -> None:
         """The request ended; if its handoff never started, it finished first."""

@@ -11,11 +11,11 @@ Contract:
   live stages while it decodes, then the stop-and-copy).
 - `MAX_HANDOFFS_OUT` handoffs out of one instance run at once (others wait for a turn); a decode
   agent takes as many in (`DECODE_MAX_INCOMING`).
-- Used by `instance_agent.pd_handoff` and `simulator.pd`/`simulator.cluster` alike. The agents
-  open the session as the request is admitted (`migration.source.PrefillOpening`: stage 0
-  reserves the prompt's blocks on the decode instance, live stages copy a chunked prefill's
-  full blocks while it computes, so the stop-and-copy sends only the last chunk's); the
-  simulator still opens it at the first token (its stop-and-copy sends the whole prompt).
+- Used by `instance_agent.pd_handoff` and `simulator.pd`/`simulator.cluster` alike, both opening
+  the session as the request is admitted (`migration.source.PrefillOpening`; the simulator opens
+  it the same way): stage 0 reserves the prompt's blocks on the decode instance, live stages copy
+  a chunked prefill's full blocks while it computes, so the stop-and-copy sends only the last
+  chunk's.
 """
 
 from __future__ import annotations

@@ -1,10 +1,13 @@
 """P/D disaggregation in the simulator: production's pairing, the agents' migration session for the
-handoff (one stop-and-copy stage out of a prefill-only instance, live stages out of a mixed one),
-the request never decoding on a prefill instance, concurrent handoffs, the same tokens as colocated
-serving, no leaked blocks, conditional disaggregation, refused handoffs and the link's bandwidth."""
+handoff opened at admission (stage 0 reserving the prompt's blocks on the decode instance, live
+stages while a chunked prefill computes, one stop-and-copy stage out of a prefill-only instance,
+live stages out of a mixed one), the request never decoding on a prefill instance, concurrent
+handoffs, the same tokens as colocated serving, no leaked blocks or reservations, conditional
+disaggregation, refused handoffs and the link's bandwidth."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -26,6 +29,7 @@ from migration.core.session import (
     SourceAction,
     SourceSession,
     Suspend,
+    Wait,
 )
 from migration.core.stages import StageConfig
 from policies import load_dispatch_policy
@@ -106,23 +110,38 @@ def _no_leaks(cluster: SimCluster) -> None:
         assert not state.inflight, state.instance_id
 
 
-class _RecordingSession(SourceSession):
-    """The agents' source session, keeping every input it got and action it returned."""
+Log = list[tuple[str, object, SourceAction]]
 
-    log: ClassVar[list[tuple[str, object, SourceAction]]] = []
+
+class _RecordingSession(SourceSession):
+    """The agents' source session, keeping every input it got and action it returned (all
+    sessions in `log`, each request's in `logs`)."""
+
+    log: ClassVar[Log] = []
+    logs: ClassVar[dict[str, Log]] = {}
     in_flight: ClassVar[int] = 0
     most_in_flight: ClassVar[int] = 0
 
+    def __init__(
+        self,
+        request_id: str,
+        block_size: int,
+        config: StageConfig | None = None,
+        prefill_tokens: int = 0,
+    ) -> None:
+        super().__init__(request_id, block_size, config, prefill_tokens)
+        cls = type(self)
+        cls.in_flight += 1
+        cls.most_in_flight = max(cls.most_in_flight, cls.in_flight)
+
     def _note(self, event: str, given: object, action: SourceAction) -> SourceAction:
         self.log.append((event, given, action))
+        self.logs.setdefault(self.request_id, []).append((event, given, action))
         if isinstance(action, Done | Abort):
             type(self).in_flight -= 1
         return action
 
     def start(self) -> SourceAction:
-        cls = type(self)
-        cls.in_flight += 1
-        cls.most_in_flight = max(cls.most_in_flight, cls.in_flight)
         return self._note("start", None, super().start())
 
     def on_snapshot(self, snapshot: RequestSnapshot) -> SourceAction:
@@ -147,12 +166,18 @@ class _RecordingSession(SourceSession):
         return self._note("released", None, super().on_released())
 
 
-def _replay(
-    log: list[tuple[str, object, SourceAction]], request_id: str, role: str
-) -> list[SourceAction]:
+def _record(monkeypatch: pytest.MonkeyPatch) -> None:
+    _RecordingSession.log = []
+    _RecordingSession.logs = {}
+    _RecordingSession.in_flight = _RecordingSession.most_in_flight = 0
+    monkeypatch.setattr(sim_cluster, "SourceSession", _RecordingSession)
+
+
+def _replay(log: Log, request_id: str, role: str, prefill_tokens: int) -> list[SourceAction]:
     """Feed a fresh session the same events, as `migration.source.migrate_out` feeds them (with
-    the stages `instance_agent.pd_handoff` picks for a source of `role`)."""
-    session = SourceSession(request_id, BS, handoff_stages(role, StageConfig()))
+    the stages `instance_agent.pd_handoff` picks for a source of `role`, opened at admission
+    for a prompt of `prefill_tokens`, as `PrefillOpening` opens it)."""
+    session = SourceSession(request_id, BS, handoff_stages(role, StageConfig()), prefill_tokens)
     out: list[SourceAction] = []
     for event, given, _ in log:
         if event == "start":
@@ -171,25 +196,28 @@ def _replay(
     return out
 
 
-def test_a_prefill_instance_hands_off_in_one_stop_and_copy_stage(
+def test_a_prefill_instance_reserves_at_admission_and_hands_off_in_one_stop_and_copy_stage(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    _RecordingSession.log = []
-    monkeypatch.setattr(sim_cluster, "SourceSession", _RecordingSession)
+    _record(monkeypatch)
     cluster = _run(_trace(1, 800, 40), prefill=1, decode=1)
     assert cluster.handoffs.stats.ok == 1 and cluster.handoffs.stats.expected == 1
     log = _RecordingSession.log
     actions = [action for _, _, action in log]
-    # Held at its first token, the request is suspended already: no live stage, no Suspend; one
-    # stop-and-copy stage carries every block (hashes offered: cache-aware).
-    assert [type(a) for a in actions] == [Snapshot, Reserve, Copy, Commit, Release, Done]
-    (only,) = [a for a in actions if isinstance(a, Reserve)]
-    assert only.stage.index == 0 and only.stage.final
-    assert only.stage.num_blocks == 800 // BS and len(only.stage.block_hashes) == 800 // BS
-    first_snapshot = log[1][1]
+    # Stage 0 at admission reserves the whole prompt and copies nothing (hashes offered:
+    # cache-aware); the prompt is one chunk, so the next look finds it held at its first token:
+    # no live stage, no Suspend, one stop-and-copy stage carries every block.
+    kinds = [type(a) for a in actions]
+    assert kinds == [Reserve, Copy, Snapshot, Reserve, Copy, Commit, Release, Done]
+    opening, only = actions[0], actions[3]
+    assert isinstance(opening, Reserve) and isinstance(only, Reserve)
+    assert opening.stage.index == 0 and opening.stage.num_blocks == 0
+    assert opening.stage.expected_blocks == len(opening.stage.block_hashes) == 800 // BS
+    assert only.stage.index == 1 and only.stage.final and only.stage.num_blocks == 800 // BS
+    first_snapshot = log[3][1]
     assert isinstance(first_snapshot, RequestSnapshot) and first_snapshot.phase == "suspended"
     assert first_snapshot.num_kv_tokens == 800  # the first token's KV is not computed yet
-    assert _replay(log, "0", "prefill") == actions
+    assert _replay(log, "0", "prefill", 800) == actions
     stats = cluster.handoff_stats
     kv = load_latency_model(LATENCY).kv_bytes_per_token or 0.0
     assert stats.bytes_sent == pytest.approx(only.stage.num_blocks * BS * kv)
@@ -197,17 +225,19 @@ def test_a_prefill_instance_hands_off_in_one_stop_and_copy_stage(
 
 
 def test_a_mixed_instance_hands_off_with_live_stages(monkeypatch: pytest.MonkeyPatch) -> None:
-    _RecordingSession.log = []
-    monkeypatch.setattr(sim_cluster, "SourceSession", _RecordingSession)
+    _record(monkeypatch)
     cluster = _run(_trace(1, 800, 40), mixed=1, decode=1)
     assert cluster.handoffs.stats.ok == 1 and cluster.handoffs.stats.expected == 1
     assert cluster.metrics.columns()["instance"].tolist() == ["decode-0"]
     log = _RecordingSession.log
     actions = [action for _, _, action in log]
-    # Llumnix's stages as the agents run them: a live stage of the prompt's full blocks (hashes
-    # offered: cache-aware), the suspension with a second look, the stop-and-copy stage, commit.
+    # Llumnix's stages as the agents run them: stage 0 at admission (hashes offered:
+    # cache-aware), a live stage of the prompt's full blocks, the suspension with a second look,
+    # the stop-and-copy stage, commit.
     kinds = [type(a) for a in actions]
     assert kinds == [
+        Reserve,
+        Copy,
         Snapshot,
         Reserve,
         Copy,
@@ -220,15 +250,16 @@ def test_a_mixed_instance_hands_off_with_live_stages(monkeypatch: pytest.MonkeyP
         Release,
         Done,
     ]
-    live, final = actions[1], actions[6]
-    assert isinstance(live, Reserve) and isinstance(final, Reserve)
-    assert live.stage.index == 0 and not live.stage.final
-    assert live.stage.num_blocks == 800 // BS and len(live.stage.block_hashes) == 800 // BS
+    opening, live, final = actions[0], actions[3], actions[8]
+    assert isinstance(opening, Reserve) and isinstance(live, Reserve)
+    assert isinstance(final, Reserve)
+    assert opening.stage.num_blocks == 0 and len(opening.stage.block_hashes) == 800 // BS
+    assert live.stage.index == 1 and not live.stage.final and live.stage.num_blocks == 800 // BS
     assert final.stage.final and 1 <= final.stage.num_blocks <= 4
-    first_snapshot = log[1][1]
+    first_snapshot = log[3][1]
     assert isinstance(first_snapshot, RequestSnapshot) and first_snapshot.phase == "decoding"
     # The same events give the same actions from a plain session: nothing simulator-specific.
-    assert _replay(log, "0", "mixed") == actions
+    assert _replay(log, "0", "mixed", 800) == actions
     stats = cluster.handoff_stats
     kv = load_latency_model(LATENCY).kv_bytes_per_token or 0.0
     sent = live.stage.num_blocks + final.stage.num_blocks
@@ -335,10 +366,8 @@ def test_a_held_handoffs_downtime_runs_from_its_first_token(
 def test_handoffs_out_of_one_prefill_instance_run_concurrently(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    _RecordingSession.log = []
-    _RecordingSession.in_flight = _RecordingSession.most_in_flight = 0
-    monkeypatch.setattr(sim_cluster, "SourceSession", _RecordingSession)
-    # Eight prompts prefilled in the same steps: their first tokens come together.
+    _record(monkeypatch)
+    # Eight prompts admitted together: four handoffs open at once, the others wait for a turn.
     cluster = _run(_trace(8, 300, 30, gap_s=0.0), prefill=1, decode=1)
     assert cluster.handoffs.stats.ok == 8
     assert _RecordingSession.most_in_flight == MAX_HANDOFFS_OUT
@@ -377,8 +406,8 @@ def test_a_single_token_request_finishes_before_its_handoff() -> None:
 @pytest.mark.parametrize("live_stages", [8, 0], ids=["live-stage-refused", "suspended-refused"])
 def test_a_refused_handoff_decodes_on_the_prefill_instance(live_stages: int) -> None:
     # The decode instance (100 blocks) holds a short request that keeps growing; the long
-    # prompt's handoff finds no room there and the request decodes where it was prefilled
-    # (with no live stage, it is refused after its suspension and resumes there).
+    # prompt's handoff finds no room there for its reservation at admission, and the request
+    # decodes where it is prefilled (no longer held at its first token), whatever its stages.
     trace = [
         TraceRequest(0, 0.0, 100, 1200, tuple(range(7))),
         TraceRequest(1, 10.0, 800, 30, tuple(range(100, 150))),
@@ -398,8 +427,7 @@ def test_a_slower_link_takes_longer_to_hand_off(monkeypatch: pytest.MonkeyPatch)
     kv = load_latency_model(LATENCY).kv_bytes_per_token or 0.0
     downtimes = {}
     for name in ("nvlink", "rdma100"):
-        _RecordingSession.log = []
-        monkeypatch.setattr(sim_cluster, "SourceSession", _RecordingSession)
+        _record(monkeypatch)
         model = TransferModel(link(name))
         cluster = _run(_trace(1, 800, 40), prefill=1, decode=1, transfer=model)
         (final,) = [a for _, _, a in _RecordingSession.log if isinstance(a, Copy) and a.stage.final]
@@ -420,4 +448,74 @@ def test_a_committed_handoff_lets_its_prefill_instance_admit_its_queue() -> None
     stats = cluster.handoffs.stats
     assert stats.ok + stats.num_fallback == stats.expected == 6
     assert len(cluster.metrics.columns()["instance"]) == 6
+    _no_leaks(cluster)
+
+
+_LETTERS = {Reserve: "R", Copy: "C", Snapshot: "S", Wait: "W", Commit: "M", Release: "L", Done: "D"}
+
+
+def test_a_chunked_prefill_moves_while_it_computes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agents' handoff of a chunked prefill (`test_migration_prefill_stages`), in the
+    simulator: stage 0 at admission reserves the whole prompt on the decode instance, a live
+    stage follows each chunk that filled blocks (`Wait` while none did: the second prompt waits
+    behind the first's chunks), the stop-and-copy at the first token sends only the last chunk's
+    blocks, and the reserved-ahead blocks stay held there until the commit adopts them."""
+    _record(monkeypatch)
+    chunks: dict[str, list[int]] = {}  # request -> tokens computed before each of its chunks
+    held: list[tuple[str, int, int, int]] = []  # at each landing: (request, held, ahead, sent)
+
+    def watch(cluster: SimCluster) -> None:
+        scheduler = cluster.instances["prefill-0"].scheduler
+        schedule = scheduler.schedule
+
+        def scheduled() -> SchedulerOutput:
+            out = schedule()
+            for s in out.scheduled:
+                chunks.setdefault(s.request.request_id, []).append(s.num_computed_before)
+            return out
+
+        scheduler.schedule = scheduled  # type: ignore[method-assign]
+
+    landed = SimCluster._stage_landed
+
+    def record(self: SimCluster, m: sim_cluster._Migration) -> None:
+        dst = self.instances["decode-0"].block_manager
+        num_held, num_ahead = len(dst.block_ids(m.owner)), len(m.ahead)
+        landed(self, m)
+        planner = m.session.planner  # the stage counts as sent once landed
+        sent = planner.blocks_sent + planner.num_shared_blocks
+        held.append((m.session.request_id, num_held, num_ahead, sent))
+
+    monkeypatch.setattr(SimCluster, "_stage_landed", record)
+    config = InstanceConfig(num_blocks=4000, block_size=BS, max_num_batched_tokens=256)
+    cluster = _run(
+        _trace(2, 800, 20, gap_s=0.0), prefill=1, decode=1, prepare=watch, instance=config
+    )
+    assert cluster.handoffs.stats.ok == 2 and cluster.handoffs.stats.expected == 2
+    blocks = 800 // BS
+    for rid, log in _RecordingSession.logs.items():
+        actions = [a for _, _, a in log]
+        letters = "".join(_LETTERS[type(a)] for a in actions)
+        # Stage 0, then live stages between waits (after a `Wait` the driver looks again, which
+        # the session answers), then the stop-and-copy, commit, release.
+        assert re.fullmatch(r"RCSW*(RCSW*)+RCMLD", letters), (rid, letters)
+        reserves = [a for a in actions if isinstance(a, Reserve)]
+        opening, *live, final = (r.stage for r in reserves)
+        assert opening.index == 0 and opening.num_blocks == 0
+        assert opening.expected_blocks == len(opening.block_hashes) == blocks
+        assert live and not any(s.final for s in live) and final.final
+        # Every live stage copies blocks a prefill chunk computed, before the first token.
+        looks = [given for event, given, a in log if event == "snapshot" and isinstance(a, Reserve)]
+        phases = [s.phase for s in looks if isinstance(s, RequestSnapshot)]
+        assert phases == ["waiting"] + ["prefilling"] * len(live) + ["suspended"], phases
+        # The stop-and-copy sends only the last chunk's blocks.
+        last = chunks[rid][-1]
+        assert final.first_block == last // BS and final.num_blocks == blocks - last // BS
+        assert sum(s.num_blocks for s in (opening, *live, final)) == blocks
+        assert _replay(log, rid, "prefill", 800) == actions
+    # The second prompt waited behind the first one's chunks: its session waited meanwhile.
+    assert "W" in "".join(_LETTERS[type(a)] for _, _, a in _RecordingSession.logs["trace-1"])
+    # The decode instance holds the whole prompt's blocks from stage 0 on: those landed or in
+    # flight, and the rest reserved ahead for later stages.
+    assert held and all(n == blocks and ahead == blocks - sent for _, n, ahead, sent in held), held
     _no_leaks(cluster)
