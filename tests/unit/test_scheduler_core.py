@@ -379,21 +379,24 @@ def test_match_array_agrees_with_match(fleet: int) -> None:
     cluster = ClusterState(block_size=16)
     doc = tokens(16 * 64, 3)
     chain = block_hash_chain(doc, 16)
+    depths: dict[str, int] = {}
     for k in range(fleet):
         name = f"n{k}"
         cluster.add_instance(name, has_kv_events=k % 3 != 0)
-        depth = rng.randrange(0, 65)
+        depth = depths[name] = rng.randrange(0, 65)
         if k % 3:
             prefix = doc[: 16 * depth]
             cluster.apply_kv_events(name, [BlockStored(chain[:depth], None, prefix, 16)])
         else:
             cluster.note_routed(name, chain[:depth], now=0.0)
     cluster.remove_instance("n1")  # a freed slot and shifted positions
-    expected = cluster.match(chain, now=1.0)
+    del depths["n1"]
+    expected = {name: depth for name, depth in depths.items() if depth}
     view = cluster.view(1.0)
     array = cluster.match_array(chain, now=1.0)
     assert {view.instances[i].instance_id: int(array[i]) for i in np.flatnonzero(array)} == expected
-    assert sum(1 for v in expected.values() if v) > (64 if fleet > 100 else 0)
+    assert {n: d for n, d in cluster.match(chain, now=1.0).items() if d} == expected
+    assert len(expected) > (64 if fleet > 100 else 0)
 
 
 def test_match_counts_a_block_held_in_either_index_over_a_long_chain() -> None:
