@@ -40,7 +40,7 @@ from migration.core.protocol import (
     ReserveResponse,
 )
 from migration.core.reservations import Reservation, ReservationError, ReservationTable
-from migration.core.session import DestinationSession
+from migration.core.session import AheadBlocks, DestinationSession
 from migration.kv_copy import recv_blocks
 from migration.transport import TransferError, TransportHub
 
@@ -67,9 +67,9 @@ class MigrationDestination:
         self._tags: dict[str, tuple[str, int]] = {}  # migration -> (pair group, message tag)
         self._views: Sequence[Any] | None = None  # the engine's KV cache, by block id
         self._landing: set[str] = set()  # migrations whose bytes are being received right now
-        # Blocks reserved ahead for a migration's later stages (`expected_blocks`), in order;
-        # held under the migration id with the rest, so freeing the reservation frees them.
-        self._ahead: dict[str, list[int]] = {}
+        # Blocks reserved ahead for a migration's later stages (`expected_blocks`); held under
+        # the migration id with the rest, so freeing the reservation frees them.
+        self._ahead: dict[str, AheadBlocks] = {}
         self.committed = 0
         self.aborted: dict[str, int] = {}  # reason -> count
 
@@ -127,10 +127,10 @@ class MigrationDestination:
         if failure is not None:
             await self._drop(mid, AbortReason.TRANSFER_FAILED)
             return AckResponse(False, failure)
-        unfilled = len(self._ahead.get(mid, ()))
-        if unfilled:
+        unfilled = self._ahead[mid].commit_refusal() if mid in self._ahead else None
+        if unfilled is not None:
             await self._drop(mid, AbortReason.DST_FAILED)
-            return AckResponse(False, f"{unfilled} blocks reserved ahead were never filled")
+            return AckResponse(False, unfilled)
         state = msg.state
         block_ids = reservation.block_ids
         session = DestinationSession(reservation.request_id, self.block_size)
@@ -202,20 +202,14 @@ class MigrationDestination:
     ) -> list[int] | None:
         """The stage's blocks past the `num_shared` cached ones: first the blocks reserved ahead,
         then fresh ones (None: no room). Stage 0 with `expected_blocks` reserves them all now."""
-        want = max(0, msg.num_blocks - num_shared)
-        if msg.stage == 0:
-            ahead = max(msg.num_blocks, msg.expected_blocks) - num_shared
-            reserved = await self.call(lambda e: e.reserve_blocks(mid, max(ahead, 0)))
-            if reserved is None:
-                return None
-            self._ahead[mid] = reserved[want:]
-            return reserved[:want]
-        pool = self._ahead.get(mid, [])
-        taken, self._ahead[mid] = pool[:want], pool[want:]
-        if len(taken) == want:
-            return taken
-        fresh = await self.call(lambda e: e.reserve_blocks(mid, want - len(taken)))
-        return None if fresh is None else taken + fresh
+        ahead = self._ahead.setdefault(mid, AheadBlocks())
+        count = ahead.to_reserve(msg.stage, msg.num_blocks, msg.expected_blocks, num_shared)
+        fresh: list[int] | None = []
+        if count is not None:
+            fresh = await self.call(lambda e: e.reserve_blocks(mid, count))
+        if fresh is None:
+            return None
+        return ahead.take(msg.stage, msg.num_blocks, num_shared, fresh)
 
     def _check_geometry(self, msg: ReserveRequest) -> str | None:
         if msg.block_size != self.block_size:

@@ -73,6 +73,7 @@ from migration.core.handoff import handoff_stages, holds_first_token
 from migration.core.protocol import AbortReason
 from migration.core.session import (
     Abort,
+    AheadBlocks,
     Commit,
     Copy,
     DestinationSession,
@@ -194,9 +195,9 @@ class _Migration:
     link: TransferLink  # times each stage's copy
     on_done: Callable[[str, str | None], None]  # (request id, abort reason or None: committed)
     suspended_at: float = math.nan
-    # Blocks stage 0 reserved on the destination for later stages (`Stage.expected_blocks`), in
-    # order; held under `owner` with the rest, so freeing the owner frees them.
-    ahead: list[int] = field(default_factory=list)
+    # Blocks stage 0 reserved on the destination for later stages (`Stage.expected_blocks`);
+    # held under `owner` with the rest, so freeing the owner frees them.
+    ahead: AheadBlocks = field(default_factory=AheadBlocks)
 
 
 class SimCluster:
@@ -757,23 +758,13 @@ class SimCluster:
     def _take_blocks(
         m: _Migration, dst: SimInstance, stage: Stage, num_shared: int
     ) -> list[int] | None:
-        """The stage's blocks past the `num_shared` cached ones, as `migration.destination`
-        takes them: first the blocks reserved ahead, then fresh ones (None: no room). Stage 0
-        with `expected_blocks` reserves them all now."""
-        bm = dst.block_manager
-        want = max(0, stage.num_blocks - num_shared)
-        if stage.index == 0:
-            ahead = max(stage.num_blocks, stage.expected_blocks) - num_shared
-            reserved = bm.reserve_blocks(m.owner, max(ahead, 0))
-            if reserved is None:
-                return None
-            m.ahead = reserved[want:]
-            return reserved[:want]
-        taken, m.ahead = m.ahead[:want], m.ahead[want:]
-        if len(taken) == want:
-            return taken
-        fresh = bm.reserve_blocks(m.owner, want - len(taken))
-        return None if fresh is None else taken + fresh
+        """The stage's blocks past the `num_shared` cached ones (None: no room), taken as
+        `migration.destination` takes them (`AheadBlocks`)."""
+        count = m.ahead.to_reserve(stage.index, stage.num_blocks, stage.expected_blocks, num_shared)
+        fresh = [] if count is None else dst.block_manager.reserve_blocks(m.owner, count)
+        if fresh is None:
+            return None
+        return m.ahead.take(stage.index, stage.num_blocks, num_shared, fresh)
 
     def _stage_landed(self, m: _Migration) -> None:
         action = m.session.on_landed()
@@ -788,11 +779,10 @@ class SimCluster:
         request = src.scheduler.requests.get(session.request_id)
         if request is None:
             return session.fail(AbortReason.REQUEST_FINISHED, "finished or aborted on the source")
-        if m.ahead:
+        unfilled = m.ahead.commit_refusal()
+        if unfilled is not None:
             dst.block_manager.free_owner(m.owner)
-            return session.on_commit_answer(
-                False, f"{len(m.ahead)} blocks reserved ahead were never filled"
-            )
+            return session.on_commit_answer(False, unfilled)
         state = request.to_state()
         refusal = m.destination.commit_refusal(
             state["request_id"],

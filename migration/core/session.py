@@ -30,6 +30,9 @@ Contract:
   answered with the cached leading blocks shared (stage 0 only) and the rest reserved, or refused
   with everything this migration holds freed; a commit is accepted only for a state whose KV
   length fills exactly the blocks received, for the request the reservation was opened for.
+  `AheadBlocks` holds the blocks a stage 0 with `expected_blocks` reserved for later stages: each
+  stage takes its blocks from them first, in order, then fresh ones; a commit leaving any unfilled
+  is refused.
 - No I/O and no clock: the agents drive the sessions with asyncio (`migration.source`,
   `migration.destination`), the simulator with its virtual-clock event loop.
 """
@@ -37,7 +40,7 @@ Contract:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from migration.core.protocol import AbortReason
 from migration.core.stages import (
@@ -269,3 +272,40 @@ class DestinationSession:
         ):
             return "the request state does not match the received blocks"
         return None
+
+
+@dataclass(slots=True)
+class AheadBlocks:
+    """The blocks one incoming migration reserved ahead of its later stages, in the order they
+    take them (a P/D handoff opened before its prefill: stage 0's ``expected_blocks``). The
+    driver reserves the fresh blocks `to_reserve` names, under the migration (so freeing the
+    migration frees these too), and hands them to `take`."""
+
+    blocks: list[int] = field(default_factory=list)
+
+    def to_reserve(
+        self, stage: int, num_blocks: int, expected_blocks: int, num_shared: int
+    ) -> int | None:
+        """Fresh blocks to reserve for a stage of `num_blocks` whose first `num_shared` are
+        shared (cached here): stage 0 reserves every expected block now; a later stage only what
+        the blocks reserved ahead do not cover (None: it asks for none)."""
+        if stage == 0:
+            return max(0, max(num_blocks, expected_blocks) - num_shared)
+        missing = max(0, num_blocks - num_shared) - len(self.blocks)
+        return missing if missing > 0 else None
+
+    def take(self, stage: int, num_blocks: int, num_shared: int, fresh: Sequence[int]) -> list[int]:
+        """The stage's blocks past its shared ones: from the blocks reserved ahead, then
+        `fresh`; stage 0 keeps the fresh blocks it does not use for the later stages."""
+        want = max(0, num_blocks - num_shared)
+        if stage == 0:
+            self.blocks = list(fresh[want:])
+            return list(fresh[:want])
+        taken, self.blocks = self.blocks[:want], self.blocks[want:]
+        return taken + list(fresh)
+
+    def commit_refusal(self) -> str | None:
+        """Why a commit cannot be accepted while blocks reserved ahead were never filled."""
+        return (
+            f"{len(self.blocks)} blocks reserved ahead were never filled" if self.blocks else None
+        )

@@ -13,6 +13,7 @@ from instance_agent.engine.core.request import Request, SamplingParams
 from migration.core.protocol import AbortReason, RequestState
 from migration.core.session import (
     Abort,
+    AheadBlocks,
     Commit,
     Copy,
     DestinationSession,
@@ -280,3 +281,22 @@ async def test_agents_drive_the_same_session(dst_blocks: int) -> None:
         for thread, hub in ((src_thread, src_hub), (dst_thread, dst_hub)):
             thread.stop()
             hub.close()
+
+
+def test_blocks_reserved_ahead_are_taken_in_order_then_fresh_ones() -> None:
+    """A P/D handoff opened before its prefill: stage 0 (2 of its 10 blocks cached here, 1 to
+    copy now) reserves all 8 uncached blocks; later stages take them in order, then fresh ones;
+    a commit with some left unfilled is refused."""
+    ahead = AheadBlocks()
+    assert ahead.to_reserve(0, num_blocks=3, expected_blocks=10, num_shared=2) == 8
+    assert ahead.take(0, 3, 2, [10, 11, 12, 13, 14, 15, 16, 17]) == [10]
+    assert ahead.commit_refusal() == "7 blocks reserved ahead were never filled"
+    assert ahead.to_reserve(1, num_blocks=4, expected_blocks=0, num_shared=0) is None
+    assert ahead.take(1, 4, 0, []) == [11, 12, 13, 14]
+    assert ahead.to_reserve(2, num_blocks=5, expected_blocks=0, num_shared=0) == 2
+    assert ahead.take(2, 5, 0, [20, 21]) == [15, 16, 17, 20, 21]
+    assert ahead.commit_refusal() is None
+    plain = AheadBlocks()  # an ordinary migration: nothing reserved ahead, every stage fresh
+    assert plain.to_reserve(0, num_blocks=4, expected_blocks=0, num_shared=1) == 3
+    assert plain.take(0, 4, 1, [5, 6, 7]) == [5, 6, 7] and plain.commit_refusal() is None
+    assert plain.to_reserve(1, num_blocks=2, expected_blocks=0, num_shared=0) == 2

@@ -480,7 +480,7 @@ def test_a_chunked_prefill_moves_while_it_computes(monkeypatch: pytest.MonkeyPat
 
     def record(self: SimCluster, m: sim_cluster._Migration) -> None:
         dst = self.instances["decode-0"].block_manager
-        num_held, num_ahead = len(dst.block_ids(m.owner)), len(m.ahead)
+        num_held, num_ahead = len(dst.block_ids(m.owner)), len(m.ahead.blocks)
         landed(self, m)
         planner = m.session.planner  # the stage counts as sent once landed
         sent = planner.blocks_sent + planner.num_shared_blocks
