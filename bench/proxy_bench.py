@@ -465,6 +465,10 @@ def main() -> int:
             args.policy,
             "--log-level",
             "warning",
+            # The fast backends are not kvherd agents and have no tokenizer of their own: route
+            # by byte tokens (kvherd serve refuses to guess in front of such a fleet).
+            "--tokenizer",
+            "byte",
         ]
         for port in backends:
             cmd += ["--instance", f"http://127.0.0.1:{port}"]
