@@ -10,11 +10,13 @@ Contract:
   because only then do completions measure what the fleet can serve rather than what clients
   asked for. The measured rate (completions over busy time) is used once ``min_busy_s`` of busy
   time and at least one (decayed) completion are behind it. Short of that, the fleet is bounded by
-  what it did not do: busy for ``s`` seconds since its last completion, it completes at most about
-  one request per ``s`` seconds, and `rate` is that bound (so a cold fleet serving long requests,
-  or a stalled one, refuses by how long it has gone without a completion, neither admitting
-  without limit nor refusing everything). `rate` is None while neither is known: before any
-  busy time, or at a completion before the measured rate is used.
+  what it did not do: busy for ``s`` >= ``min_busy_s`` seconds since its last completion, it
+  completes at most about one request per ``s`` seconds, and `rate` is that bound (so a cold
+  fleet serving long requests, or a stalled one, refuses by how long it has gone without a
+  completion, neither admitting without limit nor refusing everything; a fleet between two
+  completions less than ``min_busy_s`` apart is not judged by that gap). `rate` is None while
+  neither is known: before ``min_busy_s`` of busy time, or at a completion before the measured
+  rate is used.
 - `refusal(ahead)`: None to admit, else a `Refusal` with the expected wait ``ahead / rate``
   (seconds) and ``retry_after_s``, an integer of seconds in ``[1, max_retry_after_s]``: when enough
   of the queue ahead will have been served for the wait to be back within bounds. Requests are
@@ -87,7 +89,7 @@ class Admission:
         time since its last completion); None before any busy time."""
         if self._busy >= self.settings.min_busy_s and self._completed >= 1:
             return self._completed / self._busy
-        if self._stalled > 0:
+        if self._stalled >= self.settings.min_busy_s and self._stalled > 0:
             return 1 / self._stalled
         return None
 

@@ -98,15 +98,24 @@ def cold_fleet_busy(seconds: float, ahead: int, step: float = 0.01) -> Admission
 
 
 def test_a_cold_flood_is_refused_before_the_rate_is_measured() -> None:
-    # 0.1 s of busy time, less than min_busy_s, and no completion: the fleet completes at most
-    # about one request per 0.1 s, so 100 waiting would take about 10 s to start.
-    admission = cold_fleet_busy(0.1, ahead=100)
-    assert admission.rate == pytest.approx(10.0)
+    # 0.25 s of busy time and no completion: the fleet completes at most about one request per
+    # 0.25 s, so 100 waiting would take about 25 s to start.
+    admission = cold_fleet_busy(0.25, ahead=100)
+    assert admission.rate == pytest.approx(4.0)
     refused = admission.refusal(100)
     assert refused is not None
-    assert refused.expected_wait_s == pytest.approx(10.0)
-    assert refused.retry_after_s == 9
-    assert admission.refusal(5) is None  # about 0.5 s
+    assert refused.expected_wait_s == pytest.approx(25.0)
+    assert refused.retry_after_s == 24
+    assert admission.refusal(4) is None  # about 1 s
+
+
+def test_a_burst_on_a_cold_fast_fleet_is_not_judged_by_its_first_milliseconds() -> None:
+    # 40 requests arrive at once at a fleet that completes thousands per second: 30 ms before
+    # the first completion (less than min_busy_s) says nothing of its rate, so none is refused
+    # (judged as one request per 30 ms, 40 would have been a 1.2 s wait).
+    admission = cold_fleet_busy(0.03, ahead=40, step=0.001)
+    assert admission.rate is None
+    assert admission.refusal(40) is None
 
 
 def test_a_cold_fleet_of_long_requests_refuses_by_its_time_without_a_completion() -> None:
