@@ -712,9 +712,8 @@ class Proxy:
             continued = ledger.continuation(job.body)
             if continued is None:  # not continuable exactly: no attempt would change that
                 self.metrics.continuation("unsupported")
-            while continued is not None and opened is None:
-                if attempts >= self.config.max_continuations:
-                    break
+            limit = self.config.max_continuations
+            while continued is not None and opened is None and attempts < limit:
                 attempts += 1
                 opened = await self._continue(continued, job, key)
             if opened is None:
