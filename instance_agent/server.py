@@ -712,11 +712,10 @@ async def _follow_continued(
         meta, _ = _resumed(continuation.resume, False)
     except OpenAIError:
         return None
+    if meta.chat != isinstance(body, ChatCompletionRequest):
+        return None
     stream = await agent.engine_loop.attach(request_id, timeout=_FOLLOW_CONTINUED_WAIT_S)
     if stream is None:
-        return None
-    if meta.chat != isinstance(body, ChatCompletionRequest):
-        stream.close()
         return None
     meta.start = len(continuation.output_token_ids)
     meta.sampling_seed = continuation.sampling_seed
