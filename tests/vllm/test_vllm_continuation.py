@@ -133,6 +133,23 @@ def signal_group(pair: Sequence[VllmServer], name: str, sig: signal.Signals) -> 
     return server
 
 
+def read_stream_stopping(
+    url: str, path: str, body: dict[str, Any], pair: Sequence[VllmServer]
+) -> Stream:
+    """`read_stream`, SIGSTOPping the server of the stream at the cut (hung, not dead) and
+    letting it go on once the stream was read (the session's pair serves other tests)."""
+    stopped: list[VllmServer] = []
+    try:
+        cut = read_stream(
+            url, path, body, lambda name: stopped.append(signal_group(pair, name, signal.SIGSTOP))
+        )
+    finally:
+        for server in stopped:
+            os.killpg(server.process.pid, signal.SIGCONT)
+    assert stopped, "the stream ended before its instance was stopped"
+    return cut
+
+
 def continued(proxy: KvherdServe, outcome: str = "continued") -> float:
     return proxy.metric("kvherd_continuations_total", outcome=outcome)
 
@@ -159,24 +176,13 @@ def test_greedy_chat_stream_survives_a_hung_instance(
     pair = vllm_pair
     direct = read_stream(pair[0].url, path, body)
     assert direct.usage[1] == MAX_TOKENS
-    stopped: list[VllmServer] = []
     with kvherd_fleet() as proxy:
         plain = read_stream(proxy.url, path, body)
         assert_like_vllm(plain, direct)
         raw = "\n".join(plain.events)
         assert '"token_ids":[' not in raw and '"prompt_token_ids":[' not in raw
         assert continued(proxy) == 0
-        try:
-            cut = read_stream(
-                proxy.url,
-                path,
-                body,
-                lambda name: stopped.append(signal_group(pair, name, signal.SIGSTOP)),
-            )
-        finally:
-            for server in stopped:
-                os.killpg(server.process.pid, signal.SIGCONT)
-        assert stopped, "the stream ended before its instance was stopped"
+        cut = read_stream_stopping(proxy.url, path, body, pair)
         assert not cut.errors(), (cut.errors(), proxy.log()[-3000:])
         assert cut.text == direct.text, proxy.log()[-3000:]
         assert cut.usage[:2] == (direct.usage[0], MAX_TOKENS)
@@ -202,19 +208,8 @@ def test_seeded_sampling_is_not_continued(
         "stream": True,
     }
     pair = vllm_pair
-    stopped: list[VllmServer] = []
     with kvherd_fleet() as proxy:
-        try:
-            cut = read_stream(
-                proxy.url,
-                path,
-                body,
-                lambda name: stopped.append(signal_group(pair, name, signal.SIGSTOP)),
-            )
-        finally:
-            for server in stopped:
-                os.killpg(server.process.pid, signal.SIGCONT)
-        assert stopped, "the stream ended before its instance was stopped"
+        cut = read_stream_stopping(proxy.url, path, body, pair)
         assert [e["error"]["type"] for e in cut.errors()] == ["server_error"]
         assert continued(proxy) == 0 and continued(proxy, "unsupported") == 1
 
