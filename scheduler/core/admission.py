@@ -3,8 +3,13 @@
 Contract:
 - `Admission` is pure (explicit `now`). The caller reports what it sees, at arrivals and
   completions: `observe(now, completed, ahead)`, where `completed` is the fleet's running count of
-  requests it finished (monotonic) and `ahead` the requests waiting to start (the proxy's
-  admission queue plus the instances' own queues).
+  requests it finished (monotonic) and `ahead` the requests waiting to start: the proxy's
+  admission queue plus `waiting_at` each instance.
+- `waiting_at(view)`: what the instance reports queued, or what the proxy has in flight there
+  beyond what it runs (queued in its HTTP server or engine), whichever is more, where running
+  counts only up to the instance's ``saturation_seqs`` (`instance_agent.saturation`): requests
+  run past the batch beyond which the instance completes no more hold the batch's time as
+  queued ones would (and a flood admitted into a batch of 64 would otherwise read as no wait).
 - Service rate: completions per second of *busy* time, as exponentially decayed sums
   (time constant ``decay_s``): an interval counts only when requests were waiting through it,
   because only then do completions measure what the fleet can serve rather than what clients
@@ -28,6 +33,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from policies.views import InstanceView
+
+
+def waiting_at(view: InstanceView) -> int:
+    """Requests at one instance that wait to start, as admission counts them (module contract)."""
+    running = view.num_running
+    if view.saturation_seqs is not None and running > view.saturation_seqs:
+        running = view.saturation_seqs
+    return max(0, view.num_waiting + view.num_running - running, view.inflight - running)
 
 
 @dataclass(slots=True)

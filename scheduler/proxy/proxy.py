@@ -48,8 +48,10 @@ Contract:
   goes to its prefill instance with ``X-Kvherd-Handoff: URL``; that agent streams the first token
   and hands the request over by live migration, which the reattachment above follows.
 - Admission by expected wait (`scheduler.core.admission`): a new request is refused, before its
-  body is even parsed, when the requests waiting ahead of it (the admission queue plus the
-  instances' own queues) would take the fleet longer than ``max_queue_wait_s`` to start, at the
+  body is even parsed, when the requests waiting ahead of it (the admission queue, the
+  instances' own queues, and the requests an instance runs past its ``saturation_seqs``, the
+  batch beyond which it completes no more: they hold the batch's time as waiting ones would,
+  `instance_agent.saturation`) would take the fleet longer than ``max_queue_wait_s`` to start, at the
   rate the fleet was measured to complete requests while busy (short of a measurement, at most
   one request per the busy time since its last completion): 429, ``Retry-After`` (whole
   seconds) and an OpenAI error object (``code: queue_wait``). So a flood leaves at most that much
@@ -96,7 +98,7 @@ from kvherd import wire
 from kvherd.block_hash import block_hash_chain
 from kvherd.tokenizer import Tokenizer
 from kvherd.wire import OpenAIError
-from scheduler.core.admission import Admission, AdmissionSettings
+from scheduler.core.admission import Admission, AdmissionSettings, waiting_at
 from scheduler.core.deadlines import Deadlines, DeadlineSettings
 from scheduler.core.tenancy import Tenant, TenantRegistry
 from scheduler.fleet import Fleet, FleetInstance, NoCapacityError
@@ -240,16 +242,14 @@ class Proxy:
         self.admission.observe(now, self.fleet.completed, self._ahead(now))
 
     def _ahead(self, now: float) -> int:
-        """Requests waiting to start: the admission queue and the instances' own queues."""
+        """Requests waiting to start: the admission queue, the instances' own queues, and what
+        they run past their saturation batch."""
         if now - self._waiting_at > _WAITING_TTL_S:
             cluster = self.fleet.cluster
             waiting = 0
             for i in self.fleet.instances:
                 if i in cluster:
-                    # What the instance reports queued, or what the proxy has in flight there
-                    # beyond what it runs (queued in its HTTP server or engine), whichever is more.
-                    view = cluster.get(i).view()
-                    waiting += max(0, view.num_waiting, view.inflight - view.num_running)
+                    waiting += waiting_at(cluster.get(i).view())
             self._waiting = waiting
             self._waiting_at = now
         return len(self._admission.waiters) + self._waiting

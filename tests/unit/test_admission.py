@@ -7,7 +7,9 @@ import math
 
 import pytest
 
-from scheduler.core.admission import Admission, AdmissionSettings
+from policies.views import InstanceView
+from scheduler.core.admission import Admission, AdmissionSettings, waiting_at
+from scheduler.core.load_report import LoadReportError, parse_agent_state
 
 
 def busy_fleet(rate: float, seconds: float, ahead: int = 50, step: float = 0.01) -> Admission:
@@ -132,3 +134,35 @@ def test_a_cold_fleet_of_long_requests_refuses_by_its_time_without_a_completion(
     admission.observe(1.02, 4, 3)
     assert admission.rate is not None and 4.0 < admission.rate < 5.0
     assert admission.refusal(3) is None
+
+
+def test_waiting_at_counts_queues_and_the_batch_past_saturation() -> None:
+    # Queued at the instance, or in flight beyond what it runs (its HTTP server's backlog).
+    assert waiting_at(InstanceView("a", num_running=8, num_waiting=3, inflight=11)) == 3
+    assert waiting_at(InstanceView("a", num_running=8, num_waiting=0, inflight=12)) == 4
+    # Not known to saturate: the whole batch is running, however large.
+    assert waiting_at(InstanceView("a", num_running=60, inflight=60)) == 0
+    # Saturated at 20: the other 40 running add latency, not throughput, and count as waiting.
+    saturated = InstanceView("a", num_running=60, num_waiting=2, inflight=63, saturation_seqs=20)
+    assert waiting_at(saturated) == 43
+    assert waiting_at(InstanceView("a", num_running=12, inflight=12, saturation_seqs=20)) == 0
+
+
+def test_a_flood_into_a_large_batch_is_refused_once_past_saturation() -> None:
+    """What the proxy does: a fleet that runs every admitted request at once (no queue) refuses
+    by the requests past its saturation batch, at its measured rate."""
+    admission = busy_fleet(rate=20.0, seconds=3.0)
+    views = [InstanceView(f"i{k}", num_running=45, inflight=45, saturation_seqs=16) for k in "ab"]
+    ahead = sum(waiting_at(v) for v in views)  # 2 x (45 - 16)
+    refused = admission.refusal(ahead)
+    assert refused is not None and refused.expected_wait_s == pytest.approx(58 / 20, rel=0.05)
+    unmeasured = [InstanceView(f"i{k}", num_running=45, inflight=45) for k in "ab"]
+    assert admission.refusal(sum(waiting_at(v) for v in unmeasured)) is None
+
+
+def test_saturation_is_read_from_the_agent_state() -> None:
+    assert parse_agent_state({"saturation_seqs": 20}).saturation_seqs == 20
+    assert parse_agent_state({"saturation_seqs": None}).saturation_seqs is None
+    assert parse_agent_state({}).saturation_seqs is None
+    with pytest.raises(LoadReportError, match="saturation_seqs"):
+        parse_agent_state({"saturation_seqs": -3})
