@@ -1,10 +1,13 @@
 """Overload at ten times the fleet's capacity, behind a real ``kvherd serve`` process
-(`overload_flood.flood`), with short (32-token) and long (256-token) requests. What must hold:
+(`overload_flood.flood`), with short (32-token) and long (256-token) requests, on agents that queue
+most of a flood (batches of 8) and on agents that take it into their batch (64, the default: the
+proxy counts what they run past their measured saturation batch as waiting). What must hold:
 - admission by expected wait: every flood request is answered 200 or 429 (never 5xx), each 429
   with ``Retry-After`` and the OpenAI error object;
 - no healthy agent is ejected (``kvherd_ejections_total`` stays absent, both stay healthy);
-- normal service returns soon after the flood ends (target 2 s): asserted generously (5 s for
-  short requests, 9 s for long ones, which first drain the admitted work), and printed.
+- normal service returns soon after the flood ends (target 2 s): asserted with room for a shared
+  machine (4 s for short requests, 6 s for long ones, which first drain the admitted work), and
+  printed.
 The other test: idle connections past the connection cap leave the admin API reachable.
 """
 
@@ -22,9 +25,18 @@ from serve_process import serve_process
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.mark.parametrize("max_tokens", [pytest.param(32, id="short"), pytest.param(256, id="long")])
-async def test_flood_is_refused_by_expected_wait_and_service_recovers(max_tokens: int) -> None:
-    report = await flood(max_tokens)
+@pytest.mark.parametrize(
+    ("max_tokens", "max_num_seqs"),
+    [
+        pytest.param(32, 8, id="short"),
+        pytest.param(256, 8, id="long"),
+        pytest.param(256, 64, id="long-large-batch"),
+    ],
+)
+async def test_flood_is_refused_by_expected_wait_and_service_recovers(
+    max_tokens: int, max_num_seqs: int
+) -> None:
+    report = await flood(max_tokens, max_num_seqs)
     print("\n" + report.summary())
     statuses = report.statuses
     assert set(statuses) <= {200, 429}, statuses
@@ -35,10 +47,12 @@ async def test_flood_is_refused_by_expected_wait_and_service_recovers(max_tokens
         assert error["type"] == "rate_limit_error" and error["code"] in {"queue_wait", "queue_full"}
     assert not report.ejection_lines, report.ejection_lines
     assert report.health == {"healthy"}, report.health
-    # Target 2 s. Long requests first drain what was admitted (16 running 256-token requests,
-    # each decoding in a full batch, and about a second of queue): measured 0.7-3.9 s on a
-    # shared machine.
-    bound = 5.0 if max_tokens <= 32 else 9.0
+    if max_num_seqs > 8:  # the flood ran in the batch: the agents measured where it saturates
+        assert report.saturation_seqs and min(report.saturation_seqs) < max_num_seqs, report
+    # Target 2 s. Long requests first drain what was admitted (the running batch and about a
+    # second of queue): 0.7-3.9 s over 20 runs on a shared 2-core machine (median 1.6-1.8 s, with
+    # batches of 8 or 64); short ones 0.4-1.1 s. Asserted with room for a loaded machine.
+    bound = 4.0 if max_tokens <= 32 else 6.0
     assert report.recovered_s is not None and report.recovered_s <= bound, (
         report.recovered_s,
         report.probes,
