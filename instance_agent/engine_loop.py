@@ -5,8 +5,7 @@ Contract:
   function against the engine) through a queue; the thread runs them between steps, in order.
 - The thread steps while the engine has unfinished work and otherwise sleeps on a condition (no busy
   spin). After each step it hands the outputs to per-request asyncio queues with a single
-  ``loop.call_soon_threadsafe`` per step, records the step latency (and a decode-only step's batch
-  size beside it, in `decode_throughput`: `instance_agent.saturation`), updates the load gauges and
+  ``loop.call_soon_threadsafe`` per step, records the step latency, updates the load gauges and
   latency histograms, and publishes the step's KV event batch.
 - `add` resolves once the engine accepted the request (or raises the engine's `InvalidRequestError`,
   which it raises before allocating anything); `open` does the same for any way of starting a
@@ -41,7 +40,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from instance_agent.engine.core.request import SamplingParams
 from instance_agent.kv_publisher import KVEventPublisher
 from instance_agent.metrics import AgentMetrics
-from instance_agent.saturation import DecodeThroughput
 from instance_agent.state import StepLatencyWindow
 
 if TYPE_CHECKING:
@@ -177,7 +175,6 @@ class EngineLoop:
         self.publisher = publisher
         self.metrics = metrics
         self.step_latency = step_latency or StepLatencyWindow()
-        self.decode_throughput = DecodeThroughput()  # engine thread only
         self.last_kv_event_seq = -1
         self.dead: BaseException | None = None
         self._cond = threading.Condition()
@@ -453,9 +450,7 @@ class EngineLoop:
                     log.exception("engine step failed; the engine is dead")
                     self._fail_all(exc)
                     continue
-                seconds = time.perf_counter() - started
-                self.step_latency.record(seconds)
-                self.decode_throughput.record(engine.last_step_decode_seqs, seconds)
+                self.step_latency.record(time.perf_counter() - started)
                 self._dispatch(outputs)
             self._after_step()
 

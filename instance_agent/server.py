@@ -131,7 +131,6 @@ class Agent:
                 model=self.served_model_name,
                 draining=draining,
                 step_latency=loop.step_latency,
-                decode_throughput=loop.decode_throughput,
                 last_kv_event_seq=loop.last_kv_event_seq,
                 include_block_hashes=include_block_hashes,
                 role=self.role,

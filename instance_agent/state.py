@@ -8,11 +8,9 @@ Contract:
   ``blocks`` held; waiting in scheduling order), ``num_running``, ``num_waiting``, ``num_preemptions``,
   ``waiting_prefill_tokens`` and ``head_waiting_blocks`` (the engine's one load report,
   `instance_agent.engine.core.load`), ``freeness``, ``step_latency`` (recent steps: count, mean, p50, p99,
-  seconds), ``saturation_seqs`` (the batch size past which decode throughput stops growing, null
-  until seen: `instance_agent.saturation`), ``last_kv_event_seq`` (-1 before the first batch),
-  ``draining``, ``role`` (``prefill``, ``decode`` or ``mixed``: what the proxy pairs it for under
-  P/D disaggregation); with ``include_block_hashes`` also ``cached_block_hashes``, the exact set
-  the KV event stream describes.
+  seconds), ``last_kv_event_seq`` (-1 before the first batch), ``draining``, ``role`` (``prefill``,
+  ``decode`` or ``mixed``: what the proxy pairs it for under P/D disaggregation); with
+  ``include_block_hashes`` also ``cached_block_hashes``, the exact set the KV event stream describes.
 - Freeness is Llumnix's load measure: ``(free blocks - head_waiting_blocks) / number of requests`` (running
   + waiting; at least 1 so an idle instance reports its free blocks). Higher is freer; it goes negative when
   the queue head cannot be admitted.
@@ -30,7 +28,6 @@ from instance_agent.engine.core.batch_scheduler import BatchScheduler
 from instance_agent.engine.core.block_manager import BlockManager
 from instance_agent.engine.core.load import engine_load
 from instance_agent.engine.core.request import Request
-from instance_agent.saturation import DecodeThroughput
 
 
 def freeness(free_blocks: int, head_of_line_blocks: int, num_requests: int) -> float:
@@ -84,7 +81,6 @@ def snapshot(
     model: str,
     draining: bool,
     step_latency: StepLatencyWindow,
-    decode_throughput: DecodeThroughput,
     last_kv_event_seq: int,
     include_block_hashes: bool = False,
     role: str = "mixed",
@@ -111,7 +107,6 @@ def snapshot(
             load.num_free_blocks, load.head_waiting_blocks, load.num_running + load.num_waiting
         ),
         "step_latency": step_latency.summary(),
-        "saturation_seqs": decode_throughput.saturation_seqs(),
         "last_kv_event_seq": last_kv_event_seq,
         "draining": draining,
         "role": role,

@@ -90,9 +90,6 @@ class InstanceView:
     running: tuple[RunningRequestView, ...] = ()
     # Prefill/decode disaggregation: "prefill", "decode" or "mixed" (does both; the default).
     role: str = "mixed"
-    # Running requests past which the instance's decode throughput stops growing, as it measured
-    # (`instance_agent.saturation`); None when unknown (not measured yet, or not a kvherd agent).
-    saturation_seqs: int | None = None
 
     @property
     def num_requests(self) -> int:

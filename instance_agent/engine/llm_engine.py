@@ -8,8 +8,7 @@ Contract:
   produced a token or finished. ``text`` is the text streamed so far and ``text_delta`` its newest
   part; while stop strings are pending, the last ``len(longest stop) - 1`` characters are held back so
   no stop string is ever partially streamed. A stop string ends the request with reason "stop" and the
-  text is cut before it (OpenAI's behaviour). After it, ``last_step_decode_seqs`` is the batch size
-  when the step was decode only (one token per request), else 0.
+  text is cut before it (OpenAI's behaviour).
 - `take_kv_event_batch()` wraps the block manager's KV events in batches with increasing `seq`.
   Untaken events are bounded (`MAX_PENDING_KV_EVENTS`): past it they are dropped and their batch
   number skipped, so a consumer sees a gap and resyncs, and an engine nobody reads events from (a
@@ -161,7 +160,6 @@ class LLMEngine:
         )
         self._texts: dict[str, _TextState] = {}
         self.num_computed_tokens_total = 0  # tokens run through the model (prefix hits skip it)
-        self.last_step_decode_seqs = 0  # the last step's batch when it was decode only, else 0
         self._event_seq = 0
         self._pending_events: list[KVEvent] = []
         self._auto_ids = itertools.count()
@@ -293,8 +291,6 @@ class LLMEngine:
     # -- stepping ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
-        decode_only = len(plan.scheduled) == plan.num_batched_tokens
-        self.last_step_decode_seqs = plan.num_batched_tokens if decode_only else 0
         if plan.is_empty:
             return []
         before = {s.request.request_id: s.request.num_output_tokens for s in plan.scheduled}

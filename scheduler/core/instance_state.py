@@ -232,5 +232,4 @@ class InstanceState:
             has_kv_events=self.has_kv_events,
             running=rep.running or (),
             role=self.role or rep.role or "mixed",
-            saturation_seqs=rep.saturation_seqs,
         )

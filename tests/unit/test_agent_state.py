@@ -8,7 +8,6 @@ from instance_agent.engine.core.batch_scheduler import BatchScheduler, Scheduler
 from instance_agent.engine.core.block_manager import BlockManager
 from instance_agent.engine.core.request import Request, SamplingParams
 from instance_agent.metrics import AgentMetrics
-from instance_agent.saturation import DecodeThroughput
 from instance_agent.state import StepLatencyWindow, freeness, snapshot
 
 
@@ -29,11 +28,6 @@ def test_snapshot_reports_requests_blocks_and_freeness() -> None:
     window = StepLatencyWindow(size=3)
     for seconds in (0.1, 0.2, 0.3, 0.4):
         window.record(seconds)
-    curve = DecodeThroughput()
-    for _ in range(30):  # twice the throughput at batch 4 as at 1, none more at 8
-        curve.record(1, 0.01)
-        curve.record(4, 0.02)
-        curve.record(8, 0.04)
     state = snapshot(
         scheduler,
         bm,
@@ -41,7 +35,6 @@ def test_snapshot_reports_requests_blocks_and_freeness() -> None:
         model="tiny",
         draining=False,
         step_latency=window,
-        decode_throughput=curve,
         last_kv_event_seq=7,
         include_block_hashes=True,
     )
@@ -59,7 +52,6 @@ def test_snapshot_reports_requests_blocks_and_freeness() -> None:
     latency = state["step_latency"]
     assert latency["count"] == 3 and latency["total_steps"] == 4
     assert abs(latency["mean"] - 0.3) < 1e-9 and latency["p50"] == 0.3
-    assert state["saturation_seqs"] == 4
 
 
 def test_metrics_use_vllm_names() -> None:

@@ -8,7 +8,6 @@ from dataclasses import fields
 
 from instance_agent.engine.core.load import engine_load
 from instance_agent.engine.core.request import Request, SamplingParams
-from instance_agent.saturation import DecodeThroughput
 from instance_agent.state import StepLatencyWindow, snapshot
 from policies import load_dispatch_policy
 from scheduler.core.load_report import LoadReport, parse_agent_state
@@ -38,9 +37,8 @@ def _instance(num_blocks: int = 400, budget: int = 1024, max_seqs: int = 8) -> S
     return cluster.instances["inst-0"]
 
 
-# What the agent reports beyond its engine's state (its event stream, its configured role, what
-# its step times measured).
-_AGENT_ONLY = {"last_kv_event_seq", "role", "saturation_seqs"}
+# What the agent reports beyond its engine's state (its event stream, its configured role).
+_AGENT_ONLY = {"last_kv_event_seq", "role"}
 
 
 def _engine_fields(report: LoadReport) -> dict[str, object]:
@@ -55,7 +53,6 @@ def _agent_report(inst: SimInstance) -> dict[str, object]:
         model="m",
         draining=False,
         step_latency=StepLatencyWindow(),
-        decode_throughput=DecodeThroughput(),
         last_kv_event_seq=-1,
     )
     return _engine_fields(parse_agent_state(json.loads(json.dumps(state))))
