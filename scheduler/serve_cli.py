@@ -61,6 +61,17 @@ class _DeadlineRange(argparse.Action):
         setattr(namespace, self.dest, [floor, cap])
 
 
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (argparse type: anything else is a usage error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"need a positive number of seconds, got {text!r}")
+    return value
+
+
 def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared by ``kvherd serve`` and ``kvherd up``."""
     parser.add_argument("--policy", default=None, help="dispatch policy: name, module:attr or YAML")
@@ -168,12 +179,20 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--queue-timeout", type=float, default=30.0)
     parser.add_argument(
         "--max-queue-wait",
-        type=float,
+        type=_seconds,
         default=1.0,
         metavar="SECONDS",
         help="refuse a request (429, Retry-After) when the requests queued ahead of it would take "
-        "the fleet longer than this to start, at its measured completion rate; a flood leaves "
-        "about this much work queued when it ends (default 1)",
+        "the fleet longer than this to start, at its measured completion rate (default 1)",
+    )
+    parser.add_argument(
+        "--standing-queue-wait",
+        type=_seconds,
+        default=0.25,
+        metavar="SECONDS",
+        help="the wait allowed instead once the queue has not emptied for --max-queue-wait "
+        "seconds (a flood, not a burst); a flood leaves about this much work queued when it ends "
+        "(default 0.25; equal to --max-queue-wait: off)",
     )
     parser.add_argument("--connect-timeout", type=float, default=2.0)
     parser.add_argument(
@@ -525,7 +544,10 @@ async def serve_fleet(
             expose_instance=args.expose_instance,
             fleet_token=fleet_token,
             max_continuations=args.max_continuations,
-            admission=AdmissionSettings(max_queue_wait_s=args.max_queue_wait),
+            admission=AdmissionSettings(
+                max_queue_wait_s=args.max_queue_wait,
+                standing_queue_wait_s=min(args.standing_queue_wait, args.max_queue_wait),
+            ),
             max_connections=args.max_connections or connection_cap(fd_limit),
             deadlines=DeadlineSettings(
                 first_byte_floor_s=args.first_byte_deadline[0],

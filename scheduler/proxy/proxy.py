@@ -48,14 +48,14 @@ Contract:
   goes to its prefill instance with ``X-Kvherd-Handoff: URL``; that agent streams the first token
   and hands the request over by live migration, which the reattachment above follows.
 - Admission by expected wait (`scheduler.core.admission`): a new request is refused, before its
-  body is even parsed, when the requests waiting ahead of it (the admission queue, the
-  instances' own queues, and the requests an instance runs past its ``saturation_seqs``, the
-  batch beyond which it completes no more: they hold the batch's time as waiting ones would,
-  `instance_agent.saturation`) would take the fleet longer than ``max_queue_wait_s`` to start, at the
-  rate the fleet was measured to complete requests while busy (short of a measurement, at most
-  one request per the busy time since its last completion): 429, ``Retry-After`` (whole
-  seconds) and an OpenAI error object (``code: queue_wait``). So a flood leaves at most that much
-  work queued, and normal service returns within about that long of its end.
+  body is even parsed, when the requests waiting ahead of it (the admission queue plus the
+  instances' own queues) would take the fleet longer than the allowed wait to start, at the
+  rate the fleet was measured to complete requests while busy (short of a measurement, at
+  most one request per the busy time since its last completion): 429, ``Retry-After`` (whole
+  seconds) and an OpenAI error object (``code: queue_wait``). The allowed wait is
+  ``max_queue_wait_s`` for a burst and ``standing_queue_wait_s`` once the queue has not emptied
+  for that long: so a flood leaves at most that much work queued, and normal service returns
+  within about that long (plus a request's own time) of its end.
   An instance is saturated when the proxy has ``max_inflight_per_instance`` requests in flight on
   it (`scheduler.fleet.FleetSettings`). When every dispatchable instance is saturated a request
   waits in a FIFO admission queue of at most ``queue_size`` entries for up to
@@ -242,8 +242,7 @@ class Proxy:
         self.admission.observe(now, self.fleet.completed, self._ahead(now))
 
     def _ahead(self, now: float) -> int:
-        """Requests waiting to start: the admission queue, the instances' own queues, and what
-        they run past their saturation batch."""
+        """Requests waiting to start: the admission queue and the instances' own queues."""
         if now - self._waiting_at > _WAITING_TTL_S:
             cluster = self.fleet.cluster
             waiting = 0
@@ -265,7 +264,7 @@ class Proxy:
             raise Refused(
                 f"the fleet is overloaded: a request would wait about "
                 f"{refused.expected_wait_s:.1f}s to start (at most "
-                f"{self.config.admission.max_queue_wait_s:g}s allowed)",
+                f"{refused.limit_s:g}s allowed)",
                 "queue_wait",
                 refused.retry_after_s,
             )

@@ -1,13 +1,13 @@
 """Overload at ten times the fleet's capacity, behind a real ``kvherd serve`` process
 (`overload_flood.flood`), with short (32-token) and long (256-token) requests, on agents that queue
-most of a flood (batches of 8) and on agents that take it into their batch (64, the default: the
-proxy counts what they run past their measured saturation batch as waiting). What must hold:
+most of a flood (batches of 8) and on agents that take it into their batch (64, the default).
+What must hold:
 - admission by expected wait: every flood request is answered 200 or 429 (never 5xx), each 429
   with ``Retry-After`` and the OpenAI error object;
 - no healthy agent is ejected (``kvherd_ejections_total`` stays absent, both stay healthy);
 - normal service returns soon after the flood ends (target 2 s): asserted with room for a shared
-  machine (4 s for short requests, 6 s for long ones, which first drain the admitted work), and
-  printed.
+  machine (4 s for short requests, 6 s for long ones, which first drain the admitted work, 9 s
+  for long ones in batches of 64), and printed.
 The other test: idle connections past the connection cap leave the admin API reachable.
 """
 
@@ -47,12 +47,12 @@ async def test_flood_is_refused_by_expected_wait_and_service_recovers(
         assert error["type"] == "rate_limit_error" and error["code"] in {"queue_wait", "queue_full"}
     assert not report.ejection_lines, report.ejection_lines
     assert report.health == {"healthy"}, report.health
-    if max_num_seqs > 8:  # the flood ran in the batch: the agents measured where it saturates
-        assert report.saturation_seqs and min(report.saturation_seqs) < max_num_seqs, report
-    # Target 2 s. Long requests first drain what was admitted (the running batch and about a
-    # second of queue): 0.7-3.9 s over 20 runs on a shared 2-core machine (median 1.6-1.8 s, with
-    # batches of 8 or 64); short ones 0.4-1.1 s. Asserted with room for a loaded machine.
-    bound = 4.0 if max_tokens <= 32 else 6.0
+    # Target 2 s, measured on a shared 2-core machine (bench/HISTORY.md, 2026-12-01): short
+    # requests 0.2-0.35 s; long ones first drain what was admitted, 0.7-2.1 s with batches of 8
+    # (the running batch and a standing queue of 0.25 s), 1.7-4.5 s with batches of 64 (the flood
+    # runs in the batch, which admission does not see as a queue: the known gap). Asserted with
+    # room for a loaded machine.
+    bound = 4.0 if max_tokens <= 32 else 6.0 if max_num_seqs <= 8 else 9.0
     assert report.recovered_s is not None and report.recovered_s <= bound, (
         report.recovered_s,
         report.probes,

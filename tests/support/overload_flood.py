@@ -4,15 +4,15 @@
 Contract:
 - `flood(max_tokens, max_num_seqs=8)` starts two agents (``--max-num-seqs``: 8 queues most of a
   flood in the engines; 64 runs it in their batches) and ``kvherd serve`` (its event loop
-  is the one a flood saturates) with the shipped admission default (``--max-queue-wait`` 1 s),
+  is the one a flood saturates) with the shipped admission defaults (``--max-queue-wait`` 1 s,
+  ``--standing-queue-wait`` 0.25 s),
   measures the fleet's capacity (closed loop, 32 clients), sends normal load for `BASELINE_S`
   seconds (a request every 0.1 s, or at half the fleet's capacity where that is less), floods it
   open-loop at `FLOOD_FACTOR`x capacity for `FLOOD_S` seconds, then sends the normal load again
   for 10 s.
 - Every request is a completion of `max_tokens` tokens with a distinct first token (no prefix
   shared). The `FloodReport` holds what was answered (statuses, sample refusals), the proxy's
-  ejection metric lines and instance health afterwards, the ``saturation_seqs`` the agents
-  reported during the flood (polled every 0.25 s), and `recovered_s`: seconds from the
+  ejection metric lines and instance health afterwards, and `recovered_s`: seconds from the
   flood's end until the end of the first probe from which every probe is served (200, to the
   last) and 90% of those sent in the next `RECOVERY_WINDOW_S` at normal latency (at most twice
   the median latency of the same load before the flood, or 0.25 s more), so one scheduling
@@ -27,7 +27,6 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import statistics
 import time
@@ -54,7 +53,6 @@ class FloodReport:
     refusals: list[tuple[dict[bytes, bytes], bytes]] = field(default_factory=list)
     ejection_lines: list[str] = field(default_factory=list)
     health: set[str] = field(default_factory=set)
-    saturation_seqs: set[int] = field(default_factory=set)  # the agents', during the flood
     probes: list[tuple[float, float, int]] = field(default_factory=list)  # sent, latency, status
     recovered_s: float | None = None
 
@@ -64,8 +62,7 @@ class FloodReport:
             f"{self.max_tokens}-token requests, batches of {self.max_num_seqs}: capacity "
             f"{self.capacity:.1f} req/s, flood "
             f"{FLOOD_FACTOR}x for {FLOOD_S}s ({self.sent} requests): {self.statuses}; baseline "
-            f"latency {self.baseline_s * 1000:.0f} ms; saturation {sorted(self.saturation_seqs)}; normal "
-            f"service {recovered} s after the flood"
+            f"latency {self.baseline_s * 1000:.0f} ms; normal service {recovered} s after the flood"
         )
 
 
@@ -193,19 +190,9 @@ async def flood(max_tokens: int, max_num_seqs: int = 8) -> FloodReport:
             latency, status, _, _ = await timed(client, 10_000 + i, max_tokens)
             report.probes.append((sent, latency, status))
 
-        async def watch_saturation() -> None:
-            async with httpx.AsyncClient(timeout=5) as http:
-                while True:
-                    for agent in pair:
-                        state = (await http.get(agent.url + "/kvherd/v1/state")).json()
-                        if state["saturation_seqs"] is not None:
-                            report.saturation_seqs.add(state["saturation_seqs"])
-                    await asyncio.sleep(0.25)
-
         flooding: list[asyncio.Task[None]] = []
         probing: list[asyncio.Task[None]] = []
         interval = 1.0 / (FLOOD_FACTOR * rate)
-        watcher = asyncio.create_task(watch_saturation())
         start = time.monotonic()
         n = 0
         while (now := time.monotonic()) < start + FLOOD_S:  # open loop: arrivals on a clock
@@ -216,13 +203,10 @@ async def flood(max_tokens: int, max_num_seqs: int = 8) -> FloodReport:
             n += 1
         report.sent = n
         flood_end = time.monotonic()
-        watcher.cancel()
         for i in range(round(10.0 / every)):
             probing.append(asyncio.create_task(probe(i)))
             await asyncio.sleep(every)
         await asyncio.gather(*flooding, *probing)
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
         client.close()
         async with httpx.AsyncClient(timeout=30) as http:
             metrics = (await http.get(served.url + "/metrics")).text

@@ -9,12 +9,12 @@ import pytest
 
 from policies.views import InstanceView
 from scheduler.core.admission import Admission, AdmissionSettings, waiting_at
-from scheduler.core.load_report import LoadReportError, parse_agent_state
 
 
 def busy_fleet(rate: float, seconds: float, ahead: int = 50, step: float = 0.01) -> Admission:
-    """An `Admission` that watched a fleet finish `rate` requests/s with `ahead` waiting."""
-    admission = Admission(AdmissionSettings(max_queue_wait_s=2.0))
+    """An `Admission` that watched a fleet finish `rate` requests/s with `ahead` waiting (the
+    standing queue's bound off: these tests are about the rate)."""
+    admission = Admission(AdmissionSettings(max_queue_wait_s=2.0, standing_queue_wait_s=2.0))
     now, completed, owed = 0.0, 0, 0.0
     while now < seconds:
         admission.observe(now, completed, ahead)
@@ -84,16 +84,47 @@ def test_a_stalled_fleet_refuses_with_the_longest_retry_after() -> None:
     assert refused.retry_after_s == admission.settings.max_retry_after_s
 
 
+def test_a_standing_queue_is_allowed_less_wait_than_a_burst() -> None:
+    """Controlled delay: the full wait while the queue emptied within the last max_queue_wait_s
+    seconds, the standing queue's once it has not (a flood), the full wait again once it empties."""
+    admission = Admission(AdmissionSettings(max_queue_wait_s=1.0, standing_queue_wait_s=0.25))
+    admission.observe(0.0, 0, 0)
+    now, completed = 0.0, 0
+    while now < 0.6:  # a burst: 20 waiting (0.5 s at 40/s), for 0.6 s
+        now += 0.025
+        completed += 1
+        admission.observe(now, completed, 20)
+    assert admission.rate == pytest.approx(40.0, rel=0.05)
+    assert admission.limit_s == 1.0 and admission.refusal(20) is None
+    while now < 1.1:  # it stands: a flood, not a burst
+        now += 0.025
+        completed += 1
+        admission.observe(now, completed, 20)
+    assert admission.limit_s == 0.25
+    refused = admission.refusal(20)
+    assert refused is not None and refused.limit_s == 0.25 and refused.retry_after_s == 1
+    assert admission.refusal(8) is None  # 0.2 s of queue may stand
+    admission.observe(now + 0.1, completed + 4, 0)  # drained
+    assert admission.limit_s == 1.0 and admission.refusal(20) is None
+    admission.observe(now + 0.2, completed + 8, 20)  # a new burst starts with the full wait
+    assert admission.refusal(20) is None
+
+
 def test_settings_are_checked() -> None:
     with pytest.raises(ValueError):
         AdmissionSettings(max_queue_wait_s=0)
+    with pytest.raises(ValueError):
+        AdmissionSettings(max_queue_wait_s=1.0, standing_queue_wait_s=2.0)
+    with pytest.raises(ValueError):
+        AdmissionSettings(standing_queue_wait_s=0)
     with pytest.raises(ValueError):
         AdmissionSettings(max_retry_after_s=0)
 
 
 def cold_fleet_busy(seconds: float, ahead: int, step: float = 0.01) -> Admission:
-    """A fresh `Admission` that saw `ahead` requests wait `seconds` with no completion yet."""
-    admission = Admission(AdmissionSettings(max_queue_wait_s=1.0))
+    """A fresh `Admission` that saw `ahead` requests wait `seconds` with no completion yet (the
+    standing queue's bound off)."""
+    admission = Admission(AdmissionSettings(max_queue_wait_s=1.0, standing_queue_wait_s=1.0))
     for i in range(round(seconds / step) + 1):
         admission.observe(i * step, 0, ahead)
     return admission
@@ -136,33 +167,11 @@ def test_a_cold_fleet_of_long_requests_refuses_by_its_time_without_a_completion(
     assert admission.refusal(3) is None
 
 
-def test_waiting_at_counts_queues_and_the_batch_past_saturation() -> None:
+def test_waiting_at_counts_what_waits_at_an_instance() -> None:
     # Queued at the instance, or in flight beyond what it runs (its HTTP server's backlog).
     assert waiting_at(InstanceView("a", num_running=8, num_waiting=3, inflight=11)) == 3
     assert waiting_at(InstanceView("a", num_running=8, num_waiting=0, inflight=12)) == 4
-    # Not known to saturate: the whole batch is running, however large.
     assert waiting_at(InstanceView("a", num_running=60, inflight=60)) == 0
-    # Saturated at 20: the other 40 running add latency, not throughput, and count as waiting.
-    saturated = InstanceView("a", num_running=60, num_waiting=2, inflight=63, saturation_seqs=20)
-    assert waiting_at(saturated) == 43
-    assert waiting_at(InstanceView("a", num_running=12, inflight=12, saturation_seqs=20)) == 0
-
-
-def test_a_flood_into_a_large_batch_is_refused_once_past_saturation() -> None:
-    """What the proxy does: a fleet that runs every admitted request at once (no queue) refuses
-    by the requests past its saturation batch, at its measured rate."""
-    admission = busy_fleet(rate=20.0, seconds=3.0)
-    views = [InstanceView(f"i{k}", num_running=45, inflight=45, saturation_seqs=16) for k in "ab"]
-    ahead = sum(waiting_at(v) for v in views)  # 2 x (45 - 16)
-    refused = admission.refusal(ahead)
-    assert refused is not None and refused.expected_wait_s == pytest.approx(58 / 20, rel=0.05)
-    unmeasured = [InstanceView(f"i{k}", num_running=45, inflight=45) for k in "ab"]
-    assert admission.refusal(sum(waiting_at(v) for v in unmeasured)) is None
-
-
-def test_saturation_is_read_from_the_agent_state() -> None:
-    assert parse_agent_state({"saturation_seqs": 20}).saturation_seqs == 20
-    assert parse_agent_state({"saturation_seqs": None}).saturation_seqs is None
-    assert parse_agent_state({}).saturation_seqs is None
-    with pytest.raises(LoadReportError, match="saturation_seqs"):
-        parse_agent_state({"saturation_seqs": -3})
+    assert (
+        waiting_at(InstanceView("a", num_running=9, inflight=4)) == 0
+    )  # report ahead of the proxy
