@@ -5,7 +5,9 @@ Contract:
   str``, ``render_chat(prompt) -> str`` (a `kvherd.chat_render.ChatPrompt`: the chat template's
   inputs as vLLM builds them), ``eos_token_id`` and ``vocab_size``. `chat_token_ids` is a chat
   request's prompt ids as vLLM computes them: the rendered text encoded with the request's
-  ``add_special_tokens`` (false by default: the template emits BOS itself, so BOS appears once).
+  ``add_special_tokens`` (false by default: the template emits BOS itself, so BOS appears once);
+  a rendered text that is not valid Unicode (a lone UTF-16 surrogate from a JSON escape in any
+  field the template reads: a content part, a name, a tool) raises `ChatRenderError`, a 400.
 - `ByteTokenizer` is the default and needs no files: ids 0-255 are the UTF-8 bytes of the text, then
   the special tokens ``<|bos|> <|eos|> <|pad|> <|system|> <|user|> <|assistant|> <|end|>`` (256-262).
   A special token's text inside a prompt encodes to its id (as HF tokenizers do); it adds no special
@@ -76,7 +78,15 @@ class Tokenizer(Protocol):
 
 def chat_token_ids(tokenizer: Tokenizer, prompt: ChatPrompt) -> list[int]:
     """The prompt ids of a chat request, as vLLM computes them: render, then encode."""
-    return tokenizer.encode(tokenizer.render_chat(prompt), prompt.add_special_tokens)
+    text = tokenizer.render_chat(prompt)
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ChatRenderError(
+                f"messages: not valid Unicode (a lone surrogate, {text[exc.start]!a})", "messages"
+            ) from None
+    return tokenizer.encode(text, prompt.add_special_tokens)
 
 
 class ByteTokenizer:

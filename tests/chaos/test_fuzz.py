@@ -62,14 +62,26 @@ def send_to_both(fleet: Fleet, request: tuple[str, str, bytes, dict[str, str]]) 
         SENT[name, path] += 1
 
 
-# The inputs that answered 500 before: a lone surrogate (agent), a token id past 2**32 (proxy), a
-# text/plain body the proxy took as JSON, and an unknown route.
+# The inputs that answered 500 before: a lone surrogate (agent; in a prompt, a message, a content
+# part), a token id past 2**32 (proxy), a text/plain body the proxy took as JSON, an unknown route.
 ONCE_5XX = [
     ("POST", "/v1/completions", b'{"prompt": "a\\ud800", "max_tokens": 2}', {}),
     (
         "POST",
         "/v1/chat/completions",
         b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}',
+        {"Content-Type": "application/json"},
+    ),
+    (  # in a content part (the fuzzer found it in CI, 2026-12-01)
+        "POST",
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "system", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+        {"Content-Type": "application/json"},
+    ),
+    (  # in a message's name, which the template also reads
+        "POST",
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "hi", "name": "\\udc00"}], "max_tokens": 2}',
         {"Content-Type": "application/json"},
     ),
     ("POST", "/v1/completions", b'{"prompt": [1, 4294967296]}', {}),

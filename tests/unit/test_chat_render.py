@@ -23,6 +23,7 @@ from chat_corpus import (
     STRING_TEMPLATE,
     build_tokenizer,
 )
+from pydantic import ValidationError
 
 from instance_agent import protocol
 from kvherd.chat_render import ChatRenderError, parse_chat
@@ -367,3 +368,29 @@ def test_foreign_engines_need_a_tokenizer() -> None:
     assert foreign_without_tokenizer(agent) is None
     silent = InstanceSpec("c", "http://h:3", kvherd_agent=False)  # did not describe itself
     assert foreign_without_tokenizer(silent) is None
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": [{"role": "system", "content": [{"type": "text", "text": "\ud800"}]}]},
+        {"messages": [{"role": "user", "content": ["a\udfffb"]}]},
+    ],
+)
+def test_a_lone_surrogate_anywhere_in_the_render_is_a_400(
+    body: dict[str, Any], tok: HFTokenizer
+) -> None:
+    """Request validation checks only the strings it types; the rendered text covers every field
+    the template reads (the fuzzer found a content part giving 500)."""
+    for tokenizer in (tok, ByteTokenizer()):
+        with pytest.raises(OpenAIError) as err:  # the proxy's routing tokens
+            prompt_token_ids(body, True, tokenizer)
+        assert err.value.status == 400 and "lone surrogate" in str(err.value)
+        try:  # the agent's engine tokens: its request model (a 400 too) or the render
+            request = protocol.ChatCompletionRequest.model_validate(body)
+        except ValidationError as exc:
+            assert protocol.error_from_validation(exc.errors()).status == 400
+            continue
+        with pytest.raises(OpenAIError) as err:
+            protocol.prompt_token_ids(request, tokenizer, tokenizer.vocab_size)
+        assert err.value.status == 400
