@@ -46,20 +46,17 @@ from pydantic import (
 
 from instance_agent.engine.core.request import InvalidRequestError, SamplingParams
 from kvherd.chat_render import ChatPrompt, ChatRenderError, parse_chat
-from kvherd.tokenizer import Tokenizer, chat_token_ids
+from kvherd.tokenizer import Tokenizer, chat_token_ids, lone_surrogate_at
 from kvherd.wire import OpenAIError, bad_request
 
 Number = StrictFloat | StrictInt
 
 
 def _valid_unicode(text: str) -> str:
-    # JSON may escape a lone UTF-16 surrogate ("\ud800"), which Python decodes into a str that no
-    # tokenizer, hash or UTF-8 writer can encode: refuse it here, naming the field (a 400).
-    if not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ValueError(f"not valid Unicode: lone surrogate at {exc.start}") from None
+    # Refuse a lone surrogate here, naming the field (a 400): see `lone_surrogate_at`.
+    at = lone_surrogate_at(text)
+    if at is not None:
+        raise ValueError(f"not valid Unicode: lone surrogate at {at}")
     return text
 
 

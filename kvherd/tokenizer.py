@@ -76,16 +76,26 @@ class Tokenizer(Protocol):
     def render_chat(self, prompt: ChatPrompt) -> str: ...
 
 
+def lone_surrogate_at(text: str) -> int | None:
+    """Where `text` holds a lone UTF-16 surrogate (a JSON escape such as ``"\\ud800"`` decodes to
+    one), which no tokenizer, hash or UTF-8 writer can encode; None when it has none."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
 def chat_token_ids(tokenizer: Tokenizer, prompt: ChatPrompt) -> list[int]:
     """The prompt ids of a chat request, as vLLM computes them: render, then encode."""
     text = tokenizer.render_chat(prompt)
-    if not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ChatRenderError(
-                f"messages: not valid Unicode (a lone surrogate, {text[exc.start]!a})", "messages"
-            ) from None
+    at = lone_surrogate_at(text)
+    if at is not None:
+        raise ChatRenderError(
+            f"messages: not valid Unicode (a lone surrogate, {text[at]!a})", "messages"
+        )
     return tokenizer.encode(text, prompt.add_special_tokens)
 
 
