@@ -5,7 +5,8 @@ Contract:
   JSON-ready dict: ``instance_id``, ``model``, ``block_size``, ``total_blocks``, ``free_blocks`` (free plus
   evictable cached), ``cached_blocks``, ``kv_usage``, ``running`` and ``waiting`` (each request's
   ``request_id``, ``num_tokens``, ``num_prompt_tokens``, ``num_output_tokens``, ``num_computed_tokens``,
-  ``blocks`` held; waiting in scheduling order), ``num_running``, ``num_waiting``, ``num_preemptions``,
+  ``blocks`` held; waiting in scheduling order), ``num_running``, ``num_waiting``, ``max_num_seqs`` (batch
+  slots), ``num_preemptions``,
   ``waiting_prefill_tokens`` and ``head_waiting_blocks`` (the engine's one load report,
   `instance_agent.engine.core.load`), ``freeness``, ``step_latency`` (recent steps: count, mean, p50, p99,
   seconds), ``last_kv_event_seq`` (-1 before the first batch), ``draining``, ``role`` (``prefill``,
@@ -98,6 +99,7 @@ def snapshot(
         "kv_usage": load.kv_usage,
         "num_running": load.num_running,
         "num_waiting": load.num_waiting,
+        "max_num_seqs": scheduler.config.max_num_seqs,
         "running": running,
         "waiting": waiting,
         "num_preemptions": load.num_preemptions,

@@ -84,6 +84,10 @@ class InstanceView:
     waiting_prefill_tokens: int = 0
     head_waiting_blocks: int = 0  # blocks the head-of-line waiting request needs (0: none waits)
     num_preemptions: int = 0  # cumulative, as reported
+    # Capacity as the engine states it: its batch slots (max_num_seqs; 0 unknown) and the
+    # requests it reported queued at its last report (no router estimate mixed in).
+    batch_slots: int = 0
+    reported_waiting: int = 0
     healthy: bool = True
     draining: bool = False
     has_kv_events: bool = False

@@ -29,18 +29,18 @@ Contract:
   operators who know only the client's id; the alias table is bounded.
 - Request path (synchronous, no I/O): `dispatch` -> (instance, matched blocks), then exactly one of
   `request_finished` / `request_failed` per dispatch, with `first_token` in between for streams.
-  An instance is saturated while `max_inflight_per_instance` requests are in flight on it;
-  `dispatch` raises `NoCapacityError(saturated=True)` when only saturated instances could take the
-  request, `saturated=False` when nothing dispatchable (and untried) is left. `on_capacity` is
-  called whenever a request finishes (the proxy's admission queue waits on it); `completed`
-  counts the requests released (the proxy's admission measures the service rate by it).
+  `inflight` (`scheduler.core.inflight.InflightLedger`) accounts them: an instance is saturated
+  while `max_inflight_per_instance` requests are in flight on it; `dispatch` raises
+  `NoCapacityError(saturated=True)` when only saturated instances could take the request,
+  `saturated=False` when nothing dispatchable (and untried) is left. Listeners (`subscribe`, a
+  `FleetListener`) hear `capacity_freed` whenever room may have come free (the proxy's
+  admission queue waits on it) and `instance_lost` when an instance is ejected or removed.
   `request_migrated(key, dst)` moves a running request's charges and in-flight count to `dst`
   (a committed live migration); it then finishes there, whichever instance the proxy reports.
 - Health: `failure_threshold` consecutive failures eject an instance (not dispatchable, counted in
   ``kvherd_ejections_total``); after the ejection time the next active probe is its half-open
   trial. A comeback after ejection resubscribes its KV events (it may have restarted).
-  `on_lost(instance_id, url)` is called when an instance is ejected or removed (the proxy fails
-  over the requests in flight there at once).
+  Its listeners hear `instance_lost` (the proxy fails over the requests in flight there at once).
 - P/D disaggregation: an instance's role is its spec's (``--instance URL,role=...``, a
   registration's ``role``) or else the one it reports. While some instance only prefills or only
   decodes, `dispatch` pairs each request through the P/D policy (`pd_policy_spec`, default
@@ -63,8 +63,8 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import zmq
 
@@ -77,6 +77,7 @@ from policies.registry import (
 )
 from policies.views import NoInstanceError
 from scheduler.core.cluster_state import ClusterState
+from scheduler.core.inflight import InflightLedger
 from scheduler.core.load_report import LoadReport
 from scheduler.core.outliers import Health, OutlierDetector
 from scheduler.core.router import Router
@@ -104,6 +105,16 @@ class FleetError(Exception):
         self.param = param
 
 
+class FleetListener(Protocol):
+    """What the fleet reports to the request path (`Fleet.subscribe`)."""
+
+    def capacity_freed(self) -> None:
+        """A request finished or moved, or an instance joined or recovered: room may be free."""
+
+    def instance_lost(self, instance_id: str, url: str) -> None:
+        """The instance was ejected or removed: its requests in flight must fail over."""
+
+
 class NoCapacityError(Exception):
     def __init__(self, saturated: bool) -> None:
         super().__init__("every instance is saturated" if saturated else "no instance available")
@@ -124,6 +135,7 @@ class InstanceSpec:
     kvherd_agent: bool = True  # hashes blocks exactly like kvherd (engine hashes are trusted)
     max_model_len: int | None = None  # from its /v1/models; the proxy refuses longer requests
     role: str | None = None  # P/D role override ("prefill", "decode", "mixed"); None: as reported
+    max_num_seqs: int | None = None  # batch slots, when the engine does not report them (vLLM)
 
 
 @dataclass(slots=True)
@@ -134,14 +146,7 @@ class FleetInstance:
     last_heartbeat: float = 0.0
     served: int = 0
     failures: int = 0
-    keys: set[str] = field(default_factory=set)  # routing keys in flight here
     block_size: int | None = None  # the instance's own, once known
-
-    @property
-    def inflight(self) -> int:
-        """Requests in flight here: the one count, derived from the keys."""
-        return len(self.keys)
-
     block_size_mismatch: dict[str, Any] | None = None
     kv_fallback: str | None = None  # why it is routed with the approximate index despite events
 
@@ -198,9 +203,8 @@ class Fleet:
         self.outliers = OutlierDetector(
             settings.failure_threshold, settings.base_ejection_s, settings.max_ejection_s
         )
-        self.on_capacity: Callable[[], None] = lambda: None
-        self.completed = 0  # requests released (finished or failed): admission's service rate
-        self.on_lost: Callable[[str, str], None] = lambda instance_id, url: None
+        self.inflight = InflightLedger(settings.max_inflight_per_instance)
+        self._listeners: list[FleetListener] = []
         self.subscriber = KVEventSubscriber(
             self.cluster,
             settings.replay_timeout_s,
@@ -223,7 +227,6 @@ class Fleet:
         self._key_prefix = os.urandom(6).hex()
         self._key_counter = itertools.count(1)
         self._aliases: OrderedDict[str, str] = OrderedDict()  # client request id -> key
-        self._saturated: set[str] = set()  # instances at max_inflight_per_instance
         # Live migration (``--migration-policy``); None when the policy is "none".
         self.migration: MigrationDriver | None = None
         self.migration_spec = "none"
@@ -319,6 +322,7 @@ class Fleet:
             has_kv_events=has_events,
             trust_engine_hashes=spec.kvherd_agent,
             role=spec.role,
+            batch_slots=spec.max_num_seqs or 0,
         )
         if has_events:
             await self._subscribe(spec)
@@ -353,8 +357,7 @@ class Fleet:
             last_heartbeat=self.clock(),
             block_size=spec.block_size,
         )
-        if existing is not None:  # requests in flight there finish on the new record
-            inst.keys = existing.keys
+        if existing is not None:
             inst.served, inst.failures = existing.served, existing.failures
         self.instances[spec.instance_id] = inst
         self.outliers.remove(spec.instance_id)
@@ -372,7 +375,7 @@ class Fleet:
             "re-added" if existing else "added",
             "KV events" if has_events else "approximate prefix index",
         )
-        self.on_capacity()
+        self._capacity_freed()
         return existing is None
 
     async def remove_instance(self, instance_id: str) -> bool:
@@ -381,12 +384,11 @@ class Fleet:
             return False
         await self.subscriber.remove(instance_id)
         self.router.forget_instance(instance_id)
-        self._saturated.discard(instance_id)
         self.outliers.remove(instance_id)
         self.poller.forget(instance_id)
         self.metrics.forget_instance(instance_id)
         log.info("instance %s removed", instance_id)
-        self.on_lost(instance_id, inst.url)
+        self._lost(instance_id, inst.url)
         return True
 
     def heartbeat(self, instance_id: str, leaving: bool = False) -> bool:
@@ -492,7 +494,7 @@ class Fleet:
             log.warning("instance %s ejected after repeated failures", instance_id)
             self.metrics.ejected(instance_id)
             self.cluster.set_healthy(instance_id, False)
-            self.on_lost(instance_id, self.instances[instance_id].url)
+            self._lost(instance_id, self.instances[instance_id].url)
         elif change is Health.HEALTHY:
             log.info("instance %s is healthy again", instance_id)
             self.cluster.set_healthy(instance_id, True)
@@ -501,7 +503,19 @@ class Fleet:
                 # It may have restarted with an empty cache: rebuild its prefix view.
                 task = asyncio.get_running_loop().create_task(self._subscribe(spec))
                 task.add_done_callback(lambda t: t.exception())
-            self.on_capacity()
+            self._capacity_freed()
+
+    # -- what the fleet tells its listeners (the proxy) --------------------------------------
+    def subscribe(self, listener: FleetListener) -> None:
+        self._listeners.append(listener)
+
+    def _capacity_freed(self) -> None:
+        for listener in self._listeners:
+            listener.capacity_freed()
+
+    def _lost(self, instance_id: str, url: str) -> None:
+        for listener in self._listeners:
+            listener.instance_lost(instance_id, url)
 
     # -- request path ------------------------------------------------------------------------
     def new_key(self, client_request_id: str) -> str:
@@ -532,7 +546,7 @@ class Fleet:
         max_tokens: int | None = None,
         exclude: Collection[str] = (),
     ) -> tuple[FleetInstance, int]:
-        saturated = self._saturated
+        saturated = self.inflight.saturated
         if saturated:
             skip: Collection[str] = saturated.union(exclude)
         else:
@@ -561,22 +575,9 @@ class Fleet:
             self._handoffs[key] = routed.decode_id
         if len(block_hashes) > routed.matched_blocks:  # the engine will store blocks: events due
             self.subscriber.note_traffic(inst.instance_id)
-        self._attach(inst, key)
+        self.inflight.attach(inst.instance_id, key)
+        self.metrics.set_inflight(inst.instance_id, self.inflight.count(inst.instance_id))
         return inst, routed.matched_blocks
-
-    def _attach(self, inst: FleetInstance, key: str) -> None:
-        """`key` is in flight on `inst` (saturation and the gauge follow)."""
-        inst.keys.add(key)
-        if inst.inflight >= self.settings.max_inflight_per_instance:
-            self._saturated.add(inst.instance_id)
-        self.metrics.set_inflight(inst.instance_id, inst.inflight)
-
-    def _detach(self, inst: FleetInstance, key: str) -> None:
-        """`key` is no longer in flight on `inst`."""
-        inst.keys.discard(key)
-        if inst.inflight < self.settings.max_inflight_per_instance:
-            self._saturated.discard(inst.instance_id)
-        self.metrics.set_inflight(inst.instance_id, inst.inflight)
 
     def handoff_target(self, key: str) -> FleetInstance | None:
         """The decode instance `key` is handed to after its first token (P/D), if any."""
@@ -592,30 +593,26 @@ class Fleet:
 
     def request_migrated(self, key: str, dst: str) -> None:
         """A live migration committed: `key` now runs on instance `dst`."""
-        src = self.router.instance_of(key)
         self.router.on_migrated(key, dst, self.clock())
-        old, new = self.instances.get(src or ""), self.instances.get(dst)
-        if old is None or new is None or key not in old.keys or old is new:
+        if dst not in self.instances:
             return
-        self._detach(old, key)
-        self._attach(new, key)
-        self.on_capacity()
+        src = self.inflight.move(key, dst)
+        if src is None:
+            return
+        self.metrics.set_inflight(src, self.inflight.count(src))
+        self.metrics.set_inflight(dst, self.inflight.count(dst))
+        self._capacity_freed()
 
-    def _release(self, key: str, inst: FleetInstance) -> None:
+    def _release(self, key: str) -> None:
         self._handoffs.pop(key, None)
-        where = self.router.instance_of(key)  # differs from `inst` after a migration
         self.router.on_finish(key, self.clock())
-        # The instance may have re-registered since dispatch: count on its current record.
-        current = self.instances.get(where or inst.instance_id)
-        if current is None or key not in current.keys:
-            current = self.instances.get(inst.instance_id)
-        if current is not None and key in current.keys:
-            self._detach(current, key)
-        self.completed += 1
-        self.on_capacity()
+        where = self.inflight.release(key)  # differs from the dispatch's after a migration
+        if where is not None:
+            self.metrics.set_inflight(where, self.inflight.count(where))
+        self._capacity_freed()
 
     def request_finished(self, key: str, inst: FleetInstance, ok: bool = True) -> None:
-        self._release(key, inst)
+        self._release(key)
         current = self.instances.get(inst.instance_id)
         if current is None:
             return
@@ -626,7 +623,7 @@ class Fleet:
             )
 
     def request_failed(self, key: str, inst: FleetInstance) -> None:
-        self._release(key, inst)
+        self._release(key)
         current = self.instances.get(inst.instance_id)
         if current is None:
             return
@@ -636,6 +633,16 @@ class Fleet:
         )
 
     # -- introspection -----------------------------------------------------------------------
+    def max_model_len(self) -> int | None:
+        """The longest context some instance takes; None unless every instance said."""
+        longest = 0
+        for inst in self.instances.values():
+            limit = inst.spec.max_model_len
+            if limit is None:
+                return None
+            longest = max(longest, limit)
+        return longest or None
+
     def models(self) -> list[str]:
         names = {inst.spec.model for inst in self.instances.values() if inst.spec.model}
         return sorted(names)
@@ -691,7 +698,7 @@ class Fleet:
             "role": view.role,
             "health": str(self.outliers.state(instance_id, self.clock())),
             "draining": state.draining,
-            "inflight": inst.inflight,
+            "inflight": self.inflight.count(instance_id),
             "served": inst.served,
             "failures": inst.failures,
             "load": {

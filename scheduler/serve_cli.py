@@ -7,7 +7,9 @@ registrations. An ``--instance`` value is a base URL, optionally followed by com
 connects its PUB: vLLM with ``tcp://H:P``), ``topic=T`` (its events arrive on the shared
 ``--kv-events-bind`` endpoint with vLLM topic T), ``replay=tcp://H:P``, ``block_size=N`` (overrides
 what the instance reports), ``id=NAME``, ``role=prefill|decode|mixed`` (P/D disaggregation;
-overrides the role the instance reports), e.g.
+overrides the role the instance reports), ``max_num_seqs=N`` (its batch slots, for an engine that
+does not report them, as vLLM does not: admission then counts what is there beyond them as
+queued), e.g.
 ``--instance http://10.0.0.5:8000,kv_events=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5558``.
 Without any of the three the instance is routed with the approximate prefix index. A plain vLLM's
 block size is read from its ``vllm:cache_config_info`` at start-up; one that differs from the
@@ -242,7 +244,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="URL[,kv_events=tcp://H:P|kv_events_bind=tcp://H:P|topic=T,replay=tcp://H:P,"
-        "block_size=N,id=NAME,role=prefill|decode|mixed]",
+        "block_size=N,id=NAME,role=prefill|decode|mixed,max_num_seqs=N]",
         help="an instance to route to; repeatable",
     )
     add_proxy_arguments(parser)
@@ -261,15 +263,16 @@ def parse_instance_spec(text: str) -> dict[str, Any]:
         "id": "id",
         "block_size": "block_size",
         "role": "role",
+        "max_num_seqs": "max_num_seqs",
     }
     for option in options:
         key, sep, value = option.partition("=")
         if not sep or key not in names:
             raise ValueError(f"--instance {text!r}: unknown option {option!r}")
-        if key == "block_size":
+        if key in ("block_size", "max_num_seqs"):
             if not value.isdigit() or int(value) <= 0:
-                raise ValueError(f"--instance {text!r}: block_size must be a positive integer")
-            spec["block_size"] = int(value)
+                raise ValueError(f"--instance {text!r}: {key} must be a positive integer")
+            spec[key] = int(value)
         elif key == "role" and value not in ("prefill", "decode", "mixed"):
             raise ValueError(f"--instance {text!r}: role must be prefill, decode or mixed")
         else:
@@ -326,6 +329,7 @@ async def probe_instance(
         kv_events_bind=bind is not None,
         kv_topic=raw.get("kv_topic") if kv_events else None,
         role=raw.get("role"),
+        max_num_seqs=raw.get("max_num_seqs"),
     )
     override = raw.get("block_size")
     headers = auth_headers(fleet_token)
@@ -440,6 +444,7 @@ async def serve_fleet(
     from kvherd.tokenizer import load_tokenizer
     from policies.registry import PolicyAllowList
     from scheduler.core.admission import AdmissionSettings
+    from scheduler.core.admission_queue import QueueSettings
     from scheduler.core.deadlines import DeadlineSettings
     from scheduler.core.tenancy import SALT_SECRET_ENV, build_registry
     from scheduler.fleet import Fleet, FleetError, FleetSettings
@@ -536,8 +541,7 @@ async def serve_fleet(
         tenants,
         ProxyConfig(
             max_attempts=args.max_attempts,
-            queue_size=args.queue_size,
-            queue_timeout_s=args.queue_timeout,
+            queue=QueueSettings(args.queue_size, args.queue_timeout),
             connect_timeout_s=args.connect_timeout,
             request_timeout_s=args.request_timeout,
             stream_idle_timeout_s=args.stream_idle_timeout,

@@ -857,4 +857,5 @@ def load_report(
         head_waiting_blocks=load.head_waiting_blocks,
         running=running,
         block_size=load.block_size,
+        max_num_seqs=sched.config.max_num_seqs,
     )

@@ -1,35 +1,22 @@
 """Admission by expected wait: refuse a request the fleet could not start within the allowed wait.
 
 Contract:
-- `Admission` is pure (explicit `now`). The caller reports what it sees, at arrivals and
-  completions: `observe(now, completed, ahead)`, where `completed` is the fleet's running count of
-  requests it finished (monotonic) and `ahead` the requests waiting to start: the proxy's
-  admission queue plus `waiting_at` each instance.
-- `waiting_at(view)`: what the instance reports queued, or what the proxy has in flight there
-  beyond what it runs (queued in its HTTP server or engine), whichever is more.
-- Service rate: completions per second of *busy* time, as exponentially decayed sums
-  (time constant ``decay_s``): an interval counts only when requests were waiting through it,
-  because only then do completions measure what the fleet can serve rather than what clients
-  asked for. The measured rate (completions over busy time) is used once ``min_busy_s`` of busy
-  time and at least one (decayed) completion are behind it. Short of that, the fleet is bounded by
-  what it did not do: busy for ``s`` >= ``min_busy_s`` seconds since its last completion, it
-  completes at most about one request per ``s`` seconds, and `rate` is that bound (so a cold
-  fleet serving long requests, or a stalled one, refuses by how long it has gone without a
-  completion, neither admitting without limit nor refusing everything; a fleet between two
-  completions less than ``min_busy_s`` apart is not judged by that gap). `rate` is None while
-  neither is known: before ``min_busy_s`` of busy time, or at a completion before the measured
-  rate is used.
-- `refusal(ahead)`: None to admit, else a `Refusal` with the expected wait ``ahead / rate``
-  (seconds), the wait allowed (``limit_s``) and ``retry_after_s``, an integer of seconds in
-  ``[1, max_retry_after_s]``: when enough of the queue ahead will have been served for the wait to
-  be back within bounds. Requests are refused only while the expected wait exceeds the allowed
-  one; with an unknown rate nothing is refused here (the caller's count bound on its queue still
-  holds).
-- The allowed wait (`limit_s`) is ``max_queue_wait_s`` while the queue has been empty (an
-  observation with ``ahead == 0``) within the last ``max_queue_wait_s`` seconds, and
-  ``standing_queue_wait_s`` once it has not (controlled delay, as in Maurer, "Fail at Scale",
-  ACM Queue 2015, after CoDel): a burst may queue for the full wait, a flood keeps only a short
-  standing queue, so service is back soon after the flood ends.
+- A request waits only where an engine queues it (`queued_at`): what the instance reports
+  waiting, or what is there beyond its batch slots (``InstanceView.batch_slots``, when known). A
+  scrape that has not yet seen a request start is no queue, nor a long generation in a batch
+  with free slots. `can_start(view)`: a new request would start at once there.
+- `Admission` is pure (explicit `now`). The caller reports, at arrivals and completions,
+  `observe(now, completed, ahead)`: the fleet's running count of finished requests and the
+  requests waiting to start (the proxy's admission queue plus `queued_at` each instance).
+- Service rate: completions per second of *busy* time (requests waiting through it), as decayed
+  sums (time constant ``decay_s``); used once ``min_busy_s`` of busy time and a completion are
+  behind it. Short of that, busy for ``s >= min_busy_s`` seconds since its last completion, the
+  fleet completes at most one request per ``s``. `rate` is None while neither is known.
+- `refusal(ahead, startable)`: None to admit (always when `startable`: some instance would start
+  the request at once, and while the rate is unknown), else a `Refusal` with the expected wait
+  ``ahead / rate``, the wait allowed (``limit_s``) and ``retry_after_s`` in ``[1, max]``.
+- ``limit_s`` is ``max_queue_wait_s`` while the queue emptied within that long, else
+  ``standing_queue_wait_s`` (controlled delay: Maurer, "Fail at Scale", ACM Queue 2015).
 """
 
 from __future__ import annotations
@@ -40,9 +27,21 @@ from dataclasses import dataclass
 from policies.views import InstanceView
 
 
-def waiting_at(view: InstanceView) -> int:
-    """Requests at one instance that wait to start, as admission counts them (module contract)."""
-    return max(0, view.num_waiting, view.inflight - view.num_running)
+def queued_at(view: InstanceView) -> int:
+    """Requests queued at one instance: reported waiting, or beyond its batch slots."""
+    reported = view.reported_waiting
+    slots = view.batch_slots
+    if slots <= 0:
+        return reported
+    return max(reported, view.num_running + view.num_waiting - slots)
+
+
+def can_start(view: InstanceView) -> bool:
+    """A new request would start at once on this (dispatchable) instance."""
+    if view.reported_waiting > 0:
+        return False
+    slots = view.batch_slots
+    return slots <= 0 or view.num_running + view.num_waiting < slots
 
 
 @dataclass(slots=True)
@@ -144,7 +143,9 @@ class Admission:
             return settings.standing_queue_wait_s
         return settings.max_queue_wait_s
 
-    def refusal(self, ahead: int) -> Refusal | None:
+    def refusal(self, ahead: int, startable: bool = False) -> Refusal | None:
+        if startable:
+            return None
         wait = self.expected_wait(ahead)
         limit = self.limit_s
         if wait is None or wait <= limit:

@@ -105,13 +105,16 @@ class ClusterState:
         healthy: bool = True,
         now: float = 0.0,
         role: str | None = None,
+        batch_slots: int = 0,
     ) -> ResyncRequest | None:
-        """Register (or re-register) an instance (`role`: the operator's P/D role, else the
-        reported one). Returns a resync request when it has events."""
+        """Register (or re-register) an instance (`role`, `batch_slots`: the operator's P/D role
+        and max_num_seqs, else the reported ones). Returns a resync request when it has events."""
         if not instance_id:
             raise ValueError("instance_id must be non-empty")
         previous = self.instances.get(instance_id)
-        state = InstanceState(instance_id, self.block_size, has_kv_events, healthy, role=role)
+        state = InstanceState(
+            instance_id, self.block_size, has_kv_events, healthy, role=role, batch_slots=batch_slots
+        )
         if previous is not None:  # a re-join keeps the router's in-flight accounting
             for dispatch in previous.inflight.values():
                 state.adopt(dispatch, now)

@@ -20,7 +20,8 @@ Contract:
   spreads over the decode instances before any has moved), until the handoff commits (the request
   is then adopted here), falls back, or the request ends.
 - Role (P/D disaggregation): the operator's `role` when given (``--instance URL,role=...``), else
-  the role the instance reports, else ``mixed``.
+  the role the instance reports, else ``mixed``. Batch slots likewise: the operator's
+  ``max_num_seqs=``, else the reported ``max_num_seqs``, else unknown (0).
 """
 
 from __future__ import annotations
@@ -63,9 +64,11 @@ class InstanceState:
         healthy: bool = True,
         max_log: int = 1 << 16,
         role: str | None = None,
+        batch_slots: int = 0,
     ) -> None:
         self.instance_id = instance_id
         self.role = role  # the operator's override of the reported role
+        self.batch_slots = batch_slots  # the operator's statement of max_num_seqs (0: as reported)
         self.incoming: set[str] = set()  # requests to be handed here after their prefill (P/D)
         self.block_size = block_size
         self.has_kv_events = has_kv_events
@@ -227,6 +230,8 @@ class InstanceState:
             waiting_prefill_tokens=waiting_tokens,
             head_waiting_blocks=head,
             num_preemptions=rep.num_preemptions or 0,
+            batch_slots=self.batch_slots or rep.max_num_seqs or 0,
+            reported_waiting=rep.num_waiting or 0,
             healthy=self.healthy if healthy_override is None else healthy_override,
             draining=self.draining,
             has_kv_events=self.has_kv_events,

@@ -6,7 +6,8 @@ Contract:
 - `parse_agent_state(obj)` reads kvherd's ``GET /kvherd/v1/state`` snapshot: counts
   (``num_running``, ``num_waiting``), blocks (``num_total_blocks``, ``num_free_blocks``,
   ``num_cached_blocks``), ``kv_usage``, ``num_preemptions``, ``block_size``,
-  ``last_kv_event_seq`` (-1: none yet), ``role`` (``prefill``, ``decode`` or ``mixed``) and the
+  ``last_kv_event_seq`` (-1: none yet), ``role`` (``prefill``, ``decode`` or ``mixed``),
+  ``max_num_seqs`` (batch slots) and the
   request lists ``running`` / ``waiting`` (objects
   with ``request_id``, ``num_tokens``, optional ``blocks`` held and ``num_computed_tokens``), as
   `instance_agent.state.snapshot` writes them; the agent's heartbeat summary (counts only) reads
@@ -58,6 +59,7 @@ class LoadReport:
     block_size: int | None = None
     last_kv_event_seq: int | None = None
     role: str | None = None  # "prefill", "decode" or "mixed" (P/D disaggregation)
+    max_num_seqs: int | None = None  # the engine's batch slots
 
 
 ROLES = ("prefill", "decode", "mixed")
@@ -165,6 +167,7 @@ def parse_agent_state(obj: Any) -> LoadReport:
         block_size=block_size,
         last_kv_event_seq=_last_seq(obj.get("last_kv_event_seq")),
         role=role,
+        max_num_seqs=_int(obj, "max_num_seqs"),
     )
 
 

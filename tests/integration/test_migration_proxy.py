@@ -270,7 +270,7 @@ async def test_drain_moves_every_running_request_elsewhere(
 
 
 def test_a_notice_split_across_chunks_is_held_back_only_while_it_may_be_one() -> None:
-    from scheduler.proxy.proxy import _NOTICE, _notice_prefix, _split
+    from scheduler.proxy.relay import _NOTICE, _notice_prefix, _split
 
     frame = b'data: {"id":"cmpl-1","choices":[]}\n\n'
     assert _notice_prefix(frame) == 0  # a whole frame goes out at once
@@ -294,10 +294,12 @@ async def test_fleet_counts_a_migrated_request_where_it_runs() -> None:
         src, _ = fleet.dispatch("r", 64, [])
         dst = fleet.instances["b" if src.instance_id == "a" else "a"]
         fleet.request_migrated("r", dst.instance_id)
-        assert (src.inflight, dst.inflight) == (0, 1)
+        count = fleet.inflight.count
+        assert (count(src.instance_id), count(dst.instance_id)) == (0, 1)
         assert fleet.router.instance_of("r") == dst.instance_id
         fleet.request_finished("r", src)  # the proxy reports the instance it dispatched to
-        assert (src.inflight, dst.inflight) == (0, 0) and not dst.keys
+        assert (count(src.instance_id), count(dst.instance_id)) == (0, 0)
+        assert fleet.inflight.instance_of("r") is None
     finally:
         await fleet.stop()
 

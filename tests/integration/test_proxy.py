@@ -142,7 +142,7 @@ async def test_shared_prefix_routes_to_holder_and_load_spreads(
         assert all(r.status_code == 200 for r in burst)
         served = {r.headers["x-kvherd-instance"] for r in burst}
         assert served == set(proxy.fleet.instances)
-        assert all(inst.inflight == 0 for inst in proxy.fleet.instances.values())
+        assert all(proxy.fleet.inflight.count(i) == 0 for i in proxy.fleet.instances)
 
 
 async def test_approximate_index_without_events(fleet_agents: list[AgentProcess]) -> None:
@@ -461,6 +461,6 @@ async def test_client_disconnect_aborts_the_upstream_request(
         while abort_count((await client.get(agent_metrics)).text) < before + 2:
             assert asyncio.get_running_loop().time() < deadline, "upstream requests not aborted"
             await asyncio.sleep(0.05)
-        await wait_for(lambda: all(i.inflight == 0 for i in proxy.fleet.instances.values()))
+        await wait_for(lambda: all(proxy.fleet.inflight.count(i) == 0 for i in proxy.fleet.instances))
         metrics = (await client.get(f"{proxy.url}/metrics")).text
         assert 'kvherd_requests_total{status="client_closed"} 2.0' in metrics

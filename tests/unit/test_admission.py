@@ -1,5 +1,6 @@
-"""Admission by expected wait: the service rate is measured while requests wait, and a request is
-refused exactly when the queue ahead of it would take longer than the allowed wait to start."""
+"""Admission by expected wait: a request waits only where an engine queues it, the service rate is
+measured while requests wait, and a request is refused exactly when no instance would start it at
+once and the queue ahead of it would take longer than the allowed wait to start."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import math
 import pytest
 
 from policies.views import InstanceView
-from scheduler.core.admission import Admission, AdmissionSettings, waiting_at
+from scheduler.core.admission import Admission, AdmissionSettings, can_start, queued_at
 
 
 def busy_fleet(rate: float, seconds: float, ahead: int = 50, step: float = 0.01) -> Admission:
@@ -167,11 +168,30 @@ def test_a_cold_fleet_of_long_requests_refuses_by_its_time_without_a_completion(
     assert admission.refusal(3) is None
 
 
-def test_waiting_at_counts_what_waits_at_an_instance() -> None:
-    # Queued at the instance, or in flight beyond what it runs (its HTTP server's backlog).
-    assert waiting_at(InstanceView("a", num_running=8, num_waiting=3, inflight=11)) == 3
-    assert waiting_at(InstanceView("a", num_running=8, num_waiting=0, inflight=12)) == 4
-    assert waiting_at(InstanceView("a", num_running=60, inflight=60)) == 0
-    assert (
-        waiting_at(InstanceView("a", num_running=9, inflight=4)) == 0
-    )  # report ahead of the proxy
+def test_a_request_waits_only_where_an_engine_queues_it() -> None:
+    # What the engine reported waiting, or what is there beyond its batch slots.
+    assert queued_at(InstanceView("a", num_running=8, num_waiting=3, reported_waiting=3)) == 3
+    slots = InstanceView("a", num_running=8, num_waiting=4, batch_slots=8)
+    assert queued_at(slots) == 4 and not can_start(slots)
+    # Dispatched since the last report and not yet seen running (a scrape's lag, or a
+    # non-streamed request whose first token the proxy never sees): no queue while slots are free.
+    lagging = InstanceView("a", num_running=2, num_waiting=6, inflight=8, batch_slots=16)
+    assert queued_at(lagging) == 0 and can_start(lagging)
+    # Slots unknown (vLLM does not report max_num_seqs): only what the engine says it queues.
+    unknown = InstanceView("a", num_running=3, num_waiting=9, inflight=12)
+    assert queued_at(unknown) == 0 and can_start(unknown)
+    # A KV pool that is full queues below the batch slots: the engine's own count says so.
+    kv_full = InstanceView("a", num_running=5, num_waiting=2, reported_waiting=2, batch_slots=64)
+    assert queued_at(kv_full) == 2 and not can_start(kv_full)
+    # Long generations with free slots are no queue, however long since the last completion.
+    decoding = InstanceView("a", num_running=60, inflight=60, batch_slots=64)
+    assert queued_at(decoding) == 0 and can_start(decoding)
+
+
+def test_nothing_is_refused_while_some_instance_would_start_it() -> None:
+    admission = busy_fleet(rate=40.0, seconds=5.0)
+    assert admission.refusal(400) is not None
+    assert admission.refusal(400, startable=True) is None
+    stalled = cold_fleet_busy(5.0, ahead=3)  # 5 s busy without a completion
+    assert stalled.refusal(3) is not None
+    assert stalled.refusal(3, startable=True) is None

@@ -521,8 +521,16 @@ async def test_fleet_saturation_exclusion_and_reregistration() -> None:
     from scheduler.proxy.metrics import ProxyMetrics
 
     fleet = Fleet("least_requests", FleetSettings(max_inflight_per_instance=1), ProxyMetrics())
-    woken: list[int] = []
-    fleet.on_capacity = lambda: woken.append(1)
+    woken: list[str] = []
+
+    class Listener:
+        def capacity_freed(self) -> None:
+            woken.append("capacity")
+
+        def instance_lost(self, instance_id: str, url: str) -> None:
+            woken.append(f"lost {instance_id}")
+
+    fleet.subscribe(Listener())
     assert await fleet.add_instance(InstanceSpec("a", "http://127.0.0.1:1"))
     inst, _ = fleet.dispatch("r1", 32, [])
     with pytest.raises(NoCapacityError) as full:
@@ -533,13 +541,14 @@ async def test_fleet_saturation_exclusion_and_reregistration() -> None:
     assert not tried.value.saturated  # nothing left to try: fail at once
     # The instance re-registers while r1 is in flight; r1 finishes on the new record.
     assert not await fleet.add_instance(InstanceSpec("a", "http://127.0.0.1:1"))
-    assert fleet.instances["a"].inflight == 1
+    assert fleet.inflight.count("a") == 1 and fleet.inflight.saturated == {"a"}
+    woken.clear()
     fleet.request_finished("r1", inst)
-    assert fleet.instances["a"].inflight == 0 and fleet.instances["a"].served == 1
-    assert woken
+    assert fleet.inflight.count("a") == 0 and fleet.instances["a"].served == 1
+    assert woken == ["capacity"] and fleet.inflight.completed == 1
     again, _ = fleet.dispatch("r2", 32, [])
     fleet.request_failed("r2", again)
-    assert fleet.instances["a"].failures == 1 and fleet.instances["a"].inflight == 0
+    assert fleet.instances["a"].failures == 1 and fleet.inflight.count("a") == 0
     # Keys are the fleet's own: a client reusing an X-Request-Id in flight gets a fresh one, and
     # the client's id names the first holder for operators.
     first = fleet.new_key("r3")
@@ -551,6 +560,8 @@ async def test_fleet_saturation_exclusion_and_reregistration() -> None:
     third = fleet.new_key("r3")  # the id is free again: it names the new request
     fleet.dispatch(third, 8, [])
     assert fleet.request_key("r3") == third
+    await fleet.remove_instance("a")
+    assert woken[-1] == "lost a"
     await fleet.stop()
 
 

@@ -1,0 +1,165 @@
+"""Admission on the proxy's clock: the core's expected-wait rule and queue, answered as 429s.
+
+Contract:
+- `check()` refuses a new request (`Refused`: 429, ``code: queue_wait``, ``Retry-After``) when no
+  dispatchable instance would start it at once and the requests queued ahead of it (the
+  admission queue plus what each dispatchable instance queues, `scheduler.core.admission`) would
+  take longer than the allowed wait; it never refuses while some instance has a free batch slot.
+  The instances' figures are read at most every `_VIEW_TTL_S` (they change by load reports);
+  in between, each admission spends one of the free slots they showed.
+- `dispatch(...)`: the fleet's choice of instance; while every instance that may take it is
+  saturated (`scheduler.core.inflight`), the request waits in the core's `AdmissionQueue`
+  (`queue_full` / `queue_timeout` 429s past its bounds), woken by `capacity_freed`. None when
+  nothing dispatchable (and untried) is left. Retries and continuations pass `tried`; they are
+  never refused by the expected wait, only by the queue's bounds.
+- The core observes the fleet at every arrival and every freed capacity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Collection
+
+from kvherd.wire import OpenAIError
+from scheduler.core.admission import Admission, AdmissionSettings, can_start, queued_at
+from scheduler.core.admission_queue import AdmissionQueue, QueueSettings
+from scheduler.fleet import Fleet, FleetInstance, NoCapacityError
+from scheduler.proxy.metrics import ProxyMetrics
+
+# How long the instances' figures are reused: they change by load reports, far more slowly
+# than requests arrive.
+_VIEW_TTL_S = 0.02
+
+
+class Refused(OpenAIError):
+    """A 429 from admission: the error object plus when to come back (``Retry-After``)."""
+
+    def __init__(self, message: str, code: str, retry_after_s: int) -> None:
+        super().__init__(429, message, type="rate_limit_error", code=code)
+        self.retry_after_s = retry_after_s
+
+
+class AdmissionGate:
+    def __init__(
+        self,
+        fleet: Fleet,
+        settings: AdmissionSettings,
+        queue: QueueSettings,
+        metrics: ProxyMetrics,
+    ) -> None:
+        self.fleet = fleet
+        self.metrics = metrics
+        self.rule = Admission(settings)
+        self.queue: AdmissionQueue[asyncio.Future[None]] = AdmissionQueue(queue)
+        self._queued = 0  # requests the instances queue, as of `_seen_at`
+        self._free = 0.0  # batch slots free for new requests since then (math.inf: unbounded)
+        self._seen_at = -1.0
+
+    def capacity_freed(self) -> None:
+        while (waiter := self.queue.wake()) is not None:
+            if not waiter.done():
+                waiter.set_result(None)
+                break
+        self._observe(time.monotonic())
+
+    def _read(self, now: float) -> None:
+        """The dispatchable instances' queues and free slots, at most every `_VIEW_TTL_S`."""
+        if now - self._seen_at <= _VIEW_TTL_S:
+            return
+        fleet = self.fleet
+        cluster, saturated = fleet.cluster, fleet.inflight.saturated
+        queued, free = 0, 0.0
+        for i in fleet.instances:
+            if i not in cluster:
+                continue
+            view = cluster.get(i).view()
+            if not view.dispatchable:
+                continue
+            queued += queued_at(view)
+            if i not in saturated and can_start(view):
+                slots = view.batch_slots
+                free += slots - view.num_running - view.num_waiting if slots else math.inf
+        self._queued, self._free, self._seen_at = queued, free, now
+
+    def _observe(self, now: float) -> int:
+        self._read(now)
+        ahead = len(self.queue) + self._queued
+        self.rule.observe(now, self.fleet.inflight.completed, ahead)
+        return ahead
+
+    def check(self) -> None:
+        """Refuse a new request that would wait longer than the fleet allows (429)."""
+        ahead = self._observe(time.monotonic())
+        startable = self._free > 0
+        refused = self.rule.refusal(ahead, startable)
+        if refused is None:
+            if startable:
+                self._free -= 1
+            return
+        self.metrics.rejected("queue_wait")
+        raise Refused(
+            f"the fleet is overloaded: a request would wait about "
+            f"{refused.expected_wait_s:.1f}s to start (at most {refused.limit_s:g}s allowed)",
+            "queue_wait",
+            refused.retry_after_s,
+        )
+
+    async def dispatch(
+        self,
+        key: str,
+        num_tokens: int,
+        block_hashes: list[int],
+        tenant: str | None,
+        max_tokens: int | None,
+        tried: Collection[str],
+    ) -> tuple[FleetInstance, int, bool] | None:
+        """The instance chosen for `key`, its matched blocks and whether it queued first,
+        waiting in the queue while every instance is saturated; None when nothing dispatchable
+        is left."""
+        deadline: float | None = None
+        while True:
+            try:
+                instance, matched = self.fleet.dispatch(
+                    key, num_tokens, block_hashes,
+                    tenant=tenant, max_tokens=max_tokens, exclude=tried,
+                )  # fmt: skip
+                return instance, matched, deadline is not None
+            except NoCapacityError as exc:
+                if not exc.saturated:
+                    return None  # nothing dispatchable (or everything already tried)
+            loop = asyncio.get_running_loop()
+            waiter: asyncio.Future[None] = loop.create_future()
+            now = time.monotonic()
+            if not self.queue.join(now, waiter):
+                self.metrics.rejected("queue_full")
+                raise Refused(
+                    "every instance is saturated and the admission queue is full",
+                    "queue_full",
+                    self._retry_after(),
+                )
+            if deadline is None:
+                deadline = self.queue.deadline(waiter)
+            self.metrics.queue_depth.set(len(self.queue))
+            try:
+                async with asyncio.timeout(max(0.0, deadline - now)):
+                    await waiter
+            except TimeoutError:
+                self.metrics.rejected("queue_timeout")
+                raise Refused(
+                    f"no instance had room within {self.queue.settings.timeout_s}s",
+                    "queue_timeout",
+                    self._retry_after(),
+                ) from None
+            finally:
+                self.queue.leave(waiter)
+                self.metrics.queue_depth.set(len(self.queue))
+
+    def _retry_after(self) -> int:
+        """Whole seconds until the queue ahead is expected to have drained (at least 1)."""
+        wait = self.rule.expected_wait(self._observe(time.monotonic()))
+        cap = self.rule.settings.max_retry_after_s
+        if wait is None or wait < 1:
+            return 1
+        return cap if wait >= cap else int(wait) + 1

@@ -1,0 +1,130 @@
+"""A request body turned into what the fleet routes: parsed, salted, checked, tokenized, hashed.
+
+Contract:
+- `RequestReader.read(raw, path, chat, tenant)` returns a frozen `RoutedRequest` or raises
+  `OpenAIError` (400): the body as a JSON object; its prompt's token ids as the engine computes
+  them (`scheduler.proxy.routing_tokens`); the cache salt (the tenant's, written into the body and
+  ``raw`` re-encoded, when tenancy is on; else the client's own ``cache_salt``, which must be a
+  string); the context check (vLLM's 400 ``context_length_exceeded`` for a prompt no instance can
+  hold, unchecked while some instance did not state its ``max_model_len``); the block hashes,
+  chained with the salt at the fleet's block size.
+- Bodies over `OFF_LOOP_BODY_BYTES` are parsed and tokenized, and prompts over `OFF_LOOP_TOKENS`
+  hashed, in worker threads (`OFF_LOOP_WORKERS` at a time), so a few huge prompts cannot stall
+  every other request on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from kvherd.block_hash import block_hash_chain
+from kvherd.tokenizer import Tokenizer
+from kvherd.wire import OpenAIError
+from scheduler.core.tenancy import Tenant
+from scheduler.proxy.routing_tokens import prompt_token_ids
+
+if TYPE_CHECKING:
+    from scheduler.fleet import Fleet
+
+OFF_LOOP_BODY_BYTES = 64 * 1024
+OFF_LOOP_TOKENS = 16 * 1024
+OFF_LOOP_WORKERS = 2
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedRequest:
+    """One client request as the fleet routes and forwards it."""
+
+    path: bytes  # b"/v1/completions" or b"/v1/chat/completions"
+    chat: bool
+    body: dict[str, Any]  # the parsed body (the salt set); continuations start from it
+    raw: bytes  # what is forwarded: the client's bytes, re-encoded only when the salt changed
+    num_tokens: int
+    block_hashes: list[int]
+    tenant: Tenant | None
+    max_tokens: Any  # as the client gave it (``max_completion_tokens`` or ``max_tokens``)
+    streamed: bool
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens if isinstance(self.max_tokens, int) else None
+
+
+class RequestReader:
+    def __init__(self, fleet: Fleet, tokenizer: Tokenizer) -> None:
+        self.fleet = fleet
+        self.tokenizer = tokenizer
+        self._off_loop = asyncio.Semaphore(OFF_LOOP_WORKERS)
+
+    async def read(
+        self, raw: bytes, path: bytes, chat: bool, tenant: Tenant | None
+    ) -> RoutedRequest:
+        if len(raw) > OFF_LOOP_BODY_BYTES:
+            async with self._off_loop:
+                body, token_ids = await asyncio.to_thread(self._parse, raw, chat)
+        else:
+            body, token_ids = self._parse(raw, chat)
+        if tenant is not None:
+            salt: str | None = tenant.cache_salt
+            if body.get("cache_salt") != salt:
+                body["cache_salt"] = salt
+                raw = orjson.dumps(body)
+        else:
+            client_salt = body.get("cache_salt")
+            if client_salt is not None and not isinstance(client_salt, str):
+                raise OpenAIError(400, "'cache_salt' must be a string", param="cache_salt")
+            salt = client_salt or None
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        self._check_context(len(token_ids), max_tokens, chat)
+        block_size = self.fleet.block_size
+        if len(token_ids) > OFF_LOOP_TOKENS:
+            async with self._off_loop:
+                hashes = await asyncio.to_thread(block_hash_chain, token_ids, block_size, salt)
+        else:
+            hashes = block_hash_chain(token_ids, block_size, salt)
+        streamed = body.get("stream") is True
+        return RoutedRequest(
+            path, chat, body, raw, len(token_ids), hashes, tenant, max_tokens, streamed
+        )
+
+    def _parse(self, raw: bytes, chat: bool) -> tuple[dict[str, Any], list[int]]:
+        """The body as JSON and the token ids it routes by (`OpenAIError` when it cannot be)."""
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise OpenAIError(
+                400, f"request body is not valid JSON: {exc}", code="invalid_json"
+            ) from exc
+        if not isinstance(body, dict):
+            raise OpenAIError(400, "request body must be a JSON object")
+        return body, prompt_token_ids(body, chat, self.tokenizer)
+
+    def _check_context(self, num_tokens: int, max_tokens: Any, chat: bool) -> None:
+        """400, as vLLM words it, for a request no instance's context can hold."""
+        limit = self.fleet.max_model_len()
+        if limit is None:
+            return
+        budget = max_tokens if type(max_tokens) is int and max_tokens > 0 else 0
+        if num_tokens + max(budget, 1) <= limit:
+            return
+        where = "messages" if chat else "prompt"
+        if budget:
+            detail = (
+                f"you requested {num_tokens + budget} tokens ({num_tokens} in the {where}, "
+                f"{budget} in the completion). Please reduce the length of the {where} or "
+                "completion."
+            )
+        else:
+            detail = (
+                f"your {where} has {num_tokens} tokens. Please reduce the length of the {where}."
+            )
+        raise OpenAIError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, {detail}",
+            param=where,
+            code="context_length_exceeded",
+        )
