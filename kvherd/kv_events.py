@@ -32,6 +32,11 @@ from typing import Any
 
 import msgpack
 
+# vLLM's names for where a block lives (`vllm.distributed.kv_events.MEDIUM_*`).
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+MEDIUM_STORAGE = "STORAGE"
+
 ExtraKeys = list[list[Any] | None]  # one entry per block: None or the block's untagged keys
 
 
