@@ -51,7 +51,7 @@ from instance_agent.engine.loader import load_model
 from instance_agent.engine.model import kv_bytes_per_block
 from instance_agent.engine.model_runner import ModelRunner
 from kvherd.block_hash import HashAlgo
-from kvherd.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, KVEvent, KVEventBatch
+from kvherd.kv_events import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, KVEvent, KVEventBatch
 from kvherd.tokenizer import IncrementalDetokenizer, Tokenizer
 
 MAX_PENDING_KV_EVENTS = 65536
@@ -380,6 +380,42 @@ class LLMEngine:
     def _land_loads(self, buffers: TierBuffers) -> None:
         for request_id, ok in buffers.landed():
             self.scheduler.finish_load(request_id, ok)
+
+    def tier_usage(self) -> list[dict[str, Any]]:
+        """Per tier, GPU first: blocks held, capacity, hit tokens, evictions and, for the lower
+        tiers, blocks moved in (offloads) and out (loads) with their bytes and seconds."""
+        bm = self.block_manager
+        bs = bm.block_size
+        tiers = bm.tiers.tiers if bm.tiers is not None else []
+        lower_hit_tokens = sum(t.counters.hits for t in tiers) * bs
+        usage: list[dict[str, Any]] = [
+            {
+                "medium": MEDIUM_GPU,
+                "num_blocks": bm.num_cached_blocks,
+                "capacity_blocks": bm.num_blocks,
+                "hit_tokens": self.scheduler.prefix_cache_hits - lower_hit_tokens,
+                "evicted_blocks": bm.num_evictions,
+            }
+        ]
+        transfers = self.tier_buffers.stats() if self.tier_buffers is not None else {}
+        for tier in tiers:
+            moved = transfers[tier.medium]
+            usage.append(
+                {
+                    "medium": tier.medium,
+                    "num_blocks": len(tier),
+                    "capacity_blocks": tier.num_blocks,
+                    "hit_tokens": tier.counters.hits * bs,
+                    "evicted_blocks": tier.counters.evicted,
+                    "offload_blocks": moved.offload_blocks,
+                    "offload_bytes": moved.offload_bytes,
+                    "offload_seconds": moved.offload_seconds,
+                    "load_blocks": moved.load_blocks,
+                    "load_bytes": moved.load_bytes,
+                    "load_seconds": moved.load_seconds,
+                }
+            )
+        return usage
 
     def close(self) -> None:
         """Stop the load thread (after the loads in flight)."""

@@ -69,10 +69,23 @@ def test_tiered_agent_answers_exactly_and_serves_prefixes_from_cpu_and_disk(
     ):
         baseline = answers(plain.url)
         with_tiers = answers(tiered.url)
+        state = httpx.get(f"{tiered.url}/kvherd/v1/state", timeout=30).json()
+        metrics = httpx.get(f"{tiered.url}/metrics", timeout=30).text
     assert [text for text, _ in with_tiers] == [text for text, _ in baseline]
     assert [cached for _, cached in baseline] == [0] * 12
     assert [cached for _, cached in with_tiers] == [0] * 4 + [64] * 8
     assert [p.name for p in tmp_path.iterdir()] == ["kvherd-kv-tiered.bin"]
+    gpu, cpu, disk = state["tiers"]
+    assert [t["medium"] for t in state["tiers"]] == ["GPU", "CPU", "STORAGE"]
+    assert [t["capacity_blocks"] for t in state["tiers"]] == [8, 4, 32]
+    assert cpu["num_blocks"] == 4 and disk["num_blocks"] > 0 and gpu["evicted_blocks"] > 0
+    assert cpu["hit_tokens"] + disk["hit_tokens"] == 8 * 64  # every revisit came from below
+    assert disk["load_bytes"] == disk["load_blocks"] * (
+        disk["offload_bytes"] // disk["offload_blocks"]
+    )
+    labels = 'engine="0",medium="STORAGE",model_name="tiny"'
+    assert f"kvherd_kv_tier_capacity_blocks{{{labels}}} 32.0" in metrics
+    assert f"kvherd_kv_load_bytes_total{{{labels}}} {float(disk['load_bytes'])}" in metrics
 
 
 def test_a_disk_tier_without_its_folder_is_refused() -> None:

@@ -120,6 +120,7 @@ class BlockManager:
         self._block_parent: list[BlockHash | None] = [None] * num_blocks if tiers else []
         self._offloads: list[BlockCopy] = []
         self._loads: dict[str, list[TierHit]] = {}
+        self.num_evictions = 0  # blocks evicted from the prefix cache (moved down or dropped)
 
     # -- sizes -------------------------------------------------------------------------------
     @property
@@ -564,6 +565,7 @@ class BlockManager:
         else:
             victims = [pop() for _ in range(count)]
         self._num_evictable -= count
+        self.num_evictions += count
         block_hash = self._block_hash
         block_tokens = self._block_tokens
         hashes = cast("list[BlockHash]", [block_hash[block_id] for block_id in victims])
