@@ -22,6 +22,10 @@ Contract:
   snapshot and the registration; a prefill agent hands requests to their decode instance after
   the first token (`pd_handoff`), and a decode agent takes up to `DECODE_MAX_INCOMING` incoming
   migrations at once (others: one, like Llumnix).
+- KV tiers: ``--num-cpu-blocks N`` keeps blocks the GPU pool evicts in host memory, and
+  ``--disk-kv-dir DIR --num-disk-blocks N`` below that in one preallocated, memory-mapped file per
+  agent (``DIR/kvherd-kv-<instance id>.bin``); a prompt whose prefix sits on a lower tier loads it
+  back instead of recomputing it. The KV events name each block's tier (``medium``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import argparse
 import gc
 import ipaddress
 import logging
+import os
 import re
 import socket
 from typing import Any
@@ -82,6 +87,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
     engine.add_argument("--max-model-len", type=int, default=None)
     engine.add_argument("--no-prefix-caching", action="store_true")
+    engine.add_argument(
+        "--num-cpu-blocks", type=int, default=0, help="host-memory KV tier, in blocks (0: none)"
+    )
+    engine.add_argument("--disk-kv-dir", default=None, help="folder of the disk KV tier's file")
+    engine.add_argument(
+        "--num-disk-blocks", type=int, default=0, help="disk KV tier, in blocks (0: none)"
+    )
     engine.add_argument("--device", default=None)
     engine.add_argument("--dtype", default="auto")
     engine.add_argument(
@@ -151,6 +163,19 @@ def run(args: argparse.Namespace) -> int:
     advertise_host = args.advertise_host or (socket.gethostname() if wildcard else args.host)
     instance_id = args.instance_id or f"{socket.gethostname()}:{args.port}"
     served_name = args.served_model_name or args.model
+    if (args.num_disk_blocks > 0) != (args.disk_kv_dir is not None):
+        log.error("a disk KV tier needs both --disk-kv-dir and --num-disk-blocks")
+        return 2
+    if min(args.num_cpu_blocks, args.num_disk_blocks) < 0:
+        log.error("--num-cpu-blocks and --num-disk-blocks must be >= 0")
+        return 2
+    disk_kv_file = (
+        os.path.join(
+            args.disk_kv_dir, f"kvherd-kv-{re.sub(r'[^A-Za-z0-9_.-]', '_', instance_id)}.bin"
+        )
+        if args.disk_kv_dir is not None
+        else None
+    )
 
     config = EngineConfig(
         model=args.model,
@@ -164,6 +189,9 @@ def run(args: argparse.Namespace) -> int:
         enable_prefix_caching=not args.no_prefix_caching,
         device=args.device,
         dtype=args.dtype,
+        num_cpu_blocks=args.num_cpu_blocks,
+        disk_kv_file=disk_kv_file,
+        num_disk_blocks=args.num_disk_blocks,
     )
     if args.torch_threads is not None:
         import torch
@@ -274,6 +302,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if publisher is not None:
             publisher.close()
+        engine.close()
     # Everything is closed; skip the interpreter's final garbage collection over the model and
     # the web stack, which takes seconds and only delays the exit an orchestrator waits for.
     gc.disable()

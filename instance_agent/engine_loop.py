@@ -526,6 +526,7 @@ class EngineLoop:
         self._seen_queries = scheduler.prefix_cache_queries
         self._seen_hits = scheduler.prefix_cache_hits
         self._seen_preemptions = scheduler.num_preemptions
+        metrics.set_tiers(self.engine.tier_usage())
 
     def _deliver_threadsafe(self, items: list[tuple[RequestStream, Any]]) -> None:
         assert self._loop is not None

@@ -9,6 +9,12 @@ Contract:
   ``vllm:request_success`` (by ``finished_reason``); histograms ``vllm:time_to_first_token_seconds``,
   ``vllm:inter_token_latency_seconds``, ``vllm:e2e_request_latency_seconds``; and the info gauge
   ``vllm:cache_config_info``.
+- KV tiers (kvherd's own names, by ``medium``: ``GPU``, ``CPU``, ``STORAGE``): gauges
+  ``kvherd_kv_tier_blocks`` and ``kvherd_kv_tier_capacity_blocks``; counters
+  ``kvherd_kv_tier_hit_tokens_total``, ``kvherd_kv_tier_evicted_blocks_total`` and, for the lower
+  tiers, ``kvherd_kv_offload_bytes_total`` / ``kvherd_kv_offload_seconds_total`` (into the tier) and
+  ``kvherd_kv_load_bytes_total`` / ``kvherd_kv_load_seconds_total`` (out of it), fed by `set_tiers`
+  with the engine's cumulative `tier_usage`.
 - Each `AgentMetrics` owns its own `CollectorRegistry` (several agents may live in one test process).
 - Every method is thread-safe (prometheus-client's own locking); the engine thread calls them.
 """
@@ -91,11 +97,45 @@ class AgentMetrics:
             sorted(cache_config), registry=reg,
         )  # fmt: skip
         (info.labels(**cache_config) if cache_config else info).set(1)
+        tier_labels = [*labels, "medium"]
+        self._tier_gauges = {
+            key: Gauge(name, doc, tier_labels, registry=reg)
+            for key, name, doc in (
+                ("num_blocks", "kvherd_kv_tier_blocks", "KV blocks held per tier."),
+                ("capacity_blocks", "kvherd_kv_tier_capacity_blocks", "KV blocks per tier."),
+            )
+        }
+        self._tier_counters = {
+            key: Counter(name, doc, tier_labels, registry=reg)
+            for key, name, doc in (
+                ("hit_tokens", "kvherd_kv_tier_hit_tokens", "Prompt tokens served per tier."),
+                ("evicted_blocks", "kvherd_kv_tier_evicted_blocks", "Blocks evicted per tier."),
+                ("offload_bytes", "kvherd_kv_offload_bytes", "KV bytes moved into a tier."),
+                ("offload_seconds", "kvherd_kv_offload_seconds", "Seconds moving KV into a tier."),
+                ("load_bytes", "kvherd_kv_load_bytes", "KV bytes loaded from a tier."),
+                ("load_seconds", "kvherd_kv_load_seconds", "Seconds loading KV from a tier."),
+            )
+        }
+        self._tier_seen: dict[tuple[str, str], float] = {}
 
     def set_load(self, running: int, waiting: int, kv_usage: float) -> None:
         self.num_requests_running.set(running)
         self.num_requests_waiting.set(waiting)
         self.kv_cache_usage.set(kv_usage)
+
+    def set_tiers(self, usage: list[dict[str, float | int | str]]) -> None:
+        """Take the engine's cumulative per-tier figures (counters get the increments)."""
+        for tier in usage:
+            medium = str(tier["medium"])
+            for key, gauge in self._tier_gauges.items():
+                gauge.labels(*self._values, medium).set(float(tier[key]))
+            for key, counter in self._tier_counters.items():
+                if key in tier:
+                    value = float(tier[key])
+                    seen = self._tier_seen.get((medium, key), 0.0)
+                    if value > seen:
+                        counter.labels(*self._values, medium).inc(value - seen)
+                    self._tier_seen[medium, key] = value
 
     def request_finished(self, finish_reason: str) -> None:
         self._request_success.labels(*self._values, finish_reason).inc()

@@ -134,6 +134,7 @@ class Agent:
                 last_kv_event_seq=loop.last_kv_event_seq,
                 include_block_hashes=include_block_hashes,
                 role=self.role,
+                tiers=engine.tier_usage(),
             )
             if check_integrity:
                 try:

@@ -10,7 +10,8 @@ Contract:
   ``waiting_prefill_tokens`` and ``head_waiting_blocks`` (the engine's one load report,
   `instance_agent.engine.core.load`), ``freeness``, ``step_latency`` (recent steps: count, mean, p50, p99,
   seconds), ``last_kv_event_seq`` (-1 before the first batch), ``draining``, ``role`` (``prefill``,
-  ``decode`` or ``mixed``: what the proxy pairs it for under P/D disaggregation); with
+  ``decode`` or ``mixed``: what the proxy pairs it for under P/D disaggregation), ``tiers`` (the
+  engine's `LLMEngine.tier_usage`: per medium, GPU first, blocks held and capacity, hits, moves); with
   ``include_block_hashes`` also ``cached_block_hashes``, the exact set the KV event stream describes.
 - Freeness is Llumnix's load measure: ``(free blocks - head_waiting_blocks) / number of requests`` (running
   + waiting; at least 1 so an idle instance reports its free blocks). Higher is freer; it goes negative when
@@ -85,6 +86,7 @@ def snapshot(
     last_kv_event_seq: int,
     include_block_hashes: bool = False,
     role: str = "mixed",
+    tiers: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     running = [_request_view(r, block_manager) for r in scheduler.running]
     waiting = [_request_view(r, block_manager) for r in scheduler.waiting]
@@ -112,6 +114,7 @@ def snapshot(
         "last_kv_event_seq": last_kv_event_seq,
         "draining": draining,
         "role": role,
+        "tiers": tiers or [],
     }
     if include_block_hashes:
         state["cached_block_hashes"] = block_manager.cached_block_hashes()

@@ -17,6 +17,9 @@ Contract:
   untagged extra hash keys in vLLM's order: the LoRA name (every block of a LoRA request), then
   multi-modal ``[identifier, offset]`` pairs, then the request's ``cache_salt`` (first block of a
   prompt only), then prompt-embedding digests. `salt_and_extras` reads them back.
+- ``medium`` names where the blocks live, with vLLM's names (`MEDIUM_GPU` ``"GPU"``, `MEDIUM_CPU`
+  ``"CPU"``, `MEDIUM_STORAGE` ``"STORAGE"``): kvherd's engine sets it on every stored and removed
+  block; a block moving down a tier is stored on the lower one, then removed from the upper one.
 - Decoding also reads the positional form older vLLM releases and older kvherd agents send
   (``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
   lora_name?, extra_keys?]``), ignores the fields newer versions add (extra trailing items or
@@ -31,6 +34,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+
+# vLLM's names for where a block lives (`vllm.distributed.kv_events.MEDIUM_*`).
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+MEDIUM_STORAGE = "STORAGE"
 
 ExtraKeys = list[list[Any] | None]  # one entry per block: None or the block's untagged keys
 

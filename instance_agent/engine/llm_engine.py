@@ -18,6 +18,13 @@ Contract:
   `export_request_state` and `adopt_request`. An adopted request continues bit-identically: its
   sampling seed and output length fix every later draw, and its detokenizer state is rebuilt from its
   output ids.
+- KV tiers (``num_cpu_blocks``, ``disk_kv_file`` + ``num_disk_blocks``): blocks the GPU pool evicts
+  move down to host memory, then disk (`instance_agent.engine.core.tiers` decides,
+  `instance_agent.engine.kv_tiers` copies); a step first hands the scheduler the loads that
+  landed, runs the offloads its schedule queued before the forward pass, and starts its new loads
+  on the load thread; a step with nothing to run waits briefly for a load instead of spinning.
+  Migration's `reserve_blocks` runs the offloads it queued before the blocks are written. Tokens
+  loaded from any tier count as cached (``num_cached_tokens``), as GPU hits do.
 """
 
 from __future__ import annotations
@@ -38,14 +45,17 @@ from instance_agent.engine.core.request import (
     RequestStatus,
     SamplingParams,
 )
+from instance_agent.engine.core.tiers import TierConfig, TierStore
+from instance_agent.engine.kv_tiers import TierBuffers
 from instance_agent.engine.loader import load_model
 from instance_agent.engine.model import kv_bytes_per_block
 from instance_agent.engine.model_runner import ModelRunner
 from kvherd.block_hash import HashAlgo
-from kvherd.kv_events import KVEvent, KVEventBatch
+from kvherd.kv_events import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, KVEvent, KVEventBatch
 from kvherd.tokenizer import IncrementalDetokenizer, Tokenizer
 
 MAX_PENDING_KV_EVENTS = 65536
+IDLE_LOAD_WAIT_S = 0.005  # a step with only loads in flight waits this long for one to land
 
 
 @dataclass(slots=True)
@@ -63,6 +73,9 @@ class EngineConfig:
     dtype: str = "auto"
     hash_algo: HashAlgo = "xxh3_64"
     watermark: float = 0.01
+    num_cpu_blocks: int = 0  # host-memory KV tier, in blocks (0: none)
+    disk_kv_file: str | None = None  # the disk KV tier's file (with num_disk_blocks)
+    num_disk_blocks: int = 0
 
 
 @dataclass(slots=True)
@@ -140,8 +153,24 @@ class LLMEngine:
             # No point in more blocks than every sequence at full length can use.
             useful = cfg.max_num_seqs * -(-max_model_len // cfg.block_size)
             num_blocks = max(1, min(cfg.kv_cache_bytes // per_block, useful))
+        tier_configs = [
+            TierConfig(medium, count)
+            for medium, count in (
+                (MEDIUM_CPU, cfg.num_cpu_blocks),
+                (MEDIUM_STORAGE, cfg.num_disk_blocks),
+            )
+            if count > 0
+        ]
+        if cfg.num_disk_blocks > 0 and cfg.disk_kv_file is None:
+            raise ValueError("a disk KV tier needs a file (--disk-kv-dir)")
+        if tier_configs and not cfg.enable_prefix_caching:
+            raise ValueError("KV tiers need prefix caching")
         self.block_manager = BlockManager(
-            num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.watermark
+            num_blocks,
+            cfg.block_size,
+            cfg.enable_prefix_caching,
+            cfg.watermark,
+            TierStore(tier_configs, cfg.block_size) if tier_configs else None,
         )
         self.scheduler = BatchScheduler(
             SchedulerConfig(
@@ -152,6 +181,13 @@ class LLMEngine:
             self.block_manager,
         )
         self.runner = ModelRunner(loaded, num_blocks, cfg.block_size)
+        self.tier_buffers = (
+            TierBuffers(
+                self.runner.kv_cache, cfg.num_cpu_blocks, cfg.disk_kv_file, cfg.num_disk_blocks
+            )
+            if tier_configs
+            else None
+        )
         # The model's eos id when it has one; else the tokenizer's.
         self.eos_token_id = (
             loaded.config.eos_token_id
@@ -290,8 +326,17 @@ class LLMEngine:
 
     # -- stepping ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        buffers = self.tier_buffers
+        if buffers is not None:
+            self._land_loads(buffers)
         plan = self.scheduler.schedule()
+        if buffers is not None:
+            buffers.offload(self.block_manager.take_offloads())
+            for load in plan.loads:
+                buffers.start_load(load)
         if plan.is_empty:
+            if buffers is not None and buffers.num_in_flight:
+                buffers.wait(IDLE_LOAD_WAIT_S)
             return []
         before = {s.request.request_id: s.request.num_output_tokens for s in plan.scheduled}
         sampled = self.runner.execute(plan)
@@ -331,6 +376,51 @@ class LLMEngine:
                 )
             )
         return outputs
+
+    def _land_loads(self, buffers: TierBuffers) -> None:
+        for request_id, ok in buffers.landed():
+            self.scheduler.finish_load(request_id, ok)
+
+    def tier_usage(self) -> list[dict[str, Any]]:
+        """Per tier, GPU first: blocks held, capacity, hit tokens, evictions and, for the lower
+        tiers, blocks moved in (offloads) and out (loads) with their bytes and seconds."""
+        bm = self.block_manager
+        bs = bm.block_size
+        tiers = bm.tiers.tiers if bm.tiers is not None else []
+        lower_hit_tokens = sum(t.counters.hits for t in tiers) * bs
+        usage: list[dict[str, Any]] = [
+            {
+                "medium": MEDIUM_GPU,
+                "num_blocks": bm.num_cached_blocks,
+                "capacity_blocks": bm.num_blocks,
+                "hit_tokens": self.scheduler.prefix_cache_hits - lower_hit_tokens,
+                "evicted_blocks": bm.num_evictions,
+            }
+        ]
+        transfers = self.tier_buffers.stats() if self.tier_buffers is not None else {}
+        for tier in tiers:
+            moved = transfers[tier.medium]
+            usage.append(
+                {
+                    "medium": tier.medium,
+                    "num_blocks": len(tier),
+                    "capacity_blocks": tier.num_blocks,
+                    "hit_tokens": tier.counters.hits * bs,
+                    "evicted_blocks": tier.counters.evicted,
+                    "offload_blocks": moved.offload_blocks,
+                    "offload_bytes": moved.offload_bytes,
+                    "offload_seconds": moved.offload_seconds,
+                    "load_blocks": moved.load_blocks,
+                    "load_bytes": moved.load_bytes,
+                    "load_seconds": moved.load_seconds,
+                }
+            )
+        return usage
+
+    def close(self) -> None:
+        """Stop the load thread (after the loads in flight)."""
+        if self.tier_buffers is not None:
+            self.tier_buffers.close()
 
     def generate(
         self,
@@ -413,7 +503,10 @@ class LLMEngine:
 
     def reserve_blocks(self, owner_id: str, num_blocks: int) -> list[int] | None:
         """Fresh blocks for an incoming migration, held under `owner_id`; None if they do not fit."""
-        return self.block_manager.reserve_blocks(owner_id, num_blocks)
+        blocks = self.block_manager.reserve_blocks(owner_id, num_blocks)
+        if self.tier_buffers is not None:  # evicted blocks go down before KV is written over them
+            self.tier_buffers.offload(self.block_manager.take_offloads())
+        return blocks
 
     def free_reservation(self, owner_id: str) -> None:
         self.block_manager.free_owner(owner_id)

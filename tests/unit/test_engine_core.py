@@ -196,7 +196,7 @@ def test_engine_events_carry_tokens_as_vllm_sends_them() -> None:
     # The tokens are the event's own copy: the request's sequence changing before anyone reads
     # them does not change them.
     req.token_ids[0] = 5
-    as_lists = BlockStored(req.block_hashes[:2], None, prompt[:8], BLOCK)
+    as_lists = BlockStored(req.block_hashes[:2], None, prompt[:8], BLOCK, medium="GPU")
     assert stored == as_lists and as_lists == stored
     assert repr(stored) == repr(as_lists)
     assert type(stored.token_ids) is list and stored.token_ids == prompt[:8]

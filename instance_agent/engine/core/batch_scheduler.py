@@ -23,6 +23,15 @@ Contract (vLLM v1's unified token-budget design):
   at its first token (`hold_at_first_token`: a P/D handoff out of a prefill-only instance) is
   suspended by the very `update_from_output` that samples it (unless that token ends it), so it
   never decodes here; suspended requests are in no step's batch.
+- KV tiers (a block manager with `tiers`): a waiting request whose prefix continues on a lower tier
+  is admitted as a load (vLLM's WAITING_FOR_REMOTE_KVS): it gets its blocks, the step's output lists
+  the copies (`SchedulerOutput.loads`, `KVLoad`), and it is status `WAITING_FOR_KV`, in no batch,
+  while the others keep stepping. The driver runs the copies, after the step's offloads
+  (`BlockManager.take_offloads`), and reports every load it started with `finish_load` (ok or
+  not) whatever became of the request: the request then runs with the loaded tokens computed, or
+  after a failed copy waits again at its place to be recomputed; one aborted meanwhile keeps its
+  blocks until then (the copy may still be writing them). A load counts toward `max_num_seqs`,
+  `num_waiting` and the request's `num_cached_tokens` (hits from any tier).
 The scheduler is pure Python: the engine drives it with a model, the simulator with a latency model.
 """
 
@@ -41,6 +50,7 @@ from instance_agent.engine.core.request import (
     Request,
     RequestStatus,
 )
+from instance_agent.engine.core.tiers import BlockCopy
 
 
 @dataclass(slots=True)
@@ -72,12 +82,22 @@ class ScheduledRequest:
         return self.num_new_tokens > 1 or not self.request.output_token_ids
 
 
+@dataclass(frozen=True, slots=True)
+class KVLoad:
+    """A request's prefix blocks to copy from lower tiers into its GPU blocks before it runs."""
+
+    request_id: str
+    copies: list[BlockCopy]
+    num_tokens: int  # tokens the copies bring (they skip the prefill)
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     step_id: int
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
+    loads: list[KVLoad] = field(default_factory=list)  # started this step
 
     @property
     def is_empty(self) -> bool:
@@ -97,6 +117,8 @@ class BatchScheduler:
         # Running requests still in prefill (admitted, no token sampled since), by id.
         self._prefilling: dict[str, Request] = {}
         self.suspended: dict[str, Request] = {}
+        # Loads in flight, by id: the request, the tokens computed once loaded, its GPU hit.
+        self._loading: dict[str, tuple[Request, int, int]] = {}
         self._hold_at_first_token: set[str] = set()  # ids to suspend once they sample
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self._admission_seq: dict[str, int] = {}
@@ -117,7 +139,12 @@ class BatchScheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self._loading)
+
+    @property
+    def num_loading(self) -> int:
+        """Requests whose KV loads from a lower tier (ended ones included until reported)."""
+        return len(self._loading)
 
     @property
     def num_waiting_tokens(self) -> int:
@@ -155,7 +182,7 @@ class BatchScheduler:
         self._num_steps += count
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests or self._loading)
 
     def blocks_for_full_length(self, request: Request) -> int:
         """Blocks the request holds when it reaches its maximum length."""
@@ -199,6 +226,7 @@ class BatchScheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        loading = request.status is RequestStatus.WAITING_FOR_KV
         if request in self.running:
             self.running.remove(request)
             self._prefilling.pop(request_id, None)
@@ -210,7 +238,8 @@ class BatchScheduler:
         self._admission_seq.pop(request_id, None)
         request.status = status
         request.finish_reason = status.finish_reason
-        self.block_manager.free(request)
+        if not loading:  # (a load in flight may still write its blocks: `finish_load` frees)
+            self.block_manager.free(request)
         return request
 
     def abort_request(self, request_id: str) -> Request | None:
@@ -323,22 +352,41 @@ class BatchScheduler:
 
         # 2. Waiting requests, head of line first; stop at the first that does not fit.
         if not output.preempted:
-            while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            loading = self._loading
+            while (
+                self.waiting and budget > 0 and len(self.running) + len(loading) < cfg.max_num_seqs
+            ):
                 request = self.waiting[0]
                 computed_blocks, num_hit = bm.get_computed_blocks(request)
-                num_new = request.num_tokens - num_hit
+                tier_hits = (
+                    bm.lower_tier_hits(request, len(computed_blocks))
+                    if bm.tiers is not None
+                    else ()
+                )
+                num_loaded = len(tier_hits) * slots_per_block
+                num_new = request.num_tokens - num_hit - num_loaded
                 if not cfg.enable_chunked_prefill and num_new > budget:
                     break
                 num_new = min(num_new, budget)
+                if tier_hits:
+                    copies = bm.start_load(
+                        request, computed_blocks, tier_hits, num_new, respect_watermark=True
+                    )
+                    if copies is None:
+                        break
+                    self.waiting.pop(0)
+                    self._dequeued(request)
+                    self._count_hit(request, num_hit + num_loaded)
+                    request.status = RequestStatus.WAITING_FOR_KV
+                    loading[request.request_id] = (request, num_hit + num_loaded, num_hit)
+                    output.loads.append(KVLoad(request.request_id, copies, num_loaded))
+                    continue  # it computes nothing this step: no budget spent
                 if not bm.allocate_slots(request, num_new, computed_blocks, respect_watermark=True):
                     break
                 self.waiting.pop(0)
                 self._dequeued(request)
                 request.num_computed_tokens = num_hit
-                if request.num_cached_tokens < 0:
-                    request.num_cached_tokens = num_hit
-                    self.prefix_cache_queries += request.num_tokens
-                    self.prefix_cache_hits += num_hit
+                self._count_hit(request, num_hit)
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 self._prefilling[request.request_id] = request
@@ -347,6 +395,35 @@ class BatchScheduler:
 
         output.num_batched_tokens = cfg.max_num_batched_tokens - budget
         return output
+
+    def _count_hit(self, request: Request, num_hit: int) -> None:
+        if request.num_cached_tokens < 0:  # first admission only (not after a preemption)
+            request.num_cached_tokens = num_hit
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit
+
+    def finish_load(self, request_id: str, ok: bool = True) -> None:
+        """The driver ran (`ok`) or failed to run a `KVLoad` this scheduler started."""
+        request, num_computed, num_hit = self._loading.pop(request_id)
+        bm = self.block_manager
+        if request.status is not RequestStatus.WAITING_FOR_KV:  # ended while loading
+            bm.finish_load(request, "abandoned")
+            bm.free(request)
+            return
+        if not ok:  # recompute instead: wait again at its place in the queue, with no blocks
+            bm.finish_load(request, "failed")
+            bm.free(request)
+            if request.num_cached_tokens == num_computed:
+                self.prefix_cache_hits -= num_computed - num_hit
+                request.num_cached_tokens = num_hit
+            request.status = RequestStatus.WAITING
+            self._enqueue(request)
+            return
+        request.num_computed_tokens = num_computed
+        bm.finish_load(request, "loaded")
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._prefilling[request_id] = request
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens

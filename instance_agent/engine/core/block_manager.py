@@ -20,6 +20,16 @@ Contract:
 - The watermark keeps a fraction of the pool free when admitting new work, so running requests can grow
   without immediate preemption.
 - Allocation is all-or-nothing: a failed `allocate_slots` or `reserve_blocks` changes nothing.
+- Every event this pool emits about its own blocks says ``medium="GPU"`` (vLLM's name for the
+  engine's pool, whatever the device).
+- Tiers (optional `TierStore`, prefix caching only): an evicted block moves down to the lower tiers
+  instead of vanishing (`tiers` module: events, LRU per tier); the copies that move it are queued
+  until `take_offloads`, and the driver must run them, in order, before it writes any block it got
+  from this pool since (a forward pass, a migration's KV). `lower_tier_hits` finds the blocks of a
+  request's prefix that continue its GPU hits on a lower tier, `start_load` gives the request its
+  GPU blocks and pins those slots (returning the copies that fill the blocks), and `finish_load`
+  ends it: loaded (the blocks join the GPU prefix cache, their lower copies go), or not (pins
+  released; a failed copy also drops those lower entries, so the prompt is recomputed).
 """
 
 from __future__ import annotations
@@ -29,11 +39,14 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from functools import partial
 from itertools import islice, takewhile
 from operator import indexOf, is_not, or_
-from typing import cast
+from typing import Literal, cast
 
 from instance_agent.engine.core.request import Request
+from instance_agent.engine.core.tiers import BlockCopy, TierHit, TierStore
 from kvherd.block_hash import BlockHash
-from kvherd.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvherd.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+LoadOutcome = Literal["loaded", "failed", "abandoned"]  # how a load started by `start_load` ended
 
 _is_hit = partial(is_not, None)  # `takewhile` predicate over `dict.get` results: the key is there
 
@@ -60,9 +73,12 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         watermark: float = 0.01,
+        tiers: TierStore | None = None,
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
+        if tiers is not None and (not enable_prefix_caching or tiers.block_size != block_size):
+            raise ValueError("tiers need prefix caching and the pool's block size")
         if not 0.0 <= watermark < 1.0:
             raise ValueError("watermark must be in [0, 1)")
         self.num_blocks = num_blocks
@@ -98,6 +114,13 @@ class BlockManager:
         # decode step costs O(new blocks), not O(context) (vLLM's num_cached_block).
         self._owner_num_handled: dict[str, int] = {}
         self._events: list[KVEvent] = []
+        self.tiers = tiers
+        # With tiers only: each cached block's parent hash (its lower-tier event names it), the
+        # copies evictions queued, and the tier slots each load in flight holds, by owner.
+        self._block_parent: list[BlockHash | None] = [None] * num_blocks if tiers else []
+        self._offloads: list[BlockCopy] = []
+        self._loads: dict[str, list[TierHit]] = {}
+        self.num_evictions = 0  # blocks evicted from the prefix cache (moved down or dropped)
 
     # -- sizes -------------------------------------------------------------------------------
     @property
@@ -233,8 +256,11 @@ class BlockManager:
                 parent_block_hash=request.block_hashes[index - 1] if index > 0 else None,
                 token_ids=block_tokens,
                 block_size=bs,
+                medium=MEDIUM_GPU,
             )
         )
+        if self.tiers is not None:
+            self._stored_with_tiers(request, index, [block_id])
         return True
 
     def _store_run(
@@ -264,7 +290,20 @@ class BlockManager:
             block_hash[block_id] = h
             stored[block_id] = packed[offset : offset + stride]
         self._emit_stored(request, start, hashes)
+        if self.tiers is not None:
+            self._stored_with_tiers(request, start, ids)
         return True
+
+    def _stored_with_tiers(self, request: Request, start: int, ids: list[int]) -> None:
+        """Blocks at table positions from `start` joined the GPU cache: note their parents, and
+        drop a lower tier's copy of them (a hash lives in one place; a pinned copy goes when its
+        load ends)."""
+        tiers = cast("TierStore", self.tiers)
+        parents = self._block_parent
+        hashes = request.block_hashes
+        for index, block_id in enumerate(ids, start):
+            parents[block_id] = hashes[index - 1] if index > 0 else None
+            tiers.discard(hashes[index], self._events)
 
     def _cache_block_by_block(
         self, request: Request, first: int, ids: list[int], hashes: list[BlockHash]
@@ -284,6 +323,8 @@ class BlockManager:
             cached[h] = block_id
             block_hash[block_id] = h
             self._block_tokens[block_id] = tokens[index * bs : (index + 1) * bs].tobytes()
+            if self.tiers is not None:
+                self._stored_with_tiers(request, index, [block_id])
             if not run_hashes:
                 run_start = index
             run_hashes.append(h)
@@ -300,6 +341,7 @@ class BlockManager:
                 parent_block_hash=request.block_hashes[start - 1] if start > 0 else None,
                 token_ids=request.token_ids[start * bs : (start + len(hashes)) * bs],
                 block_size=bs,
+                medium=MEDIUM_GPU,
             )
         )
 
@@ -315,6 +357,9 @@ class BlockManager:
         self._num_stale = 0
         self._num_evictable = 0
         self._free_uncached = deque(range(self.num_blocks))
+        if self.tiers is not None:  # (no load is in flight: a loading request owns blocks)
+            self.tiers.clear()
+            self._block_parent = [None] * self.num_blocks
         self._events.append(AllBlocksCleared())
         return True
 
@@ -520,9 +565,12 @@ class BlockManager:
         else:
             victims = [pop() for _ in range(count)]
         self._num_evictable -= count
+        self.num_evictions += count
         block_hash = self._block_hash
         block_tokens = self._block_tokens
         hashes = cast("list[BlockHash]", [block_hash[block_id] for block_id in victims])
+        if self.tiers is not None:
+            self._demote(victims, hashes)
         for block_id in victims:
             block_hash[block_id] = None
             block_tokens[block_id] = None
@@ -530,13 +578,89 @@ class BlockManager:
         for h in hashes:
             del cached[h]  # (a KeyError here would mean an evictable block was not cached)
         events = self._events
-        if events and type(events[-1]) is BlockRemoved:
+        if events and type(events[-1]) is BlockRemoved and events[-1].medium == MEDIUM_GPU:
             # Evictions in a row become one event: fewer events to publish and index. The
             # pending list is ours until take_events hands it out.
             events[-1].block_hashes.extend(hashes)
         else:
-            events.append(BlockRemoved(block_hashes=hashes))
+            events.append(BlockRemoved(block_hashes=hashes, medium=MEDIUM_GPU))
         return victims
+
+    def _demote(self, victims: list[int], hashes: list[BlockHash]) -> None:
+        """Move evicted blocks down a tier (their events precede the GPU removal)."""
+        tiers = cast("TierStore", self.tiers)
+        parents = self._block_parent
+        tokens = self._block_tokens
+        for block_id, h in zip(victims, hashes, strict=True):
+            block_tokens = tokens[block_id]
+            assert block_tokens is not None
+            tiers.demote(h, parents[block_id], block_tokens, block_id, self._offloads, self._events)
+            parents[block_id] = None
+
+    # -- tiers -------------------------------------------------------------------------------
+    def take_offloads(self) -> list[BlockCopy]:
+        """The copies evictions queued since the last call, in the order they must run."""
+        copies, self._offloads = self._offloads, []
+        return copies
+
+    def lower_tier_hits(self, request: Request, start: int) -> list[TierHit]:
+        """The blocks of `request` from table position `start` (its GPU hits) on that the lower
+        tiers hold, up to the first miss or mismatch, never covering its last token."""
+        tiers = self.tiers
+        if tiers is None:
+            return []
+        bs = self.block_size
+        tokens = request.token_ids
+        end = min((len(tokens) - 1) // bs, len(request.block_hashes))
+        hits: list[TierHit] = []
+        for index in range(start, end):
+            hit = tiers.locate(request.block_hashes[index])
+            if hit is None or tiers.tokens(hit) != tokens[index * bs : (index + 1) * bs].tobytes():
+                break  # a miss, or a hash collision: never serve another prompt's KV
+            hits.append(hit)
+        return hits
+
+    def start_load(
+        self,
+        request: Request,
+        computed_blocks: Sequence[int],
+        hits: Sequence[TierHit],
+        num_new_tokens: int,
+        respect_watermark: bool = False,
+    ) -> list[BlockCopy] | None:
+        """Allocate the request's table for its GPU hits, then `hits` (to be loaded) and then
+        `num_new_tokens`, and pin the hits' slots; the copies that load the hits. None, changing
+        nothing, when the blocks do not fit."""
+        tiers = cast("TierStore", self.tiers)
+        num_tokens = len(hits) * self.block_size + num_new_tokens
+        if not self.can_allocate(request, num_tokens, computed_blocks, respect_watermark):
+            return None
+        for hit in hits:  # before allocating: its evictions must not push these slots out
+            tiers.pin(hit)
+        allocated = self.allocate_slots(request, num_tokens, computed_blocks, respect_watermark)
+        assert allocated
+        self._loads[request.request_id] = list(hits)
+        table = self._owner_blocks[request.request_id]
+        first = len(computed_blocks)
+        return [
+            BlockCopy(tiers.tiers[hit.level].medium, hit.slot, MEDIUM_GPU, block_id)
+            for hit, block_id in zip(hits, table[first : first + len(hits)], strict=True)
+        ]
+
+    def finish_load(self, request: Request, outcome: LoadOutcome) -> None:
+        """End `request`'s load: "loaded" (its `num_computed_tokens` now covers the loaded
+        blocks: they join the GPU prefix cache), "failed" (the copies failed: those lower entries
+        are dropped) or "abandoned" (the request ended meanwhile). The table stays the owner's."""
+        hits = self._loads.pop(request.request_id)
+        tiers = cast("TierStore", self.tiers)
+        if outcome == "loaded":
+            self.cache_full_blocks(request)
+        cached = self._cached
+        for hit in hits:
+            if outcome == "loaded":
+                tiers.tiers[hit.level].counters.hits += 1
+            drop = outcome == "failed" or hit.block_hash in cached
+            tiers.release(hit, drop, self._events)
 
     def free(self, request: Request) -> None:
         self.free_owner(request.request_id)
@@ -571,6 +695,12 @@ class BlockManager:
 
     def check_integrity(self) -> None:
         """Assert the pool's invariants; raises AssertionError describing the first violation."""
+        if self.tiers is not None:
+            self.tiers.check_integrity()
+            pinned = {hit.block_hash for hits in self._loads.values() for hit in hits}
+            for h in self._cached.keys() & set().union(*self.tiers.block_hashes().values()):
+                assert h in pinned, f"{h} is cached on the GPU and a lower tier, not being loaded"
+            assert self._loads.keys() <= self._owner_blocks.keys(), "a load without blocks"
         refs = [0] * self.num_blocks
         for owner, table in self._owner_blocks.items():
             for block_id in table:

@@ -52,6 +52,7 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"
     SUSPENDED = "suspended"  # paused by a migration's stop-and-copy
+    WAITING_FOR_KV = "waiting_for_kv"  # admitted; its prefix loads from a lower KV tier
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
