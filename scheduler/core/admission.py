@@ -5,6 +5,8 @@ Contract:
   waiting, or what is there beyond its batch slots (``InstanceView.batch_slots``, when known). A
   scrape that has not yet seen a request start is no queue, nor a long generation in a batch
   with free slots. `can_start(view)`: a new request would start at once there.
+- `fleet_queue(views, saturated)`: over the dispatchable instances, the requests they queue and
+  the batch slots free for new requests on those not saturated (``math.inf`` where unknown).
 - `Admission` is pure (explicit `now`). The caller reports, at arrivals and completions,
   `observe(now, completed, ahead)`: the fleet's running count of finished requests and the
   requests waiting to start (the proxy's admission queue plus `queued_at` each instance).
@@ -22,6 +24,7 @@ Contract:
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from policies.views import InstanceView
@@ -42,6 +45,19 @@ def can_start(view: InstanceView) -> bool:
         return False
     slots = view.batch_slots
     return slots <= 0 or view.num_running + view.num_waiting < slots
+
+
+def fleet_queue(views: Iterable[InstanceView], saturated: Collection[str]) -> tuple[int, float]:
+    """(requests queued at the dispatchable instances, batch slots free there; module contract)."""
+    queued, free = 0, 0.0
+    for view in views:
+        if not view.dispatchable:
+            continue
+        queued += queued_at(view)
+        if view.instance_id not in saturated and can_start(view):
+            slots = view.batch_slots
+            free += slots - view.num_running - view.num_waiting if slots else math.inf
+    return queued, free
 
 
 @dataclass(slots=True)

@@ -18,12 +18,11 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import Collection
 
 from kvherd.wire import OpenAIError
-from scheduler.core.admission import Admission, AdmissionSettings, can_start, queued_at
+from scheduler.core.admission import Admission, AdmissionSettings, fleet_queue
 from scheduler.core.admission_queue import AdmissionQueue, QueueSettings
 from scheduler.fleet import Fleet, FleetInstance, NoCapacityError
 from scheduler.proxy.metrics import ProxyMetrics
@@ -68,19 +67,9 @@ class AdmissionGate:
         """The dispatchable instances' queues and free slots, at most every `_VIEW_TTL_S`."""
         if now - self._seen_at <= _VIEW_TTL_S:
             return
-        fleet = self.fleet
-        cluster, saturated = fleet.cluster, fleet.inflight.saturated
-        queued, free = 0, 0.0
-        for i in fleet.instances:
-            if i not in cluster:
-                continue
-            view = cluster.get(i).view()
-            if not view.dispatchable:
-                continue
-            queued += queued_at(view)
-            if i not in saturated and can_start(view):
-                slots = view.batch_slots
-                free += slots - view.num_running - view.num_waiting if slots else math.inf
+        cluster = self.fleet.cluster
+        views = (cluster.get(i).view() for i in self.fleet.instances if i in cluster)
+        queued, free = fleet_queue(views, self.fleet.inflight.saturated)
         self._queued, self._free, self._seen_at = queued, free, now
 
     def _observe(self, now: float) -> int:

@@ -16,9 +16,10 @@ Contract:
   connections close after `keep_alive_s`; ``Expect: 100-continue`` is answered.
 - A request head (URL and headers) over about `MAX_HEAD_BYTES` gets 400 and the connection
   closes.
-- At most `max_connections` client connections are held: one more is answered at once with 503
-  (``Retry-After: 1``, the OpenAI error object) and closed, so idle or slow clients cannot take
-  every descriptor the process has (its admin API and upstream connections need some too).
+- At most `max_connections` client connections are held: one more is answered at once with 429
+  (``Retry-After: 1``, the OpenAI error object, ``code: too_many_connections``) and closed, so
+  idle or slow clients cannot take every descriptor the process has (its admin API and
+  upstream connections need some too).
   `refused_connections` counts them.
 - A body over `max_body_bytes` is not buffered: the handler sees `Exchange.too_large` set and an
   empty body. Unparsable requests get 400 and the connection closes.
@@ -73,11 +74,11 @@ _BAD_REQUEST = (
     b"content-length: %d\r\n\r\n%s" % (len(_BAD_REQUEST_BODY), _BAD_REQUEST_BODY)
 )
 _OVERLOADED_BODY = (
-    b'{"error":{"message":"too many open connections","type":"server_error",'
+    b'{"error":{"message":"too many open connections","type":"rate_limit_error",'
     b'"param":null,"code":"too_many_connections"}}'
 )
 _OVERLOADED = (
-    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+    b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
     b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(_OVERLOADED_BODY), _OVERLOADED_BODY)
 )
 _INTERNAL_ERROR = (
