@@ -37,9 +37,10 @@ Contract:
   admission queue waits on it) and `instance_lost` when an instance is ejected or removed.
   `request_migrated(key, dst)` moves a running request's charges and in-flight count to `dst`
   (a committed live migration); it then finishes there, whichever instance the proxy reports.
-- Health: `failure_threshold` consecutive failures eject an instance (not dispatchable, counted in
-  ``kvherd_ejections_total``); after the ejection time the next active probe is its half-open
-  trial. A comeback after ejection resubscribes its KV events (it may have restarted).
+- Health (`scheduler.fleet_health.FleetHealth`): `failure_threshold` consecutive failures eject an
+  instance (not dispatchable, counted in ``kvherd_ejections_total``); after the ejection time the
+  next active probe is its half-open trial. A comeback resubscribes its KV events (it may have
+  restarted).
   Its listeners hear `instance_lost` (the proxy fails over the requests in flight there at once).
 - P/D disaggregation: an instance's role is its spec's (``--instance URL,role=...``, a
   registration's ``role``) or else the one it reports. While some instance only prefills or only
@@ -79,11 +80,11 @@ from policies.views import NoInstanceError
 from scheduler.core.cluster_state import ClusterState
 from scheduler.core.inflight import InflightLedger
 from scheduler.core.load_report import LoadReport
-from scheduler.core.outliers import Health, OutlierDetector
+from scheduler.core.outliers import Health
 from scheduler.core.router import Router
+from scheduler.fleet_health import FleetHealth
 from scheduler.kv_subscriber import KVEventSubscriber
 from scheduler.load_poller import LoadPoller
-from scheduler.prober import ActiveProber
 from scheduler.proxy.metrics import ProxyMetrics
 
 if TYPE_CHECKING:
@@ -180,6 +181,7 @@ class Fleet:
         clock: Callable[[], float] = time.monotonic,
         policy_allow: PolicyAllowList | None = None,
         pd_policy_spec: str = "kvherd",
+        lag_owed: Callable[[float], float] | None = None,
     ) -> None:
         self.settings = settings
         self.policy_allow = policy_allow or PolicyAllowList()
@@ -200,9 +202,6 @@ class Fleet:
         self.router = Router(self.cluster, policy, pd_policy)
         self._handoffs: dict[str, str] = {}  # routing key -> its decode instance (P/D)
         self.instances: dict[str, FleetInstance] = {}
-        self.outliers = OutlierDetector(
-            settings.failure_threshold, settings.base_ejection_s, settings.max_ejection_s
-        )
         self.inflight = InflightLedger(settings.max_inflight_per_instance)
         self._listeners: list[FleetListener] = []
         self.subscriber = KVEventSubscriber(
@@ -220,8 +219,18 @@ class Fleet:
             headers=auth_headers(settings.fleet_token),
             on_failure=metrics.load_poll_failed,
         )
-        self.prober = ActiveProber(
-            self._urls, self._on_probe, settings.health_interval_s, settings.health_timeout_s
+        self.health = FleetHealth(
+            lambda: self.cluster,
+            self._urls,
+            metrics,
+            self._health_changed,
+            clock,
+            failure_threshold=settings.failure_threshold,
+            base_ejection_s=settings.base_ejection_s,
+            max_ejection_s=settings.max_ejection_s,
+            health_interval_s=settings.health_interval_s,
+            health_timeout_s=settings.health_timeout_s,
+            lag_owed=lag_owed,
         )
         self._reaper: asyncio.Task[None] | None = None
         self._key_prefix = os.urandom(6).hex()
@@ -247,7 +256,7 @@ class Fleet:
             log.info("KV events from connecting engines on %s (attributed by topic)", bound)
         self.subscriber.start()
         self.poller.start()
-        self.prober.start()
+        self.health.prober.start()
         self._reaper = asyncio.create_task(self._reap(), name="kvherd-heartbeat-reaper")
 
     async def stop(self) -> None:
@@ -256,7 +265,7 @@ class Fleet:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
         await self.poller.stop()
-        await self.prober.stop()
+        await self.health.prober.stop()
         await self.subscriber.close()
 
     async def _reap(self) -> None:
@@ -360,8 +369,7 @@ class Fleet:
         if existing is not None:
             inst.served, inst.failures = existing.served, existing.failures
         self.instances[spec.instance_id] = inst
-        self.outliers.remove(spec.instance_id)
-        self.outliers.add(spec.instance_id)
+        self.health.add(spec.instance_id)
         try:
             has_events = await self._join_core(spec)
         except FleetError:
@@ -384,7 +392,7 @@ class Fleet:
             return False
         await self.subscriber.remove(instance_id)
         self.router.forget_instance(instance_id)
-        self.outliers.remove(instance_id)
+        self.health.remove(instance_id)
         self.poller.forget(instance_id)
         self.metrics.forget_instance(instance_id)
         log.info("instance %s removed", instance_id)
@@ -478,26 +486,11 @@ class Fleet:
         self.cluster.approx_index.add_instance(instance_id)  # with the approximate TTL
         self.cluster.touch(instance_id)
 
-    def _on_probe(self, instance_id: str, ok: bool) -> None:
-        if instance_id not in self.instances:
-            return
-        now = self.clock()
-        if ok:
-            self._health_changed(instance_id, self.outliers.record_success(instance_id, now))
-        else:
-            self._health_changed(instance_id, self.outliers.record_failure(instance_id, now))
-
-    def _health_changed(self, instance_id: str, change: Health | None) -> None:
-        if change is None or instance_id not in self.instances:
-            return
+    def _health_changed(self, instance_id: str, change: Health) -> None:
+        """An ejection fails over its requests; a recovery resubscribes and frees capacity."""
         if change is Health.EJECTED:
-            log.warning("instance %s ejected after repeated failures", instance_id)
-            self.metrics.ejected(instance_id)
-            self.cluster.set_healthy(instance_id, False)
             self._lost(instance_id, self.instances[instance_id].url)
-        elif change is Health.HEALTHY:
-            log.info("instance %s is healthy again", instance_id)
-            self.cluster.set_healthy(instance_id, True)
+        else:
             spec = self.instances[instance_id].spec
             if self._has_events(spec):
                 # It may have restarted with an empty cache: rebuild its prefix view.
@@ -618,9 +611,7 @@ class Fleet:
             return
         current.served += 1
         if ok:
-            self._health_changed(
-                inst.instance_id, self.outliers.record_success(inst.instance_id, self.clock())
-            )
+            self.health.succeeded(inst.instance_id)
 
     def request_failed(self, key: str, inst: FleetInstance) -> None:
         self._release(key)
@@ -628,9 +619,7 @@ class Fleet:
         if current is None:
             return
         current.failures += 1
-        self._health_changed(
-            inst.instance_id, self.outliers.record_failure(inst.instance_id, self.clock())
-        )
+        self.health.failed(inst.instance_id)
 
     # -- introspection -----------------------------------------------------------------------
     def max_model_len(self) -> int | None:
@@ -663,7 +652,7 @@ class Fleet:
         counts = {"healthy": 0, "ejected": 0, "half_open": 0, "draining": 0}
         now = self.clock()
         for i in self.instances:
-            state = self.outliers.state(i, now)
+            state = self.health.state(i, now)
             counts[str(state)] += 1
             if self.cluster.get(i).draining:
                 counts["draining"] += 1
@@ -696,7 +685,7 @@ class Fleet:
             "block_size_mismatch": inst.block_size_mismatch,
             "registered": spec.registered,
             "role": view.role,
-            "health": str(self.outliers.state(instance_id, self.clock())),
+            "health": str(self.health.state(instance_id, self.clock())),
             "draining": state.draining,
             "inflight": self.inflight.count(instance_id),
             "served": inst.served,

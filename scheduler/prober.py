@@ -6,8 +6,8 @@ Contract:
   that is down is ejected even with no traffic and a recovered one comes back without waiting for a
   lucky request.
 - A probe's timeout, like the request path's deadlines, does not count the time the proxy's own
-  event loop was late (`lag_owed(since)`, set from `scheduler.proxy.loop_lag.LoopLag.owed` by the
-  proxy): the probe waits on for as long as the loop owed, and one still unanswered after
+  event loop was late (`lag_owed(since)`: `scheduler.proxy.loop_lag.LoopLag.owed`, given by
+  ``kvherd serve``): the probe waits on for as long as the loop owed, and one still unanswered after
   ``max_extension`` times its timeout of the loop's lag is inconclusive (neither failure nor
   success), so a saturated proxy never ejects a healthy instance by its probes.
 """
@@ -37,6 +37,7 @@ class ActiveProber:
         interval_s: float = 2.0,
         timeout_s: float = 2.0,
         max_extension: float = 4.0,
+        lag_owed: Callable[[float], float] | None = None,
     ) -> None:
         self._targets = targets  # instance id -> base URL, read at every round (membership changes)
         self._on_result = on_result
@@ -44,7 +45,7 @@ class ActiveProber:
         self.timeout_s = timeout_s
         self.max_extension = max_extension
         # The proxy's loop lag since a monotonic time; nothing is owed without a proxy.
-        self.lag_owed: Callable[[float], float] = lambda since: 0.0
+        self.lag_owed: Callable[[float], float] = lag_owed or (lambda since: 0.0)
         # httpx's own timeout only bounds a probe the loop lag has extended to its limit.
         self._client = httpx.AsyncClient(
             timeout=timeout_s * (1 + max_extension) + 1.0, trust_env=False

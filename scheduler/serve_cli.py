@@ -39,6 +39,8 @@ import sys
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import TYPE_CHECKING, Any
 
+from scheduler.admission_flags import add_admission_arguments, admission_settings
+
 if TYPE_CHECKING:
     from scheduler.fleet import Fleet, InstanceSpec
 
@@ -61,17 +63,6 @@ class _DeadlineRange(argparse.Action):
         if not 0 < floor <= cap < float("inf"):
             parser.error(f"{option_string}: need 0 < FLOOR <= CAP seconds, got {floor:g} {cap:g}")
         setattr(namespace, self.dest, [floor, cap])
-
-
-def _seconds(text: str) -> float:
-    """A positive, finite number of seconds (argparse type: anything else is a usage error)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"need a positive number of seconds, got {text!r}")
-    return value
 
 
 def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
@@ -173,29 +164,10 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-connections",
         type=int,
         default=None,
-        help="client connections held at once; more get 503 and are closed (default: half the "
+        help="client connections held at once; more get 429 and are closed (default: half the "
         "open-file limit, which start-up raises to its hard limit, less a reserve)",
     )
-    parser.add_argument("--max-inflight-per-instance", type=int, default=256)
-    parser.add_argument("--queue-size", type=int, default=1024)
-    parser.add_argument("--queue-timeout", type=float, default=30.0)
-    parser.add_argument(
-        "--max-queue-wait",
-        type=_seconds,
-        default=1.0,
-        metavar="SECONDS",
-        help="refuse a request (429, Retry-After) when the requests queued ahead of it would take "
-        "the fleet longer than this to start, at its measured completion rate (default 1)",
-    )
-    parser.add_argument(
-        "--standing-queue-wait",
-        type=_seconds,
-        default=0.25,
-        metavar="SECONDS",
-        help="the wait allowed instead once the queue has not emptied for --max-queue-wait "
-        "seconds (a flood, not a burst); a flood leaves about this much work queued when it ends "
-        "(default 0.25; equal to --max-queue-wait: off)",
-    )
+    add_admission_arguments(parser)
     parser.add_argument("--connect-timeout", type=float, default=2.0)
     parser.add_argument(
         "--request-timeout", type=float, default=600.0, help="seconds until the response head"
@@ -443,12 +415,11 @@ async def serve_fleet(
     from kvherd.fleet_token import resolve
     from kvherd.tokenizer import load_tokenizer
     from policies.registry import PolicyAllowList
-    from scheduler.core.admission import AdmissionSettings
-    from scheduler.core.admission_queue import QueueSettings
     from scheduler.core.deadlines import DeadlineSettings
     from scheduler.core.tenancy import SALT_SECRET_ENV, build_registry
     from scheduler.fleet import Fleet, FleetError, FleetSettings
     from scheduler.proxy.admin import LOOPBACK_PATTERNS, RegistrationPolicy, build_admin_app
+    from scheduler.proxy.loop_lag import LoopLag
     from scheduler.proxy.metrics import ProxyMetrics
     from scheduler.proxy.proxy import Proxy, ProxyConfig, build_front
 
@@ -496,9 +467,10 @@ async def serve_fleet(
         print("kvherd serve: --max-connections must be >= 1", file=sys.stderr)
         return 2
     metrics = ProxyMetrics()
+    admission, queue, max_inflight = admission_settings(args)
     settings = FleetSettings(
         block_size=args.block_size,
-        max_inflight_per_instance=args.max_inflight_per_instance,
+        max_inflight_per_instance=max_inflight,
         failure_threshold=args.eject_after,
         base_ejection_s=args.ejection_time,
         health_interval_s=args.health_interval,
@@ -510,6 +482,7 @@ async def serve_fleet(
         kv_events_bind=args.kv_events_bind,
         kv_silence_warn_s=args.kv_silence_warn,
     )
+    lag = LoopLag()  # the proxy's loop lag: no deadline or probe blames an instance for it
     try:
         fleet = Fleet(
             policy,
@@ -518,6 +491,7 @@ async def serve_fleet(
             params,
             policy_allow=PolicyAllowList.of(args.policy_module, args.policy_dir),
             pd_policy_spec=args.pd_policy,
+            lag_owed=lag.owed,
         )
     except FleetError as exc:
         print(f"kvherd serve: {exc.message}", file=sys.stderr)
@@ -541,17 +515,14 @@ async def serve_fleet(
         tenants,
         ProxyConfig(
             max_attempts=args.max_attempts,
-            queue=QueueSettings(args.queue_size, args.queue_timeout),
+            queue=queue,
             connect_timeout_s=args.connect_timeout,
             request_timeout_s=args.request_timeout,
             stream_idle_timeout_s=args.stream_idle_timeout,
             expose_instance=args.expose_instance,
             fleet_token=fleet_token,
             max_continuations=args.max_continuations,
-            admission=AdmissionSettings(
-                max_queue_wait_s=args.max_queue_wait,
-                standing_queue_wait_s=min(args.standing_queue_wait, args.max_queue_wait),
-            ),
+            admission=admission,
             max_connections=args.max_connections or connection_cap(fd_limit),
             deadlines=DeadlineSettings(
                 first_byte_floor_s=args.first_byte_deadline[0],
@@ -561,6 +532,7 @@ async def serve_fleet(
             ),
         ),
         metrics,
+        lag,
     )
     level = args.log_level.lower()
     front = build_front(proxy)

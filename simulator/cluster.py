@@ -89,11 +89,14 @@ from migration.core.session import (
 )
 from migration.core.stages import Stage, StageConfig
 from policies.base import DispatchPolicy, MigrationPolicy, PDPolicy
-from policies.views import MigrationOrder, RunningRequestView
+from policies.views import MigrationOrder, NoInstanceError, RunningRequestView
+from scheduler.core.admission import AdmissionSettings
+from scheduler.core.admission_queue import QueueSettings
 from scheduler.core.cluster_state import ClusterState
 from scheduler.core.load_report import LoadReport
 from scheduler.core.migration_loop import MigrationLoop
 from scheduler.core.router import Router
+from simulator.admission import SimAdmission
 from simulator.host_model import HostModel
 from simulator.instance import DecodeRun, InstanceConfig, SimInstance, make_request
 from simulator.latency.base import LatencyModel
@@ -128,6 +131,10 @@ class ClusterConfig:
     prefill_instances: int = 0
     decode_instances: int = 0
     transfer: TransferModel = field(default_factory=TransferModel)  # P/D handoff links
+    # The proxy's admission (None: every request is routed at once, as before).
+    admission: AdmissionSettings | None = None
+    admission_queue: QueueSettings = field(default_factory=QueueSettings)
+    max_inflight_per_instance: int = 256
 
     @property
     def disaggregated(self) -> bool:
@@ -275,6 +282,11 @@ class SimCluster:
         self._on_progress = on_progress
         self.load_times: list[float] = []
         self.load_samples: dict[str, list[int]] = {iid: [] for iid in self.instances}
+        self.admission: SimAdmission[tuple[Request, TraceRequest, float]] | None = None
+        if config.admission is not None:
+            self.admission = SimAdmission(
+                config.admission, config.admission_queue, config.max_inflight_per_instance
+            )
 
     # -- run -------------------------------------------------------------------------------------
     def run(self, trace: Trace) -> MetricsCollector:
@@ -344,13 +356,50 @@ class SimCluster:
         for periodic in self._periodic:
             periodic.wake()
         self._deliver_events()
-        routed = self.router.route(
-            rid,
-            now=now,
-            num_tokens=request.num_tokens,
-            block_hashes=request.block_hashes,
-            max_tokens=tr.output_length,
-        )
+        admission = self.admission
+        if admission is not None:
+            code = admission.check(now, self.state.view(now).instances)
+            if code is not None:
+                self._refuse(rid)
+                return
+        self._route(request, tr, path_draw)
+
+    def _refuse(self, rid: str) -> None:
+        """A 429: the request never reaches an instance."""
+        del self._trace_index[rid]
+        self.metrics.on_refused(rid)
+        self._done_one()
+
+    def _expire_queue(self) -> None:
+        assert self.admission is not None
+        for request, _, _ in self.admission.expire(self.loop.now):
+            self._refuse(request.request_id)
+
+    def _route(self, request: Request, tr: TraceRequest, path_draw: float) -> None:
+        """Route an admitted request (or queue it while every instance is saturated)."""
+        now = self.loop.now
+        rid = request.request_id
+        admission = self.admission
+        try:
+            routed = self.router.route(
+                rid,
+                now=now,
+                num_tokens=request.num_tokens,
+                block_hashes=request.block_hashes,
+                max_tokens=tr.output_length,
+                exclude=() if admission is None else admission.saturated,
+            )
+        except NoInstanceError:
+            if admission is None or not admission.saturated:
+                raise
+            item = (request, tr, path_draw)
+            if admission.wait(now, item):
+                self.loop.call_at(admission.deadline(item), self._expire_queue)
+            else:
+                self._refuse(rid)
+            return
+        if admission is not None:
+            admission.dispatched(routed.instance_id, rid)
         if routed.decode_id is not None:
             self.handoffs.expect(rid, routed.instance_id, routed.decode_id)
         instance = self.instances[routed.instance_id]
@@ -512,6 +561,11 @@ class SimCluster:
     def on_finished(self, request: Request, instance_id: str, now: float) -> None:
         rid = request.request_id
         self.router.on_finish(rid, now)
+        if self.admission is not None:
+            self.admission.released(rid)
+            queued = self.admission.freed(now)
+            if queued is not None:
+                self.loop.call_later(0.0, self._route, *queued)
         self.handoffs.on_finished(rid)
         self.metrics.on_finished_ids(
             rid,
@@ -804,6 +858,8 @@ class SimCluster:
         stats.committed += 1
         stats.downtime_s.append(self.loop.now - m.suspended_at)
         self.router.on_migrated(rid, m.order.dst, self.loop.now)
+        if self.admission is not None:
+            self.admission.moved(rid, m.order.dst)
         m.on_done(rid, None)
         if dst.idle:
             self._start_step(dst)

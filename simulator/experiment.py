@@ -26,6 +26,9 @@ from policies.registry import (
     load_migration_policy,
     load_pd_policy,
 )
+from scheduler.core.admission import AdmissionSettings
+from scheduler.core.admission_queue import QueueSettings
+from simulator.admission import AdmissionStats
 from simulator.cluster import ClusterConfig, MigrationStats, SimCluster
 from simulator.host_model import HostModel
 from simulator.instance import InstanceConfig
@@ -55,6 +58,10 @@ class SimSettings:
     decode_instances: int = 0
     pd_policy: str = "kvherd"
     transfer: TransferModel = field(default_factory=TransferModel)
+    # The proxy's admission (`scheduler.core.admission`); None: every request is routed at once.
+    admission: AdmissionSettings | None = None
+    admission_queue: QueueSettings = field(default_factory=QueueSettings)
+    max_inflight_per_instance: int = 256
 
     def cluster_config(self) -> ClusterConfig:
         return ClusterConfig(
@@ -69,6 +76,9 @@ class SimSettings:
             prefill_instances=self.prefill_instances,
             decode_instances=self.decode_instances,
             transfer=self.transfer,
+            admission=self.admission,
+            admission_queue=self.admission_queue,
+            max_inflight_per_instance=self.max_inflight_per_instance,
         )
 
     @property
@@ -139,6 +149,8 @@ def run_policy(
         float(np.mean(stats.downtime_s)) * 1000.0 if stats.downtime_s else float("nan")
     )
     summary["unfinished"] = metrics.num_unfinished
+    if cluster.admission is not None:
+        summary.update(admission_summary(cluster.admission.stats))
     if settings.disaggregated:
         summary.update(handoff_summary(cluster))
     return SimResult(
@@ -151,6 +163,20 @@ def run_policy(
         wall_s=wall,
         num_steps=sum(inst.num_steps for inst in cluster.instances.values()),
     )
+
+
+def admission_summary(stats: AdmissionStats) -> dict[str, Any]:
+    """The admission rows: refusals (429s) by code, and the admission queue's waits."""
+    waits = np.asarray(stats.queue_waits_s) * 1000.0
+    out: dict[str, Any] = {"refused": sum(stats.refused.values())}
+    out |= {
+        f"refused_{code}": stats.refused.get(code, 0)
+        for code in ("queue_wait", "queue_full", "queue_timeout")
+    }
+    out["admission_queued"] = stats.queued
+    out["admission_wait_ms_mean"] = float(waits.mean()) if len(waits) else float("nan")
+    out["admission_wait_ms_p99"] = float(np.percentile(waits, 99)) if len(waits) else float("nan")
+    return out
 
 
 def handoff_summary(cluster: SimCluster) -> dict[str, Any]:

@@ -161,6 +161,7 @@ class MetricsCollector:
         self._instance_codes = array("I")
         self._instance_names: dict[str, int] = {}
         self.failed = 0
+        self.refused_arrivals = array("d")  # of requests admission refused (429)
         self.migrations = 0
 
     def on_arrival(self, request_id: str, arrival: float, prompt_tokens: int) -> None:
@@ -244,6 +245,9 @@ class MetricsCollector:
     def on_failed(self, request_id: str) -> None:
         self._live.pop(request_id, None)
         self.failed += 1
+
+    def on_refused(self, request_id: str) -> None:
+        self.refused_arrivals.append(self._live.pop(request_id).arrival)
 
     @property
     def num_unfinished(self) -> int:

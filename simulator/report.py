@@ -55,6 +55,16 @@ _PD_ROWS = (
     ("handoff_downtime_ms_mean", "P/D handoff downtime mean (ms)", "{:.2f}"),
 )
 
+_ADMISSION_ROWS = (
+    ("refused", "refused (429)", "{:.0f}"),
+    ("refused_queue_wait", "refused: expected wait", "{:.0f}"),
+    ("refused_queue_full", "refused: queue full", "{:.0f}"),
+    ("refused_queue_timeout", "refused: queue timeout", "{:.0f}"),
+    ("admission_queued", "admission-queued requests", "{:.0f}"),
+    ("admission_wait_ms_mean", "admission queue wait mean (ms)", "{:.1f}"),
+    ("admission_wait_ms_p99", "admission queue wait p99 (ms)", "{:.1f}"),
+)
+
 
 def metric_rows() -> list[tuple[str, str, str]]:
     """(key, label, format) of every row the markdown table shows, in order."""
@@ -79,7 +89,8 @@ def markdown_table(results: Mapping[str, Mapping[str, Any]]) -> str:
         "|---|" + "---:|" * len(labels),
     ]
     rows = metric_rows()
-    rows.extend(row for row in _PD_ROWS if any(row[0] in r for r in results.values()))
+    for extra in (_ADMISSION_ROWS, _PD_ROWS):  # shown when some run has them
+        rows.extend(row for row in extra if any(row[0] in r for r in results.values()))
     for key, label, fmt in rows:
         cells = [_fmt(results[name].get(key), fmt) for name in labels]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")

@@ -6,7 +6,9 @@ writes `summary.json`, `summary.csv`, `requests_<policy>.csv`, `ttft_cdf.png` an
 one clear line on stderr (no traceback). Deterministic for a seed: run times go to `timing.json`, not
 `summary.json`, so two runs with the same seed write identical summaries. The fleet's host (request
 path, co-location: `simulator.host_model.HostModel`) is the `--profile` file's host section, each
-host flag given overriding its knob; `summary.json` records the host simulated.
+host flag given overriding its knob; `summary.json` records the host simulated. With `--admission`
+the proxy's admission (`simulator.admission`: the same core and flags as `kvherd serve`) refuses
+and queues arrivals, and the summary gains its rows (429s by code, admission-queue waits).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from scheduler.admission_flags import add_admission_arguments, admission_settings
 
 _DEFAULT_MODEL = "roofline:llama-2-70b:a100-80gb:tp4"
 
@@ -92,6 +96,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=200.0,
         help="KV transfer bandwidth between instances in Gbit/s (default 200)",
     )
+    admission = parser.add_argument_group(
+        "the proxy's admission (off unless --admission; the same rule and flags as kvherd serve)"
+    )
+    admission.add_argument(
+        "--admission",
+        action="store_true",
+        help="refuse (429) and queue requests as kvherd serve's admission would",
+    )
+    add_admission_arguments(admission)
     host = parser.add_argument_group(
         "host: the request path and co-location (each flag overrides the --profile file's knob)"
     )
@@ -355,6 +368,12 @@ def run(args: argparse.Namespace) -> int:
         pd_policy=args.pd_policy,
         transfer=transfer,
     )
+    if args.admission:
+        (
+            settings.admission,
+            settings.admission_queue,
+            settings.max_inflight_per_instance,
+        ) = admission_settings(args)
     meta = {
         "trace": str(args.trace),
         "requests": len(trace),

@@ -12,8 +12,9 @@ Contract:
   for 10 s.
 - Every request is a completion of `max_tokens` tokens with a distinct first token (no prefix
   shared). The `FloodReport` holds what was answered (statuses, sample refusals), the proxy's
-  ejection metric lines and instance health afterwards, and `recovered_s`: seconds from the
-  flood's end until the end of the first probe from which every probe is served (200, to the
+  ejection metric lines and instance health afterwards, and `recovered_s`
+  (`simulator.overload.recovered_s`, the rule `kvherd sim`'s flood bench uses too): seconds from
+  the flood's end until the end of the first probe from which every probe is served (200, to the
   last) and 90% of those sent in the next `RECOVERY_WINDOW_S` at normal latency (at most twice
   the median latency of the same load before the flood, or 0.25 s more), so one scheduling
   hiccup of a shared machine is not read as a relapse; None when service never recovered.
@@ -35,6 +36,8 @@ from dataclasses import dataclass, field
 import httpx
 from agent_process import agent_processes
 from serve_process import serve_process
+
+from simulator.overload import recovered_s
 
 FLOOD_FACTOR = 10
 FLOOD_S = 4.0
@@ -218,16 +221,5 @@ async def flood(max_tokens: int, max_num_seqs: int = 8) -> FloodReport:
     report.ejection_lines = ejections(metrics)
     report.health = {i["health"] for i in instances["data"]}
     normal = max(2 * baseline, baseline + 0.25)
-    ordered = sorted(report.probes)
-    last_sent = ordered[-1][0] if ordered else 0.0
-    for k, (sent, latency, status) in enumerate(ordered):
-        rest = ordered[k:]
-        if status != 200 or latency > normal or any(s != 200 for _, _, s in rest):
-            continue
-        if sent + RECOVERY_WINDOW_S > last_sent:
-            break  # too late to see a whole window
-        window = [lat for t, lat, _ in rest if t < sent + RECOVERY_WINDOW_S]
-        if sum(lat <= normal for lat in window) >= 0.9 * len(window):
-            report.recovered_s = sent + latency - flood_end
-            break
+    report.recovered_s = recovered_s(report.probes, flood_end, normal, RECOVERY_WINDOW_S)
     return report

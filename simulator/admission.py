@@ -1,0 +1,95 @@
+"""The proxy's admission on the simulator's clock: the same core objects, their refusals counted.
+
+Contract:
+- `SimAdmission` drives `scheduler.core.admission.Admission` (expected wait), `AdmissionQueue` and
+  `InflightLedger` as `scheduler.proxy.admission_gate` does on the proxy's clock: `check(now,
+  views)` at every arrival (the 429 code, ``queue_wait``, or None to admit); routing skips the
+  `saturated` instances; a request no unsaturated instance can take joins the queue (`wait`:
+  False when it is full, ``queue_full``), leaves it when capacity frees (`freed(now)`, the head)
+  or at its deadline (`expire(now)`: ``queue_timeout``); `dispatched` / `released` / `moved`
+  keep the ledger, whose completions the rule measures the service rate by.
+- Unlike the proxy it reads the views at every arrival (no reuse window): a simulation's
+  decisions are exact, and the proxy's 20 ms reuse only saves CPU.
+- `stats`: refusals by code, requests queued, and their admission-queue waits (seconds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from policies.views import InstanceView
+from scheduler.core.admission import Admission, AdmissionSettings, fleet_queue
+from scheduler.core.admission_queue import AdmissionQueue, QueueSettings
+from scheduler.core.inflight import InflightLedger
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class AdmissionStats:
+    refused: dict[str, int] = field(default_factory=dict)  # by code: queue_wait, queue_full, ...
+    queued: int = 0
+    queue_waits_s: list[float] = field(default_factory=list)
+
+    def refuse(self, code: str) -> None:
+        self.refused[code] = self.refused.get(code, 0) + 1
+
+
+class SimAdmission(Generic[T]):
+    def __init__(
+        self, settings: AdmissionSettings, queue: QueueSettings, max_inflight_per_instance: int
+    ) -> None:
+        self.rule = Admission(settings)
+        self.queue: AdmissionQueue[T] = AdmissionQueue(queue)
+        self.ledger = InflightLedger(max_inflight_per_instance)
+        self.stats = AdmissionStats()
+        self._joined: dict[T, float] = {}
+
+    @property
+    def saturated(self) -> set[str]:
+        return self.ledger.saturated
+
+    def check(self, now: float, views: Iterable[InstanceView]) -> str | None:
+        queued, free = fleet_queue(views, self.ledger.saturated)
+        ahead = len(self.queue) + queued
+        self.rule.observe(now, self.ledger.completed, ahead)
+        if self.rule.refusal(ahead, free > 0) is None:
+            return None
+        self.stats.refuse("queue_wait")
+        return "queue_wait"
+
+    def wait(self, now: float, item: T) -> bool:
+        if not self.queue.join(now, item):
+            self.stats.refuse("queue_full")
+            return False
+        self._joined[item] = now
+        self.stats.queued += 1
+        return True
+
+    def deadline(self, item: T) -> float:
+        return self.queue.deadline(item)
+
+    def freed(self, now: float) -> T | None:
+        """The queue's head, when a request finished and its room came free."""
+        item = self.queue.wake()
+        if item is not None:
+            self.stats.queue_waits_s.append(now - self._joined.pop(item))
+        return item
+
+    def expire(self, now: float) -> list[T]:
+        gone = self.queue.expire(now)
+        for item in gone:
+            self.stats.refuse("queue_timeout")
+            self.stats.queue_waits_s.append(now - self._joined.pop(item))
+        return gone
+
+    def dispatched(self, instance_id: str, request_id: str) -> None:
+        self.ledger.attach(instance_id, request_id)
+
+    def released(self, request_id: str) -> None:
+        self.ledger.release(request_id)
+
+    def moved(self, request_id: str, dst: str) -> None:
+        self.ledger.move(request_id, dst)
