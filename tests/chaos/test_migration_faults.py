@@ -43,8 +43,9 @@ async def test_a_stream_whose_destination_dies_after_the_commit_continues_on_its
 ) -> None:
     # Killed once the stream ran on from the destination for a while (at the ~300 tokens/s of
     # two busy agents on 2 cores, 128 tokens are ~0.4 s): the proxy continues it from the tokens
-    # both agents relayed, on the former source, the one healthy instance left.
-    _check(await migration_fault("destination", "resumed", 320, after_tokens))
+    # both agents relayed, on the former source, the one healthy instance left. The reattachment
+    # came after 84-149 tokens on a loaded machine; 480 leave room for a slower migration.
+    _check(await migration_fault("destination", "resumed", 480, after_tokens))
 
 
 def _check(figures: Figures) -> None:

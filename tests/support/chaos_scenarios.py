@@ -387,6 +387,9 @@ async def migration_fault(
                     if running.done():
                         figures.notes.append("the stream ended before the fault")
                     kill()
+                    figures.notes.append(
+                        f"{point} at token {reached[0]}, killed at {stream.frames}"
+                    )
                 at = time.monotonic()
                 if not fired:
                     figures.notes.append("the fault never fired")
