@@ -23,7 +23,8 @@ Contract (`create_app(agent)` returns the FastAPI app):
   ends its SSE (without ``[DONE]``) with the notice ``data: {"kvherd": {"migrated_to": URL,
   "request_id": ID, "resume": {...}}}``; ``POST URL/kvherd/v1/requests/{id}/resume`` with the
   ``resume`` object as body continues the very same OpenAI stream there from the next token
-  (``resume.from``; ``?wait=`` seconds for the request to arrive, default 5, else 404), and may
+  (``resume.from``; ``?wait=`` seconds for the request to arrive, default 5, else 404), its
+  token ledger included when the source's stream had one (``resume.token_ledger``), and may
   end with a notice again. Clients without the header are relayed by
   the source instead, through this same route (`relay.follow`).
 - Token ledger (``X-Kvherd-Token-Ids: 1``, `kvherd.wire`): streamed frames carry comment lines
@@ -599,6 +600,7 @@ def _resume_object(meta: _Meta, fmt: _Format, index: int) -> dict[str, Any]:
         "return_token_ids": fmt.want_ids,
         "continuous_usage_stats": fmt.continuous_usage,
         "include_usage": fmt.include_usage,
+        "token_ledger": fmt.ledger,
     }
 
 
@@ -728,8 +730,8 @@ def _resumed(body: Any, ledger: bool) -> tuple[_Meta, _Format]:
     if not isinstance(body, dict):
         raise bad_request("body must be a migration notice's resume object")
 
-    def field(name: str, kind: type) -> Any:
-        value = body.get(name)
+    def field(name: str, kind: type, default: Any = None) -> Any:
+        value = body.get(name, default)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise bad_request(f"'{name}' must be of type {kind.__name__}", param=name)
         return value
@@ -751,7 +753,10 @@ def _resumed(body: Any, ledger: bool) -> tuple[_Meta, _Format]:
         field("return_token_ids", bool),
         field("continuous_usage_stats", bool),
         field("include_usage", bool),
-        ledger,
+        # The stream's ledger goes on whoever resumes it: a relay that continues the stream
+        # elsewhere if this instance is lost needs every token's ids, not just the source's.
+        # (Absent from a relay's resume object, which asks for the ledger by header.)
+        field("token_ledger", bool, False) or ledger,
     )
     return meta, fmt
 

@@ -310,17 +310,19 @@ async def _load_with_fault(
 
 # -- scenario: a migration cut at one of its stages ------------------------------------------------
 Victim = Literal["destination", "source"]
-Point = Literal["live", "stop-and-copy", "commit", "committed"]
+Point = Literal["live", "stop-and-copy", "commit", "committed", "resumed"]
 # Where each point is, as the destination's control messages show it: a stage's reservation
 # answered (its KV copy is under way) while the request still decodes on the source ("live") or
 # once it is suspended there ("stop-and-copy", whichever stage that is), a commit about to be
-# delivered, a commit accepted. The stream migrates after 60 tokens: 92 tokens of context, 6
-# blocks, more than the 4 a stop-and-copy takes, so its first stage is live.
+# delivered, a commit accepted, the proxy's reattachment answered (the stream goes on from the
+# destination). The stream migrates after 60 tokens: 92 tokens of context, 6 blocks, more than
+# the 4 a stop-and-copy takes, so its first stage is live.
 _FAULTS: dict[Point, tuple[str, Literal["before", "after"]]] = {
     "live": ("/kvherd/v1/migration/reserve", "after"),
     "stop-and-copy": ("/kvherd/v1/migration/reserve", "after"),
     "commit": ("/kvherd/v1/migration/commit", "before"),
     "committed": ("/kvherd/v1/migration/commit", "after"),
+    "resumed": ("/resume", "after"),
 }
 MIGRATE_AFTER = 60
 
@@ -331,11 +333,15 @@ def _relayed(agents: list[AgentProcess]) -> Iterator[list[FaultRelay]]:
         yield [stack.enter_context(FaultRelay(a.url)) for a in agents]
 
 
-async def migration_fault(victim: Victim, point: Point, max_tokens: int = 700) -> Figures:
+async def migration_fault(
+    victim: Victim, point: Point, max_tokens: int = 700, after_tokens: int = 0
+) -> Figures:
     """A greedy stream and a plain request run on one of two agents; the proxy's operator migrates
-    the stream to the other and `victim` is SIGKILLed at `point` of that migration. Each agent is
+    the stream to the other and `victim` is SIGKILLed at `point` of that migration, or once the
+    client got `after_tokens` more of the stream's chunks (a token each) after it. Each agent is
     behind a `FaultRelay` (the proxy and the agents only know the relays' URLs)."""
-    figures = Figures(f"kill {victim} at {point}")
+    scenario = f"kill {victim} at {point}"
+    figures = Figures(f"{scenario} +{after_tokens} tokens" if after_tokens else scenario)
     with agent_processes(2) as pair, _relayed(pair) as relays:
         expected = await references(pair[0], max_tokens, [0, 1])
         specs = [a.instance_spec(r.url) for a, r in zip(pair, relays, strict=True)]
@@ -361,7 +367,9 @@ async def migration_fault(victim: Victim, point: Point, max_tokens: int = 700) -
                 path, when = _FAULTS[point]
                 match = _while(point == "live", pair[s]) if "reserve" in path else _anything
                 kill = lambda: os.kill(dead.process.pid, signal.SIGKILL)  # noqa: E731
-                relays[d].arm(Fault(path, when, kill, match))
+                reached: list[int] = []  # the client's frames when `point` was reached
+                action = (lambda: reached.append(stream.frames)) if after_tokens else kill
+                relays[d].arm(Fault(path, when, action, match))
                 # A plain request sent alongside: it must complete whatever happens.
                 plain = asyncio.ensure_future(
                     send(http, served.url, *payload(1, max_tokens), Outcome())
@@ -373,6 +381,15 @@ async def migration_fault(victim: Victim, point: Point, max_tokens: int = 700) -
                 )
                 figures.notes.append(f"migrate: {order.status_code} {order.text[:160]}")
                 fired = await asyncio.to_thread(relays[d].fired.wait, 60)
+                if fired and after_tokens:
+                    enough = reached[0] + after_tokens
+                    await _wait(lambda: stream.frames >= enough or running.done())
+                    if running.done():
+                        figures.notes.append("the stream ended before the fault")
+                    kill()
+                    figures.notes.append(
+                        f"{point} at token {reached[0]}, killed at {stream.frames}"
+                    )
                 at = time.monotonic()
                 if not fired:
                     figures.notes.append("the fault never fired")
