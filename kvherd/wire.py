@@ -17,7 +17,8 @@ Contract:
   data lines: the first data frame's says how to continue the stream elsewhere
   (``{"resume": {...}, "sampling_seed": S}``, the notice's ``resume`` object), every frame with
   tokens says which (``{"index": i, "token_ids": [...]}``). A relay keeps them to continue a
-  stream whose instance was lost and strips them; SSE clients would ignore them anyway.
+  stream whose instance was lost and strips them; SSE clients would ignore them anyway. A
+  migration's ``resume`` carries ``token_ledger`` so the destination keeps writing them.
 """
 
 from __future__ import annotations

@@ -292,6 +292,7 @@ class Relay:
             (b"content-type", b"application/json"),
             (b"x-request-id", request_id),
             (b"x-kvherd-reattach", b"1"),
+            (b"x-kvherd-token-ids", b"1"),  # the token ledger, as the stream went out
         ]
         if self.fleet_token:
             headers.append((b"authorization", b"Bearer " + self.fleet_token.encode()))
