@@ -2,9 +2,11 @@
 
 Contract: answers ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON, or SSE when the
 body has ``"stream": true``) with a fixed short completion, ``GET /v1/models`` and ``GET /health``,
-over HTTP/1.1 keep-alive. It does no model work at all, so a benchmark in front of it measures the
-proxy's own cost. It is a plain asyncio protocol (uvloop when installed) rather than a web framework,
-because a framework's per-request overhead would hide the proxy's.
+over HTTP/1.1 keep-alive; with ``--queued N`` also ``GET /metrics`` in vLLM's names, saying N
+requests wait (a backend that looks saturated to admission: bench/refusal_cost.py). It does no
+model work at all, so a benchmark in front of it measures the proxy's own cost. It is a plain
+asyncio protocol (uvloop when installed) rather than a web framework, because a framework's
+per-request overhead would hide the proxy's.
 
 Run: ``python bench/fast_backend.py --port 9000``.
 """
@@ -137,7 +139,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=9000)
+    parser.add_argument("--queued", type=int, default=None, help="serve /metrics saying N wait")
     args = parser.parse_args()
+    if args.queued is not None:
+        metrics = (
+            b"vllm:num_requests_running 1\nvllm:num_requests_waiting %d\n" % args.queued
+        )
+        _RESPONSES[b"/metrics"] = _response(b"200 OK", metrics, b"text/plain; version=0.0.4")
     try:
         import uvloop
 
