@@ -4,7 +4,8 @@ Issue 22, with kvherd's own engine at batches of 8 (a fleet of 16 slots) and 64 
 shipped admission defaults (``--max-queue-wait`` 1 s, ``--standing-queue-wait`` 0.25 s):
 - a burst of as many concurrent requests as the fleet has batch slots, half streamed, sent
   twice (cold, then on a fleet with a measured rate), is served without a 429: each engine's
-  batch holds its share, nothing needs to wait;
+  batch holds its share, nothing needs to wait; and so is a burst of the slots left free while a
+  quarter of them run long generations that have not completed for a while;
 - a closed loop of as many clients as one agent has batch slots (half the fleet's) is not
   refused; after SIGKILL of one agent under it, at least 99% of the requests sent after the kill
   complete (200, every token), none gets a 5xx and none hangs; the requests in flight at the
@@ -20,13 +21,15 @@ import signal
 
 import pytest
 from agent_process import agent_processes
-from capacity_load import burst, closed_loop_with_kill, describe
+from capacity_load import burst, burst_behind_long, closed_loop_with_kill, describe
 from serve_process import serve_process
 
 pytestmark = pytest.mark.timeout(300)
 
 BURST_TOKENS = 64  # 0.6 s at a batch of 8, 1.9 s at 64 (tiny model): the burst overlaps
 KILL_TOKENS = 32
+LONG_TOKENS = 1500  # far longer than the burst (closed once the burst has ended)
+SETTLE_S = 1.5  # the long generations run this long with no completion before the burst
 MIN_AFTER_KILL = 100  # requests after the kill: 99% of them is a count, not a rounding
 
 
@@ -45,6 +48,21 @@ async def test_burst_up_to_the_fleets_batch_slots_is_served(max_num_seqs: int) -
             assert all(o.ok for o in outcomes), report
             first_answer = min(o.ended for o in outcomes if o.ended is not None)
             assert max(o.sent for o in outcomes) < first_answer, "not a burst:\n" + report
+        # A quarter of the slots busy with long generations, no completion for a while: the
+        # rest of the slots are free, and the burst that fills them is not refused either.
+        long_n = slots // 4
+        held, outcomes = await burst_behind_long(
+            served.url, long_n, slots - long_n, BURST_TOKENS, LONG_TOKENS, SETTLE_S,
+            tag=f"b{max_num_seqs}behind",
+        )  # fmt: skip
+        report = (
+            f"{long_n} long generations:\n{describe(held)}\nburst of {slots - long_n} behind "
+            f"them:\n{describe(outcomes)}"
+        )
+        print(report)
+        assert all(o.status == 200 and o.started for o in held), report
+        assert not [o for o in outcomes if o.status == 429], report
+        assert all(o.ok for o in outcomes), report
 
 
 @pytest.mark.parametrize("max_num_seqs", [8, 64])

@@ -15,6 +15,12 @@ Contract:
   with ``[DONE]`` and no error frame, the refusal's body and ``Retry-After``, and its send, end
   and latency times (monotonic seconds). `ok` is a complete answer: 200 and exactly
   `max_tokens` tokens (a stream: ended cleanly, its usage says so too).
+- `burst_behind_long(url, long_n, n, max_tokens, long_tokens, settle_s)`: `long_n` streamed long
+  generations (`long_tokens`) are started and held open until each has sent its first token
+  (they run in the engines' batches), then, `settle_s` later (a while with no completion), a
+  `burst` of `n` more; once the burst has ended the long streams are closed (the proxy aborts
+  them upstream). Returns (the long ones, the burst): a long one is `started` once its first
+  token came; it never ends by itself here, so only its status and start are judged.
 - `closed_loop_with_kill(url, clients, per_client, max_tokens, kill)` runs `clients` closed-loop
   clients; once every client has had a request answered (the fleet is warm and serving), it calls
   `kill()` (the caller's SIGKILL) from the event loop, and each client then sends `per_client`
@@ -54,6 +60,7 @@ class Outcome:
     body: str = ""  # an error's body (first 300 characters)
     retry_after: str | None = None
     error: str | None = None  # a client-side exception
+    started: bool = False  # a stream's first token arrived
 
     @property
     def ok(self) -> bool:
@@ -137,6 +144,7 @@ async def _exchange(
                 done = True
                 continue
             chunk = json.loads(line[6:])
+            outcome.started = True
             if "error" in chunk:
                 errored = True
                 outcome.body = line[:300]
@@ -165,6 +173,35 @@ async def burst(
             BURST_TIMEOUT_S,
         )
     return outcomes
+
+
+async def burst_behind_long(
+    url: str,
+    long_n: int,
+    n: int,
+    max_tokens: int,
+    long_tokens: int,
+    settle_s: float,
+    tag: str = "behind",
+    model: str = "tiny",
+) -> tuple[list[Outcome], list[Outcome]]:
+    """A burst while long generations run (module contract)."""
+    held = [Outcome(i, stream=True, max_tokens=long_tokens) for i in range(long_n)]
+    async with _client() as client:
+        tasks = [asyncio.ensure_future(send(client, url, o, tag + "-long", model)) for o in held]
+        try:
+            deadline = time.monotonic() + BURST_TIMEOUT_S
+            # Polled: the streams' first tokens land in `held` as they arrive.
+            while not all(o.started or o.ended is not None for o in held):
+                assert time.monotonic() < deadline, f"long generations never started: {held}"
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(settle_s)
+            outcomes = await burst(url, n, max_tokens, tag, model)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    return held, outcomes
 
 
 async def closed_loop_with_kill(
