@@ -22,10 +22,12 @@ Contract:
   them upstream). Returns (the long ones, the burst): a long one is `started` once its first
   token came; it never ends by itself here, so only its status and start are judged.
 - `closed_loop_with_kill(url, clients, per_client, max_tokens, kill)` runs `clients` closed-loop
-  clients; once every client has had a request answered (the fleet is warm and serving), it calls
+  clients; once every client has had a request served (200: the fleet is warm and serving), it calls
   `kill()` (the caller's SIGKILL) from the event loop, and each client then sends `per_client`
   more requests. Returns a `KillRun`: the outcomes sent before the kill, in flight at it, and sent
   after it, plus the kill's time.
+- `burst_problems(outcomes)` lists what a burst that fits the fleet's slots must not show (429s,
+  incomplete answers, hangs), and says so when it was not a burst at all.
 - `describe(outcomes)` is a short text for assertion messages: counts by status, the distinct
   refusal messages (with their ``Retry-After``), hangs and latency quantiles.
 """
@@ -201,6 +203,10 @@ async def burst_behind_long(
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            for outcome in held:
+                if outcome.ended is None:  # closed here, not hung
+                    outcome.ended = time.monotonic()
+                    outcome.error = "closed by the test after the burst"
     return held, outcomes
 
 
@@ -230,7 +236,8 @@ async def closed_loop_with_kill(
             sent_after = killed.is_set()
             await send(client, url, outcome, tag, model)
             after += sent_after
-            answered.add(who)
+            if outcome.ok:  # a refusal is not being served
+                answered.add(who)
             if len(answered) == clients:
                 all_answered.set()
             if outcome.hung:
@@ -255,6 +262,21 @@ async def closed_loop_with_kill(
         else:
             run.during.append(outcome)
     return run
+
+
+def burst_problems(outcomes: Sequence[Outcome]) -> list[str]:
+    """What a burst the fleet has the slots for must not show: refusals, incomplete answers
+    or hangs; and that it was not one (the last request sent after the first was answered)."""
+    problems = []
+    refused = sum(o.status == 429 for o in outcomes)
+    if refused:
+        problems.append(f"{refused} of {len(outcomes)} refused (429)")
+    if not all(o.ok for o in outcomes):
+        problems.append(f"{sum(not o.ok for o in outcomes)} of {len(outcomes)} not complete")
+    answered = [o.ended for o in outcomes if o.ok and o.ended is not None]
+    if answered and max(o.sent for o in outcomes) >= min(answered):
+        problems.append("not a burst: a request was answered before the last was sent")
+    return problems
 
 
 def describe(outcomes: Sequence[Outcome]) -> str:
