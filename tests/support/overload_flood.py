@@ -22,13 +22,16 @@ Contract:
   batched on shared CPUs take 1.5-4x longer at half capacity than alone, flood or no flood.
   Latency later than the window is not judged: what a flood left queued delays the probes right
   after it, where the window sees it, while the shared machine's own speed swings (by 2-3x
-  within a run, measured) would read as a relapse.
+  within a run, measured) would read as a relapse. Each 429's latency is kept too.
+- `poisson(max_tokens, max_num_seqs, load, seconds)`: ordinary Poisson traffic at `load` x the
+  capacity measured the same way, on the same kind of fleet: its statuses.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import random
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -54,18 +57,27 @@ class FloodReport:
     sent: int = 0
     statuses: dict[int, int] = field(default_factory=dict)
     refusals: list[tuple[dict[bytes, bytes], bytes]] = field(default_factory=list)
+    refusal_latencies: list[float] = field(default_factory=list)  # seconds to each 429
     ejection_lines: list[str] = field(default_factory=list)
     health: set[str] = field(default_factory=set)
     probes: list[tuple[float, float, int]] = field(default_factory=list)  # sent, latency, status
     recovered_s: float | None = None
 
+    @property
+    def refusal_p50_s(self) -> float | None:
+        latencies = self.refusal_latencies
+        return statistics.median(latencies) if latencies else None
+
     def summary(self) -> str:
         recovered = None if self.recovered_s is None else round(self.recovered_s, 2)
+        refusal = self.refusal_p50_s
+        answered = "-" if refusal is None else f"{refusal * 1000:.0f} ms"
         return (
             f"{self.max_tokens}-token requests, batches of {self.max_num_seqs}: capacity "
             f"{self.capacity:.1f} req/s, flood "
-            f"{FLOOD_FACTOR}x for {FLOOD_S}s ({self.sent} requests): {self.statuses}; baseline "
-            f"latency {self.baseline_s * 1000:.0f} ms; normal service {recovered} s after the flood"
+            f"{FLOOD_FACTOR}x for {FLOOD_S}s ({self.sent} requests): {self.statuses}, 429s "
+            f"answered in {answered} (median); baseline latency {self.baseline_s * 1000:.0f} ms; "
+            f"normal service {recovered} s after the flood"
         )
 
 
@@ -143,6 +155,39 @@ async def capacity(client: RawClient, max_tokens: int, seconds: float = 3.0) -> 
     return done / (time.monotonic() - start)
 
 
+async def poisson(
+    max_tokens: int, max_num_seqs: int, load: float, seconds: float, seed: int = 0
+) -> tuple[float, dict[int, int]]:
+    """Ordinary traffic: Poisson arrivals at `load` x the fleet's capacity for `seconds`, on the
+    flood's fleet; (capacity, statuses)."""
+    rng = random.Random(seed)
+    statuses: dict[int, int] = {}
+    with (
+        agent_processes(2, "--max-num-seqs", str(max_num_seqs)) as pair,
+        serve_process(
+            [agent.instance_spec() for agent in pair], "--policy", "round_robin"
+        ) as served,
+    ):
+        client = RawClient(served.url)
+        for i in range(4):
+            assert (await timed(client, i, max_tokens))[1] == 200
+        rate = await capacity(client, max_tokens)
+
+        async def one(i: int) -> None:
+            _, status, _, _ = await timed(client, 30_000 + i, max_tokens)
+            statuses[status] = statuses.get(status, 0) + 1
+
+        tasks = []
+        start = due = time.monotonic()
+        while due < start + seconds:
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            tasks.append(asyncio.create_task(one(len(tasks))))
+            due += rng.expovariate(load * rate)
+        await asyncio.gather(*tasks)
+        client.close()
+    return rate, statuses
+
+
 def ejections(metrics: str) -> list[str]:
     return [line for line in metrics.splitlines() if line.startswith("kvherd_ejections_total")]
 
@@ -183,10 +228,11 @@ async def flood(max_tokens: int, max_num_seqs: int = 8) -> FloodReport:
         report.baseline_s = baseline
 
         async def flood_one(i: int) -> None:
-            _, status, headers, data = await timed(client, i, max_tokens)
+            latency, status, headers, data = await timed(client, i, max_tokens)
             report.statuses[status] = report.statuses.get(status, 0) + 1
             if status == 429:
                 report.refusals.append((headers, data))
+                report.refusal_latencies.append(latency)
 
         async def probe(i: int) -> None:
             sent = time.monotonic()
