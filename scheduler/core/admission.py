@@ -1,10 +1,11 @@
 """Admission by expected wait: refuse a request the fleet could not start within the allowed wait.
 
 Contract:
-- A request waits only where an engine queues it (`queued_at`): what the instance reports
-  waiting, or what is there beyond its batch slots (``InstanceView.batch_slots``, when known). A
-  scrape that has not yet seen a request start is no queue, nor a long generation in a batch
-  with free slots. `can_start(view)`: a new request would start at once there.
+- A request waits only where an engine queues it (`queued_at`): what is there beyond its batch
+  slots (``InstanceView.batch_slots``, when known) or, while its KV pool cannot take the queue's
+  head, what it reports waiting (all it reports, when its slots are unknown). A scrape that has
+  not yet seen a request start is no queue, nor a long generation in a batch with free slots.
+  `can_start(view)`: a new request would start at once there.
 - `fleet_queue(views, saturated)`: over the dispatchable instances, the requests they queue and
   the batch slots free for new requests on those not saturated (``math.inf`` where unknown).
 - `Admission` is pure (explicit `now`). The caller reports, at arrivals and completions,
@@ -19,6 +20,8 @@ Contract:
   ``ahead / rate``, the wait allowed (``limit_s``) and ``retry_after_s`` in ``[1, max]``.
 - ``limit_s`` is ``max_queue_wait_s`` while the queue emptied within that long, else
   ``standing_queue_wait_s`` (controlled delay: Maurer, "Fail at Scale", ACM Queue 2015).
+  `capacity_lost(now)`: an instance left; the queue its requests form on the survivors is a burst
+  (the full wait from `now`), not a flood.
 """
 
 from __future__ import annotations
@@ -30,21 +33,28 @@ from dataclasses import dataclass
 from policies.views import InstanceView
 
 
+def _kv_bound(view: InstanceView) -> bool:
+    """The engine cannot admit its queue's head: its free KV blocks are fewer than it needs."""
+    return view.reported_waiting > 0 and view.head_waiting_blocks > view.free_blocks
+
+
 def queued_at(view: InstanceView) -> int:
-    """Requests queued at one instance: reported waiting, or beyond its batch slots."""
-    reported = view.reported_waiting
+    """Requests queued at one instance (module contract)."""
     slots = view.batch_slots
     if slots <= 0:
-        return reported
-    return max(reported, view.num_running + view.num_waiting - slots)
+        return view.reported_waiting
+    # With its slots known, what the engine reported waiting counts only while its KV pool is
+    # what holds the queue: a request that arrived between two steps waits for no one.
+    beyond = view.num_running + view.num_waiting - slots
+    return max(beyond, view.reported_waiting if _kv_bound(view) else 0, 0)
 
 
 def can_start(view: InstanceView) -> bool:
     """A new request would start at once on this (dispatchable) instance."""
-    if view.reported_waiting > 0:
-        return False
     slots = view.batch_slots
-    return slots <= 0 or view.num_running + view.num_waiting < slots
+    if slots <= 0:
+        return view.reported_waiting <= 0
+    return view.num_running + view.num_waiting < slots and not _kv_bound(view)
 
 
 def fleet_queue(views: Iterable[InstanceView], saturated: Collection[str]) -> tuple[int, float]:
@@ -149,6 +159,10 @@ class Admission:
         if rate is None:
             return None
         return ahead / rate
+
+    def capacity_lost(self, now: float) -> None:
+        if self._queued_since is not None:
+            self._queued_since = max(self._queued_since, now)
 
     @property
     def limit_s(self) -> float:

@@ -12,7 +12,8 @@ Contract:
   (`queue_full` / `queue_timeout` 429s past its bounds), woken by `capacity_freed`. None when
   nothing dispatchable (and untried) is left. Retries and continuations pass `tried`; they are
   never refused by the expected wait, only by the queue's bounds.
-- The core observes the fleet at every arrival and every freed capacity.
+- The core observes the fleet at every arrival and every freed capacity; a lost instance
+  (`instance_lost`) makes the queue its requests form on the survivors a burst.
 """
 
 from __future__ import annotations
@@ -62,6 +63,11 @@ class AdmissionGate:
                 waiter.set_result(None)
                 break
         self._observe(time.monotonic())
+
+    def instance_lost(self) -> None:
+        """Its requests fail over onto the others: a burst, allowed the full wait."""
+        self.rule.capacity_lost(time.monotonic())
+        self._seen_at = -1.0  # read the survivors afresh
 
     def _read(self, now: float) -> None:
         """The dispatchable instances' queues and free slots, at most every `_VIEW_TTL_S`."""

@@ -114,6 +114,7 @@ class Proxy:
         self.admission.capacity_freed()
 
     def instance_lost(self, instance_id: str, url: str) -> None:
+        self.admission.instance_lost()
         failed = self.pool.abort(url, f"instance {instance_id} was ejected or removed")
         self.deadlines.forget(instance_id)
         if failed:

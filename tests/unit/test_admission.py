@@ -181,8 +181,18 @@ def test_a_request_waits_only_where_an_engine_queues_it() -> None:
     unknown = InstanceView("a", num_running=3, num_waiting=9, inflight=12)
     assert queued_at(unknown) == 0 and can_start(unknown)
     # A KV pool that is full queues below the batch slots: the engine's own count says so.
-    kv_full = InstanceView("a", num_running=5, num_waiting=2, reported_waiting=2, batch_slots=64)
+    kv_full = InstanceView(
+        "a", num_running=5, num_waiting=2, reported_waiting=2, batch_slots=64,
+        free_blocks=3, head_waiting_blocks=8,
+    )  # fmt: skip
     assert queued_at(kv_full) == 2 and not can_start(kv_full)
+    # Reported waiting with slots and blocks free: requests that arrived between two engine
+    # steps, which wait for no one.
+    between_steps = InstanceView(
+        "a", num_running=5, num_waiting=2, reported_waiting=2, batch_slots=64,
+        free_blocks=900, head_waiting_blocks=4,
+    )  # fmt: skip
+    assert queued_at(between_steps) == 0 and can_start(between_steps)
     # Long generations with free slots are no queue, however long since the last completion.
     decoding = InstanceView("a", num_running=60, inflight=60, batch_slots=64)
     assert queued_at(decoding) == 0 and can_start(decoding)
@@ -195,3 +205,17 @@ def test_nothing_is_refused_while_some_instance_would_start_it() -> None:
     stalled = cold_fleet_busy(5.0, ahead=3)  # 5 s busy without a completion
     assert stalled.refusal(3) is not None
     assert stalled.refusal(3, startable=True) is None
+
+
+def test_the_queue_left_by_a_lost_instance_is_a_burst() -> None:
+    admission = Admission(AdmissionSettings(max_queue_wait_s=1.0, standing_queue_wait_s=0.25))
+    now, completed = 0.0, 0
+    while now < 1.5:  # a queue that stood 1.5 s: only the standing queue's wait
+        now += 0.025
+        completed += 1
+        admission.observe(now, completed, 20)
+    assert admission.limit_s == 0.25
+    admission.capacity_lost(now)  # an instance died: its requests queue on the survivors
+    assert admission.limit_s == 1.0
+    admission.observe(now + 1.1, completed + 40, 20)  # still standing a second later: a flood
+    assert admission.limit_s == 0.25
