@@ -100,6 +100,11 @@ class InstanceView:
     running: tuple[RunningRequestView, ...] = ()
     # Prefill/decode disaggregation: "prefill", "decode" or "mixed" (does both; the default).
     role: str = "mixed"
+    # What loading one token's KV from the CPU / STORAGE tier costs, in prefill tokens (load
+    # seconds over prefill seconds per token: bytes over the tier's bandwidth, from the host
+    # model or `kvherd profile`); 0: unknown, the policy's default.
+    cpu_load_ratio: float = 0.0
+    storage_load_ratio: float = 0.0
 
     @property
     def num_requests(self) -> int:
@@ -148,6 +153,8 @@ COLUMNS: tuple[str, ...] = (
     "waiting_prefill_tokens",
     "head_waiting_blocks",
     "dispatchable",
+    "cpu_load_ratio",
+    "storage_load_ratio",
 )
 
 
@@ -293,6 +300,17 @@ class ClusterView:
             cached.flags.writeable = False
             self._tier_cache[request.request_id] = cached
         return cached
+
+    def weighted_prefix_match(
+        self, request: RequestView, weights: tuple[float, ...]
+    ) -> dict[str, float]:
+        """Per instance, its blocks per tier weighted by `weights` (one per `TIERS`, GPU first:
+        how a peer router prices a lower-tier hit as a fraction of a GPU hit); zeros absent."""
+        if not request.block_hashes:
+            return {}
+        scores = np.asarray(weights, dtype=np.float64) @ self.prefix_match_tiers(request)
+        instances = self.instances
+        return {instances[i].instance_id: float(scores[i]) for i in np.flatnonzero(scores)}
 
     def prefix_match_of(self, request: RequestView, instance_id: str) -> int:
         """Leading blocks of `request` cached on one instance, from whichever form of the match

@@ -109,14 +109,23 @@ class ClusterState:
         now: float = 0.0,
         role: str | None = None,
         batch_slots: int = 0,
+        tier_load_ratio: tuple[float, float] = (0.0, 0.0),
     ) -> ResyncRequest | None:
         """Register (or re-register) an instance (`role`, `batch_slots`: the operator's P/D role
-        and max_num_seqs, else the reported ones). Returns a resync request when it has events."""
+        and max_num_seqs, else the reported ones; `tier_load_ratio`: what a token loaded from its
+        CPU and STORAGE tiers costs in prefill tokens, `InstanceView.cpu_load_ratio`). Returns a
+        resync request when it has events."""
         if not instance_id:
             raise ValueError("instance_id must be non-empty")
         previous = self.instances.get(instance_id)
         state = InstanceState(
-            instance_id, self.block_size, has_kv_events, healthy, role=role, batch_slots=batch_slots
+            instance_id,
+            self.block_size,
+            has_kv_events,
+            healthy,
+            role=role,
+            batch_slots=batch_slots,
+            tier_load_ratio=tier_load_ratio,
         )
         if previous is not None:  # a re-join keeps the router's in-flight accounting
             for dispatch in previous.inflight.values():
