@@ -11,6 +11,9 @@ The lowest logit wins. With `temperature` 0 the choice is the argmin (ties at ra
 temperature > 0 logits are min-max normalised to [0, 1] and a worker is sampled with probability
 proportional to exp(-logit / temperature). Defaults: overlap_score_weight 1.0, temperature 0.0,
 seed 0. Decision scores are the negated logits.
+KV tiers: Dynamo's router prices overlap blocks on lower tiers as a fraction of a device hit
+(KVBM: `host_weight` 0.75 for host memory, `disk_weight` 0.25 for disk), so the overlap is the
+weighted sum of the blocks matched per tier (`ClusterView.weighted_prefix_match`).
 """
 
 from __future__ import annotations
@@ -27,15 +30,21 @@ class DynamoKV:
     name = "dynamo_kv"
 
     def __init__(
-        self, overlap_score_weight: float = 1.0, temperature: float = 0.0, seed: int = 0
+        self,
+        overlap_score_weight: float = 1.0,
+        temperature: float = 0.0,
+        seed: int = 0,
+        host_weight: float = 0.75,
+        disk_weight: float = 0.25,
     ) -> None:
         if temperature < 0:
             raise ValueError("temperature must be >= 0")
         self.overlap_score_weight = overlap_score_weight
+        self.tier_weights = (1.0, host_weight, disk_weight)
         self.temperature = temperature
         self._rng = random.Random(seed)
 
-    def logit(self, request: RequestView, inst: InstanceView, overlap_blocks: int) -> float:
+    def logit(self, request: RequestView, inst: InstanceView, overlap_blocks: float) -> float:
         new_prefill_tokens = max(0, request.num_tokens - overlap_blocks * request.block_size)
         prefill_blocks = (inst.pending_prefill_tokens + new_prefill_tokens) / request.block_size
         decode_blocks = inst.inflight_blocks + request.num_blocks
@@ -49,7 +58,7 @@ class DynamoKV:
     ) -> Decision:
         """The decision over `instances` only (a P/D policy's decode pool)."""
         pool = sorted(instances, key=lambda i: i.instance_id)
-        matched = cluster.prefix_match(request)
+        matched = cluster.weighted_prefix_match(request, self.tier_weights)
         logits = {
             i.instance_id: self.logit(request, i, matched.get(i.instance_id, 0)) for i in pool
         }

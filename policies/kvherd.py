@@ -8,11 +8,17 @@ prefill-token equivalents:
     queued    = max(reported waiting prefill tokens, the router's own dispatches without a first
                 token yet): the second also covers long prompts already in chunked prefill, which
                 an engine reports as running
-    uncached  = this request's prompt tokens not covered by the instance's cached prefix
-    cost      = queued + `uncached_weight` * uncached
+    uncached  = this request's prompt tokens not covered by the instance's cached prefix, on any
+                tier (`ClusterView.prefix_match_tiers`: GPU blocks, then CPU and STORAGE ones)
+    load      = the tokens on lower tiers x their tier's load ratio (load seconds over prefill
+                seconds per token: `InstanceView.cpu_load_ratio`, `storage_load_ratio`, else the
+                policy's `cpu_load_ratio` 0.05, `storage_load_ratio` 0.4: 128 KiB of KV per token,
+                ~12k prefill tokens/s, 32 GB/s host DRAM, 4 GB/s NVMe), never free, never a miss
+    cost      = queued + `uncached_weight` * uncached + load
                 + `decode_token_cost` * running requests
                 + `memory_penalty` * block_size * max(0, uncached blocks - (free blocks - blocks
-                  the head-of-line waiting request needs))     (only when capacity is known)
+                  the head-of-line waiting request needs))     (only when capacity is known;
+                  loaded blocks need GPU blocks too)
     -> lowest wins
 
 `uncached_weight` > 1 because uncached prefill is not only this request's wait: every request
@@ -69,6 +75,8 @@ class KvherdDispatch:
         balance_rel_threshold: float = 2.0,
         explain_top: int = 16,
         seed: int = 0,
+        cpu_load_ratio: float = 0.05,
+        storage_load_ratio: float = 0.4,
     ) -> None:
         self.decode_token_cost = decode_token_cost
         self.uncached_weight = uncached_weight
@@ -76,6 +84,8 @@ class KvherdDispatch:
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self.explain_top = explain_top
+        self.cpu_load_ratio = cpu_load_ratio
+        self.storage_load_ratio = storage_load_ratio
         self._rng = random.Random(seed)
 
     def ttft_cost(
@@ -87,24 +97,58 @@ class KvherdDispatch:
         shortfall: Figure | None,
         capacity_known: Figure,
         maximum: Callable[[Figure, float], Figure],
+        lower: Figure | float = 0.0,
+        load: Figure | float = 0.0,
     ) -> Figure:
         """The cost, written once: estimated TTFT in prefill-token equivalents (module docstring)
         over one instance's figures (numbers, `maximum` = `max`) or every instance's columns
         (float64 arrays, `maximum` = `np.maximum`). `queued` is max(waiting, pending) prefill
-        tokens, `shortfall` head-of-line waiting blocks minus free blocks (None: the memory term
-        is 0, as no instance is short, cached or not, or the one instance's capacity is unknown),
-        `capacity_known` 1 where the instance's KV capacity is known."""
+        tokens, `matched` the GPU blocks cached, `lower` the blocks continuing them on lower tiers
+        and `load` their load time in prefill tokens (`load_tokens`), `shortfall` head-of-line
+        waiting blocks minus free blocks (None: the memory term is 0, as no instance is short,
+        cached or not, or the one instance's capacity is unknown), `capacity_known` 1 where the
+        instance's KV capacity is known."""
         bs = request.block_size
-        uncached = maximum(matched * -bs + request.num_tokens, 0.0)  # prompt tokens not cached
-        cost = queued + self.uncached_weight * uncached + self.decode_token_cost * running
+        # Prompt tokens cached on no tier.
+        uncached = maximum((matched + lower) * -bs + request.num_tokens, 0.0)
+        cost = queued + self.uncached_weight * uncached + load + self.decode_token_cost * running
         if shortfall is None:
             return cost
         # Memory: uncached blocks beyond the free ones the head-of-line waiting request leaves.
         short = maximum(shortfall - matched + request.num_blocks, 0.0)
         return cost + self.memory_penalty * bs * short * capacity_known
 
-    def cost(self, request: RequestView, inst: InstanceView, matched_blocks: float) -> float:
-        """`ttft_cost` for one instance."""
+    def load_tokens(
+        self,
+        request: RequestView,
+        cpu_blocks: Figure,
+        storage_blocks: Figure,
+        cpu_ratio: Figure,
+        storage_ratio: Figure,
+    ) -> Figure:
+        """Load time of the lower-tier blocks in prefill tokens (a ratio of 0: the default)."""
+        if not isinstance(cpu_ratio, np.ndarray):
+            cpu_ratio = cpu_ratio or self.cpu_load_ratio
+            storage_ratio = storage_ratio or self.storage_load_ratio
+        else:
+            cpu_ratio = np.where(cpu_ratio > 0, cpu_ratio, self.cpu_load_ratio)
+            storage_ratio = np.where(storage_ratio > 0, storage_ratio, self.storage_load_ratio)
+        return (cpu_blocks * cpu_ratio + storage_blocks * storage_ratio) * request.block_size
+
+    def cost(
+        self,
+        request: RequestView,
+        inst: InstanceView,
+        matched_blocks: float,
+        cpu_blocks: float = 0.0,
+        storage_blocks: float = 0.0,
+    ) -> float:
+        """`ttft_cost` for one instance (`matched_blocks` on its GPU, then lower-tier blocks)."""
+        load = 0.0
+        if cpu_blocks or storage_blocks:
+            load = self.load_tokens(
+                request, cpu_blocks, storage_blocks, inst.cpu_load_ratio, inst.storage_load_ratio
+            )
         return self.ttft_cost(
             request,
             max(inst.waiting_prefill_tokens, inst.pending_prefill_tokens),
@@ -113,6 +157,8 @@ class KvherdDispatch:
             inst.head_waiting_blocks - inst.free_blocks if inst.capacity > 0 else None,
             1,
             max,
+            cpu_blocks + storage_blocks,
+            load,
         )
 
     def costs(self, request: RequestView, cluster: ClusterView) -> tuple[np.ndarray, np.ndarray]:
@@ -121,7 +167,8 @@ class KvherdDispatch:
         On a large fleet each numpy call costs more in dispatch than in arithmetic, so the number
         of calls is the decision's cost.
         """
-        matched = cluster.prefix_match_array(request)
+        tiers = cluster.prefix_match_tiers(request)
+        matched = tiers[0]
         column = cluster.column
         # Queued prefill: what the instance reported waiting, or what the router itself sent that has
         # not produced a first token (this also covers chunked prefills already running).
@@ -129,6 +176,16 @@ class KvherdDispatch:
         short_by = column("head_waiting_blocks") - column("free_blocks")
         # None where no instance is short of blocks, cached or not: the memory term is 0 anyway.
         shortfall = short_by if short_by.max() + request.num_blocks > 0 else None
+        lower, load = 0.0, 0.0
+        if tiers[1:].any():
+            lower = tiers[1] + tiers[2]
+            load = self.load_tokens(
+                request,
+                tiers[1],
+                tiers[2],
+                column("cpu_load_ratio"),
+                column("storage_load_ratio"),
+            )
         cost = self.ttft_cost(
             request,
             queued,
@@ -137,6 +194,8 @@ class KvherdDispatch:
             shortfall,
             column("capacity") > 0,
             np.maximum,
+            lower,
+            load,
         )
         dispatchable = column("dispatchable")
         inflight = column("inflight")
@@ -170,16 +229,18 @@ class KvherdDispatch:
         if not any(allowed):
             raise NoInstanceError(f"no dispatchable instance among {len(cluster)} registered")
         least = min(inst.inflight for inst, ok in zip(instances, allowed, strict=True) if ok)
-        matched = cluster.prefix_match_array(request).tolist()  # the core's one form of the match
+        tiers = cluster.prefix_match_tiers(request)  # (the core's one form of the match: arrays)
+        matched = tiers[0].tolist()
+        cpu, storage = (tiers[1].tolist(), tiers[2].tolist()) if tiers[1:].any() else ((), ())
         cost = [
-            self.cost(request, inst, blocks)
+            self.cost(request, inst, blocks, *((cpu[i], storage[i]) if cpu else ()))
             if ok
             and not (
                 inst.inflight - least > self.balance_abs_threshold
                 and inst.inflight > self.balance_rel_threshold * least
             )
             else math.inf
-            for inst, blocks, ok in zip(instances, matched, allowed, strict=True)
+            for i, (inst, blocks, ok) in enumerate(zip(instances, matched, allowed, strict=True))
         ]
         lowest = min(cost)
         tied = [i for i, c in enumerate(cost) if c == lowest]

@@ -11,7 +11,10 @@ Contract:
   (cached on the view), so several scorers may ask for it freely; its array form
   (`prefix_match_array`) and `prefix_match_of` reuse that answer rather than walk the chain again.
   The scheduler core answers in the array form only (one walk, in `instances` order) and the view
-  derives the mapping from it; a hand-built view may be given a mapping instead.
+  derives the mapping from it; a hand-built view may be given a mapping instead. These count the
+  GPU tier only. `prefix_match_tiers` adds the lower tiers: per tier (`TIERS`: GPU, CPU,
+  STORAGE) and instance, the blocks that continue the instance's GPU match there (row 0 is
+  `prefix_match_array`; without a tier matcher the lower rows are 0).
 - `Decision` names the chosen instance and can explain itself (per-instance scores, a reason);
   `PDDecision` names a prefill and a decode instance (equal: no handoff); `MigrationOrder` asks for
   one running request to move from `src` to `dst`.
@@ -25,6 +28,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
+
+# KV tiers by vLLM's ``medium`` names, fastest first: the rows of `ClusterView.prefix_match_tiers`.
+TIERS = ("GPU", "CPU", "STORAGE")
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +100,11 @@ class InstanceView:
     running: tuple[RunningRequestView, ...] = ()
     # Prefill/decode disaggregation: "prefill", "decode" or "mixed" (does both; the default).
     role: str = "mixed"
+    # What loading one token's KV from the CPU / STORAGE tier costs, in prefill tokens (load
+    # seconds over prefill seconds per token: bytes over the tier's bandwidth, from the host
+    # model or `kvherd profile`); 0: unknown, the policy's default.
+    cpu_load_ratio: float = 0.0
+    storage_load_ratio: float = 0.0
 
     @property
     def num_requests(self) -> int:
@@ -122,6 +133,8 @@ class NoInstanceError(RuntimeError):
 PrefixMatcher = Callable[["RequestView"], Mapping[str, int]]
 # The same answer as a float64 array aligned with `ClusterView.instances` (large fleets).
 PrefixArrayMatcher = Callable[["RequestView"], np.ndarray]
+# The lower tiers' rows (len(TIERS) - 1 of them, `instances` order), given the GPU row.
+TierMatcher = Callable[["RequestView", np.ndarray], np.ndarray]
 
 
 # InstanceView fields available as numpy columns (see `ClusterView.column`).
@@ -140,6 +153,8 @@ COLUMNS: tuple[str, ...] = (
     "waiting_prefill_tokens",
     "head_waiting_blocks",
     "dispatchable",
+    "cpu_load_ratio",
+    "storage_load_ratio",
 )
 
 
@@ -163,6 +178,8 @@ class ClusterView:
         "_index",
         "_match_cache",
         "_matcher",
+        "_tier_cache",
+        "_tier_matcher",
         "instances",
         "now",
     )
@@ -175,6 +192,7 @@ class ClusterView:
         columns: Mapping[str, np.ndarray] | None = None,
         index: Mapping[str, int] | None = None,
         array_matcher: PrefixArrayMatcher | None = None,
+        tier_matcher: TierMatcher | None = None,
     ) -> None:
         self.instances: tuple[InstanceView, ...] = tuple(instances)
         self.now = now
@@ -182,6 +200,8 @@ class ClusterView:
         self._array_matcher = array_matcher
         self._match_cache: dict[str, Mapping[str, int]] = {}
         self._array_cache: dict[str, np.ndarray] = {}
+        self._tier_matcher = tier_matcher
+        self._tier_cache: dict[str, np.ndarray] = {}
         self._columns: dict[str, np.ndarray] = dict(columns or {})
         self._dispatchable: tuple[InstanceView, ...] | None = None
         if index is None:
@@ -265,6 +285,32 @@ class ClusterView:
             cached.flags.writeable = False
             self._array_cache[request.request_id] = cached
         return cached
+
+    def prefix_match_tiers(self, request: RequestView) -> np.ndarray:
+        """Blocks per tier and instance, shape (len(`TIERS`), instances), read-only: row 0 the
+        leading GPU blocks (`prefix_match_array`), each lower row the blocks continuing them on
+        that tier."""
+        cached = self._tier_cache.get(request.request_id)
+        if cached is None:
+            gpu = self.prefix_match_array(request)
+            cached = np.zeros((len(TIERS), len(self.instances)))
+            cached[0] = gpu
+            if self._tier_matcher is not None and request.block_hashes:
+                cached[1:] = self._tier_matcher(request, gpu)
+            cached.flags.writeable = False
+            self._tier_cache[request.request_id] = cached
+        return cached
+
+    def weighted_prefix_match(
+        self, request: RequestView, weights: tuple[float, ...]
+    ) -> dict[str, float]:
+        """Per instance, its blocks per tier weighted by `weights` (one per `TIERS`, GPU first:
+        how a peer router prices a lower-tier hit as a fraction of a GPU hit); zeros absent."""
+        if not request.block_hashes:
+            return {}
+        scores = np.asarray(weights, dtype=np.float64) @ self.prefix_match_tiers(request)
+        instances = self.instances
+        return {instances[i].instance_id: float(scores[i]) for i in np.flatnonzero(scores)}
 
     def prefix_match_of(self, request: RequestView, instance_id: str) -> int:
         """Leading blocks of `request` cached on one instance, from whichever form of the match

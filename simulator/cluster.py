@@ -54,6 +54,12 @@ Contract:
   instance (held: resumed; still prefilling: no longer held), its reservation freed. Handoff
   byte counts go to `handoff_stats`, outcomes to `handoffs.stats`. Decode fast-forward is off
   in such a fleet (handoffs touch decode instances at any step).
+- KV tiers (`InstanceConfig.num_cpu_blocks` / `num_disk_blocks`): each load an engine step starts
+  lands after its time on the instance's tier links (`SimInstance.take_loads`), an event that
+  calls the engine's `finish_load` between the instance's steps (a barrier: the request joins the
+  running batch, so no decode run straddles it). The router prices lower-tier hits with each
+  instance's load ratio (`tier_load_ratio`: tier bytes per token over bandwidth, over the latency
+  model's prefill time per token).
 - A request the engine refuses (too long for an instance) is counted as failed, never crashes the run.
 - Deterministic: same trace, config and seed -> identical results.
 """
@@ -250,7 +256,13 @@ class SimCluster:
             iid = f"inst-{i}"
             self.instances[iid] = SimInstance(iid, config.instance, latency, self)
             # kvherd agents hash with the very same function, so their hashes are trusted.
-            self.state.add_instance(iid, has_kv_events=True, trust_engine_hashes=True, now=0.0)
+            self.state.add_instance(
+                iid,
+                has_kv_events=True,
+                trust_engine_hashes=True,
+                now=0.0,
+                tier_load_ratio=tier_load_ratio(config.instance, latency),
+            )
         for role, count in (
             ("prefill", config.prefill_instances),
             ("decode", config.decode_instances),
@@ -453,7 +465,11 @@ class SimCluster:
             # request (refused: the run is pure decode) an admission queues behind it and changes
             # no step of the run, so nothing bounds such a run.
             horizon = loop.next_barrier()
-            if self.migration_loop is None and instance.scheduler.waiting:
+            if (
+                self.migration_loop is None
+                and instance.scheduler.waiting
+                and not instance.scheduler.num_loading  # a landing load joins the batch
+            ):
                 horizon = math.inf
             run = instance.start_decode_run(
                 loop.now, horizon, _MAX_RUN_STEPS, straddle=self.migration_loop is None
@@ -463,8 +479,23 @@ class SimCluster:
                 return
         stretch = self.config.host.step_stretch(lambda: self._busy_others(instance))
         end = instance.start_step(loop.now, stretch)
+        self._start_loads(instance)
         if end is not None:
             loop.call_at_quiet(end, self._step_end, instance)
+
+    # -- KV tiers --------------------------------------------------------------------------------
+    def _start_loads(self, instance: SimInstance) -> None:
+        """Time the loads the instance's last step started (a barrier each: see the contract)."""
+        for request_id, seconds in instance.take_loads():
+            self.loop.call_later(seconds, self._load_landed, instance, request_id)
+
+    def _load_landed(self, instance: SimInstance, request_id: str) -> None:
+        self._run_between_steps(instance, lambda: self._finish_load(instance, request_id))
+
+    def _finish_load(self, instance: SimInstance, request_id: str) -> None:
+        instance.scheduler.finish_load(request_id, True)
+        if instance.idle:
+            self._start_step(instance)
 
     def _fleet_idle_s(self, now: float) -> float:
         """How long the whole fleet has been idle at `now` (0 while any instance runs a step)."""
@@ -490,7 +521,7 @@ class SimCluster:
         loop.call_at_quiet(run.step_ends[-1], self._decode_run_end, instance)
 
     def _decode_run_end(self, instance: SimInstance) -> None:
-        if self.migration_loop is None:
+        if self.migration_loop is None and instance.instance_id not in self._between_steps:
             # Arrivals elsewhere cut the run only to keep it from running past one routed here;
             # without one (no admission), the rest of the guaranteed run needs no new check.
             run = instance.continue_decode_run(self.loop.now, self.loop.next_barrier(), True)
@@ -881,6 +912,20 @@ class SimCluster:
         key = abort.reason.value
         m.stats.aborted[key] = m.stats.aborted.get(key, 0) + 1
         m.on_done(rid, key)
+
+
+def tier_load_ratio(config: InstanceConfig, latency: LatencyModel) -> tuple[float, float]:
+    """What loading one token from the CPU and disk tiers costs in prefill tokens: its KV bytes
+    over the tier's bandwidth, over the model's prefill time per token (one 4k-token chunk);
+    (0, 0), the policy's defaults, for an instance without tiers (the model is not asked)."""
+    if not (config.num_cpu_blocks or config.num_disk_blocks):
+        return (0.0, 0.0)
+    kv_bytes = latency.kv_bytes_per_token or 0.0
+    prefill_s = latency.step_time([(4096, 0)], []) / 4096
+    return (
+        kv_bytes / config.cpu_bandwidth / prefill_s,
+        kv_bytes / config.disk_bandwidth / prefill_s,
+    )
 
 
 def load_report(

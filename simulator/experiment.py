@@ -7,11 +7,13 @@ trace and returns a `SimResult`. Runs share nothing, so every policy sees exactl
 and a run is deterministic for a seed. `kvherd sim` and the benchmarks both go through here.
 With `prefill_instances` / `decode_instances` the fleet is disaggregated: the P/D policy
 `pd_policy` (loaded and seeded like the others) pairs each request, and the summary gains the
-handoff rows (`handoff_summary`).
+handoff rows (`handoff_summary`). Every summary has the KV tier rows (`tier_summary`: hit rate
+per lower tier, loads, offloads) and the trace's `shared_cache_limit` beside the hit rate.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from kvherd.kv_events import MEDIUM_CPU, MEDIUM_STORAGE
 from policies.base import DispatchPolicy, MigrationPolicy
 from policies.registry import (
     PolicyLoadError,
@@ -33,6 +36,7 @@ from simulator.cluster import ClusterConfig, MigrationStats, SimCluster
 from simulator.host_model import HostModel
 from simulator.instance import InstanceConfig
 from simulator.latency.base import LatencyModel
+from simulator.metrics import shared_cache_limit
 from simulator.traces import Trace
 from simulator.transfer import TransferModel
 
@@ -151,6 +155,8 @@ def run_policy(
     summary["unfinished"] = metrics.num_unfinished
     if cluster.admission is not None:
         summary.update(admission_summary(cluster.admission.stats))
+    summary.update(tier_summary(cluster, float(metrics.columns()["prompt_tokens"].sum())))
+    summary["shared_cache_limit"] = shared_cache_limit(trace)
     if settings.disaggregated:
         summary.update(handoff_summary(cluster))
     return SimResult(
@@ -177,6 +183,24 @@ def admission_summary(stats: AdmissionStats) -> dict[str, Any]:
     out["admission_wait_ms_mean"] = float(waits.mean()) if len(waits) else float("nan")
     out["admission_wait_ms_p99"] = float(np.percentile(waits, 99)) if len(waits) else float("nan")
     return out
+
+
+def tier_summary(cluster: SimCluster, prompt_tokens: float) -> dict[str, Any]:
+    """Hit rate per KV tier (GPU: the rest of the prefix hits), loads and offloads."""
+    stats = [inst.tier_stats for inst in cluster.instances.values()]
+    loaded = {m: sum(s.loaded_tokens[m] for s in stats) for m in (MEDIUM_CPU, MEDIUM_STORAGE)}
+    kv_bytes = cluster.latency.kv_bytes_per_token or 0.0
+    share = (lambda tokens: tokens / prompt_tokens) if prompt_tokens else (lambda _: math.nan)
+    return {
+        "hit_rate_cpu": share(loaded[MEDIUM_CPU]),
+        "hit_rate_disk": share(loaded[MEDIUM_STORAGE]),
+        "loads": sum(s.loads for s in stats),
+        "load_gbytes": sum(loaded.values()) * kv_bytes / 1e9,
+        "load_ms_mean": (
+            1000.0 * sum(s.load_s for s in stats) / max(1, sum(s.loads for s in stats))
+        ),
+        "offload_gbytes": sum(s.offload_bytes for s in stats) / 1e9,
+    }
 
 
 def handoff_summary(cluster: SimCluster) -> dict[str, Any]:

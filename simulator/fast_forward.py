@@ -12,7 +12,10 @@ Contract:
   crossing finds a free block (no preemption), and the waiting head, if `schedule` would try it,
   stays refused: it is refused now, free blocks only shrink during the run, and the run stops
   before evicting any block cached under one of the head's hashes (which could change its prefix
-  hit: `BlockManager.num_free_before_evicting`). 0 when the next step is not a pure decode step.
+  hit: `BlockManager.num_free_before_evicting`). 0 when the next step is not a pure decode step,
+  and 0 while the head's prefix continues on a lower KV tier (`BlockManager.lower_tier_hits`):
+  `schedule` would try it as a load, and any eviction the run makes moves blocks down the tiers,
+  which may push the head's own lower-tier blocks along and change what it needs.
 - `advance_decode(scheduler, k, next_tokens)` applies `k` such steps (at most that length); the
   result equals `k` rounds of `schedule` + `update_from_output`: the same tokens appended, the
   same blocks allocated in the same order (step by step, running order, by the allocation
@@ -106,6 +109,8 @@ def decode_run_length(scheduler: BatchScheduler, limit: int) -> int:
     free = bm.num_free_blocks
     head = _admission_head(scheduler)
     if head is not None:
+        if bm.tiers is not None and bm.lower_tier_hits(head, len(bm.get_computed_blocks(head)[0])):
+            return 0
         if _head_admissible(scheduler, head):
             return 0
         free = bm.num_free_before_evicting(head.block_hashes, free)

@@ -17,6 +17,13 @@ Contract:
   times, token times, block allocations and per-step KV events as stepping one by one.
   `continue_decode_run` applies the next steps of the same guaranteed run, up to a new horizon,
   as long as no request was added since (an admission ends the guarantee).
+- KV tiers (`InstanceConfig.num_cpu_blocks`, `num_disk_blocks`): the block manager gets the
+  engine's own `TierStore`. A step that starts loads (`SchedulerOutput.loads`) prices each on its
+  tiers' links (bytes = blocks x block size x `kv_bytes_per_token`, over `cpu_bandwidth` or
+  `disk_bandwidth`), one link per tier and instance, loads queued on it in order (contention);
+  `take_loads` hands the driver (request id, seconds from now) to call `finish_load` after.
+  Offloads (evictions moving down) run on the device-to-host direction beside compute: counted
+  in `tier_stats`, never delaying a step. `tier_stats` also counts tokens loaded per tier.
 """
 
 from __future__ import annotations
@@ -34,7 +41,8 @@ from instance_agent.engine.core.batch_scheduler import (
 )
 from instance_agent.engine.core.block_manager import BlockManager
 from instance_agent.engine.core.request import Request, SamplingParams
-from kvherd.kv_events import KVEvent
+from instance_agent.engine.core.tiers import BlockCopy, TierConfig, TierStore
+from kvherd.kv_events import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, KVEvent
 from simulator.fast_forward import advance_decode, decode_run_length
 from simulator.latency.base import LatencyModel
 from simulator.prompts import DEFAULT_LOW_TOKEN, DEFAULT_VOCAB_SIZE, synthesize_prompt
@@ -89,6 +97,16 @@ class DecodeRun:
 
 
 @dataclass(slots=True)
+class TierStats:
+    """Tokens loaded back from each lower tier, and what offloads moved down (bytes)."""
+
+    loaded_tokens: dict[str, int]
+    load_s: float = 0.0
+    offload_bytes: float = 0.0
+    loads: int = 0
+
+
+@dataclass(slots=True)
 class InstanceConfig:
     num_blocks: int
     block_size: int = 16
@@ -102,6 +120,26 @@ class InstanceConfig:
     watermark: float = 0.01
     # Serving-loop cost per step outside the forward pass (HTTP streaming, thread hand-offs).
     step_overhead_s: float = 0.0
+    # KV tiers under the GPU pool, in blocks (0: none), and their links' bytes/s: host DRAM over
+    # PCIe Gen5 x16 (~32 GB/s of pinned copies), one NVMe drive (~4 GB/s of block reads).
+    num_cpu_blocks: int = 0
+    num_disk_blocks: int = 0
+    cpu_bandwidth: float = 32e9
+    disk_bandwidth: float = 4e9
+
+    def tier_store(self) -> TierStore | None:
+        configs = [
+            TierConfig(medium, count)
+            for medium, count in (
+                (MEDIUM_CPU, self.num_cpu_blocks),
+                (MEDIUM_STORAGE, self.num_disk_blocks),
+            )
+            if count > 0
+        ]
+        return TierStore(configs, self.block_size) if configs else None
+
+    def bandwidth(self, medium: str) -> float:
+        return self.cpu_bandwidth if medium == MEDIUM_CPU else self.disk_bandwidth
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -155,8 +193,15 @@ class SimInstance:
         self.latency = latency
         self.sink = sink
         self.block_manager = BlockManager(
-            config.num_blocks, config.block_size, config.enable_prefix_caching, config.watermark
+            config.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            config.watermark,
+            config.tier_store() if config.enable_prefix_caching else None,
         )
+        self.tier_stats = TierStats({MEDIUM_CPU: 0, MEDIUM_STORAGE: 0})
+        self._link_free: dict[str, float] = {}  # per lower tier: when its link is free again
+        self._loads: list[tuple[str, float]] = []  # started, for the driver: (id, seconds)
         self.scheduler = BatchScheduler(config.scheduler_config(), self.block_manager)
         self._output: SchedulerOutput | None = None
         self._run: DecodeRun | None = None
@@ -190,6 +235,8 @@ class SimInstance:
             # The plan only preempted (the last running request gave up its own blocks): the
             # engine loop steps again at once, and so does the simulated one.
             output = self.scheduler.schedule()
+        if self.block_manager.tiers is not None:
+            self._price_tier_copies(now, output)
         if output.is_empty:
             self._output = None
             self.step_end = None
@@ -206,6 +253,38 @@ class SimInstance:
         self.num_steps += 1
         self.busy_time += duration
         return self.step_end
+
+    def _price_tier_copies(self, now: float, output: SchedulerOutput) -> None:
+        """Time the loads `output` started on their tiers' links; count the offloads queued."""
+        self._count_offloads(self.block_manager.take_offloads())
+        kv_bytes = (self.latency.kv_bytes_per_token or 0.0) * self.config.block_size
+        stats = self.tier_stats
+        for load in output.loads:
+            done = now
+            for medium in (MEDIUM_CPU, MEDIUM_STORAGE):
+                blocks = sum(1 for copy in load.copies if copy.src_medium == medium)
+                if not blocks:
+                    continue
+                start = max(now, self._link_free.get(medium, now))
+                end = start + blocks * kv_bytes / self.config.bandwidth(medium)
+                self._link_free[medium] = end
+                done = max(done, end)
+                stats.loaded_tokens[medium] += blocks * self.config.block_size
+            stats.loads += 1
+            stats.load_s += done - now
+            self._loads.append((load.request_id, done - now))
+
+    def _count_offloads(self, copies: list[BlockCopy]) -> None:
+        if copies:
+            kv_bytes = (self.latency.kv_bytes_per_token or 0.0) * self.config.block_size
+            self.tier_stats.offload_bytes += kv_bytes * sum(
+                1 for copy in copies if copy.src_medium == MEDIUM_GPU
+            )
+
+    def take_loads(self) -> list[tuple[str, float]]:
+        """Loads started since the last call: (request id, seconds until its copies land)."""
+        loads, self._loads = self._loads, []
+        return loads
 
     def finish_step(self, now: float) -> list[Request]:
         """Apply the running step's results at its end time; returns the finished requests."""
@@ -334,6 +413,8 @@ class SimInstance:
         applied = advance_decode(
             self.scheduler, len(ends), sampled_tokens, pools=pool, step_events=events
         )
+        if self.block_manager.tiers is not None:
+            self._count_offloads(self.block_manager.take_offloads())
         if applied < len(ends):  # the waiting head must see a block this run cached
             self._steps_left = 0
             del starts[applied:]

@@ -10,7 +10,8 @@ Contract (definitions follow `vllm bench serve`):
 - Queueing: first time the engine scheduled the request - arrival (simulator only; NaN in replay).
 - Throughput: output tokens and requests per second over [first arrival, last completion].
   Goodput: requests per second meeting both SLOs (TTFT <= slo_ttft and TPOT <= slo_tpot).
-- Prefix hit rate: prompt tokens served from the prefix cache / prompt tokens.
+- Prefix hit rate: prompt tokens served from the prefix cache / prompt tokens (any KV tier);
+  `shared_cache_limit(trace)` is its physical limit, an infinite cache shared by the fleet.
 Times are seconds internally; summaries report milliseconds for latencies.
 """
 
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from simulator.traces import Trace
 
 PERCENTILES = (50, 90, 99)
 _BUCKETS_PER_DECADE = 460  # 10**(1/460) - 1 = 0.5% bucket width
@@ -319,3 +322,21 @@ def _stats(name: str, values: np.ndarray) -> dict[str, float]:
     for q in PERCENTILES:
         out[f"{name}_ms_p{q}"] = float(np.percentile(values, q))
     return out
+
+
+def shared_cache_limit(trace: Trace) -> float:
+    """The physical limit of prefix reuse: the hit rate of one infinite cache shared by the whole
+    fleet, filled the instant a request arrives (in arrival order: each request hits the leading
+    trace blocks any earlier one had, never its last token)."""
+    seen: set[int] = set()
+    hit = total = 0
+    size = trace.block_size
+    for request in sorted(trace.requests, key=lambda r: r.arrival_s):
+        ids = request.hash_ids
+        leading = 0
+        while leading < len(ids) and ids[leading] in seen:
+            leading += 1
+        hit += min(leading * size, request.input_length - 1)
+        total += request.input_length
+        seen.update(ids)
+    return hit / total if total else math.nan

@@ -79,6 +79,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-model-len", type=int, default=None, help="default 1M tokens")
     engine.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     engine.add_argument(
+        "--num-cpu-blocks", type=int, default=0, help="host-DRAM KV tier per instance (blocks)"
+    )
+    engine.add_argument(
+        "--num-disk-blocks", type=int, default=0, help="disk KV tier per instance (blocks)"
+    )
+    engine.add_argument(
+        "--cpu-bandwidth-gbps", type=float, default=256.0, help="host DRAM link, Gbit/s (256)"
+    )
+    engine.add_argument(
+        "--disk-bandwidth-gbps", type=float, default=32.0, help="disk link, Gbit/s (32)"
+    )
+    engine.add_argument(
         "--step-overhead-ms",
         type=float,
         default=0.0,
@@ -389,6 +401,8 @@ def run(args: argparse.Namespace) -> int:
             "max_model_len": instance.max_model_len,
             "enable_prefix_caching": instance.enable_prefix_caching,
             "step_overhead_ms": args.step_overhead_ms,
+            "num_cpu_blocks": instance.num_cpu_blocks,
+            "num_disk_blocks": instance.num_disk_blocks,
         },
         "host_profile": None if args.profile is None else str(args.profile),
         "host": host.profile_section(),
@@ -423,9 +437,17 @@ def _instance_config(args: argparse.Namespace, capacity: int | None, engine: dic
         max_model_len=args.max_model_len or engine.get("max_model_len", 1 << 20),
         enable_prefix_caching=not args.no_prefix_caching,
         step_overhead_s=args.step_overhead_ms / 1000.0,
+        num_cpu_blocks=args.num_cpu_blocks,
+        num_disk_blocks=args.num_disk_blocks,
+        cpu_bandwidth=args.cpu_bandwidth_gbps * 1e9 / 8,
+        disk_bandwidth=args.disk_bandwidth_gbps * 1e9 / 8,
     )
     if min(config.num_blocks, config.block_size, config.max_num_seqs) < 1:
         raise ValueError("--num-blocks, --block-size and --max-num-seqs must be positive")
+    if min(config.num_cpu_blocks, config.num_disk_blocks) < 0:
+        raise ValueError("--num-cpu-blocks and --num-disk-blocks must be >= 0")
+    if not min(config.cpu_bandwidth, config.disk_bandwidth) > 0:
+        raise ValueError("--cpu-bandwidth-gbps and --disk-bandwidth-gbps must be positive")
     config.scheduler_config().validate()
     return config
 

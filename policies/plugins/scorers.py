@@ -24,9 +24,16 @@ def min_max_lower_is_better(values: dict[str, float]) -> dict[str, float]:
 
 
 class PrefixCacheScorer:
-    """`prefix-cache-scorer`: fraction of the request's blocks already cached on the instance."""
+    """`prefix-cache-scorer`: fraction of the request's blocks already cached on the instance,
+    a block on a lower tier counting as its tier's weight (llm-d's KV-cache scorer backends:
+    `gpu_weight` 1.0, `cpu_weight` 0.8; its defaults name no disk tier: `storage_weight` 0)."""
 
     type_name = "prefix-cache-scorer"
+
+    def __init__(
+        self, gpu_weight: float = 1.0, cpu_weight: float = 0.8, storage_weight: float = 0.0
+    ) -> None:
+        self.tier_weights = (gpu_weight, cpu_weight, storage_weight)
 
     def score(
         self, request: RequestView, cluster: ClusterView, instances: Sequence[InstanceView]
@@ -34,7 +41,7 @@ class PrefixCacheScorer:
         total = len(request.block_hashes)
         if total == 0:
             return {inst.instance_id: 0.0 for inst in instances}
-        matched = cluster.prefix_match(request)
+        matched = cluster.weighted_prefix_match(request, self.tier_weights)
         return {inst.instance_id: matched.get(inst.instance_id, 0) / total for inst in instances}
 
 

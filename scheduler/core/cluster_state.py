@@ -14,6 +14,8 @@ Contract:
   uncached tail of each routed request until their events arrive. Both indexes share one slot
   map, and `match_array(chain, now)` walks them together: a block counts if either holds it
   (one walk, one answer in view order; `match` and the view's mapping are derived from it).
+  `match_lower_array` gives the view its lower-tier rows (`ClusterView.prefix_match_tiers`): a
+  second walk over every tier, only while some instance holds a block below the GPU.
 - `approx_shards` splits the approximate index's map (default 64) so that its growth never stalls
   one decision for long; 1 keeps one dict, 20-30% less work per block, for a caller that
   counts total time rather than the slowest decision (the simulator). Answers are the same.
@@ -43,6 +45,7 @@ from scheduler.core.prefix_index import (
     ApplyResult,
     InstanceSlots,
     PrefixIndex,
+    lower_tier_counts,
     match_groups,
 )
 
@@ -106,14 +109,23 @@ class ClusterState:
         now: float = 0.0,
         role: str | None = None,
         batch_slots: int = 0,
+        tier_load_ratio: tuple[float, float] = (0.0, 0.0),
     ) -> ResyncRequest | None:
         """Register (or re-register) an instance (`role`, `batch_slots`: the operator's P/D role
-        and max_num_seqs, else the reported ones). Returns a resync request when it has events."""
+        and max_num_seqs, else the reported ones; `tier_load_ratio`: what a token loaded from its
+        CPU and STORAGE tiers costs in prefill tokens, `InstanceView.cpu_load_ratio`). Returns a
+        resync request when it has events."""
         if not instance_id:
             raise ValueError("instance_id must be non-empty")
         previous = self.instances.get(instance_id)
         state = InstanceState(
-            instance_id, self.block_size, has_kv_events, healthy, role=role, batch_slots=batch_slots
+            instance_id,
+            self.block_size,
+            has_kv_events,
+            healthy,
+            role=role,
+            batch_slots=batch_slots,
+            tier_load_ratio=tier_load_ratio,
         )
         if previous is not None:  # a re-join keeps the router's in-flight accounting
             for dispatch in previous.inflight.values():
@@ -281,9 +293,12 @@ class ClusterState:
         def array_matcher(request: RequestView) -> np.ndarray:
             return self.match_array(request.block_hashes, now)
 
+        def tier_matcher(request: RequestView, gpu: np.ndarray) -> np.ndarray:
+            return self.match_lower_array(request.block_hashes, gpu)
+
         # One form of the match, the array; the view derives the mapping from it for the policies
         # that ask for one.
-        return ClusterView(views, now, None, columns, self._position, array_matcher)
+        return ClusterView(views, now, None, columns, self._position, array_matcher, tier_matcher)
 
     def _slot_position(self) -> np.ndarray:
         """Slot -> position in view order (-1 for a free slot), rebuilt after membership changes."""
@@ -294,6 +309,29 @@ class ClusterState:
                     table[slot] = self._position[instance_id]
             self._slot_pos = table
         return self._slot_pos
+
+    def match_lower_array(self, chain: Sequence[int], gpu: np.ndarray) -> np.ndarray:
+        """Per lower tier and instance (view order), the blocks of `chain` continuing the
+        instance's GPU match `gpu` (`match_array`, just computed) on the lower tiers."""
+        index = self.prefix_index
+        out = np.zeros((len(index.tier_owners) - 1, len(self._order)))
+        if not index.has_lower_tiers():
+            return out
+        lower = index.tier_owners[1:]
+        maps = (*index.tier_owners[:1], self.approx_index.owners, *lower)
+        id_of, position = self.slots.id_of, self._position
+        for bits, depth in match_groups(chain, maps):
+            while bits:
+                low = bits & -bits
+                bits ^= low
+                instance_id = id_of[low.bit_length() - 1]
+                if instance_id is None:
+                    continue
+                at = position[instance_id]
+                start = int(gpu[at])
+                if depth > start:
+                    out[:, at] = lower_tier_counts(chain[start:depth], low, lower)
+        return out
 
     def match_array(self, chain: Sequence[int], now: float) -> np.ndarray:
         """`match` as a float64 array in view order (registration order)."""

@@ -65,8 +65,11 @@ class InstanceState:
         max_log: int = 1 << 16,
         role: str | None = None,
         batch_slots: int = 0,
+        tier_load_ratio: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         self.instance_id = instance_id
+        # Prefill-token equivalents per token loaded from CPU, STORAGE (0: the policy's default).
+        self.tier_load_ratio = tier_load_ratio
         self.role = role  # the operator's override of the reported role
         self.batch_slots = batch_slots  # the operator's statement of max_num_seqs (0: as reported)
         self.incoming: set[str] = set()  # requests to be handed here after their prefill (P/D)
@@ -237,4 +240,6 @@ class InstanceState:
             has_kv_events=self.has_kv_events,
             running=rep.running or (),
             role=self.role or rep.role or "mixed",
+            cpu_load_ratio=self.tier_load_ratio[0],
+            storage_load_ratio=self.tier_load_ratio[1],
         )

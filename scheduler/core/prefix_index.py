@@ -18,18 +18,27 @@ Contract:
 - Hard memory bound: at most `max_blocks_per_instance` per instance and `max_blocks_total` overall;
   beyond that the instance's least recently stored entries are forgotten first (the index then
   under-reports a hit, never invents one).
-- Events the index cannot place (unknown parent, wrong block size, non-GPU medium) are counted in
-  `stats` and skipped; they never raise.
+- Tiers (`TIERS`: GPU, CPU, STORAGE, vLLM's ``medium`` names): the index keeps, per instance
+  and block, the tier it lives on (one `BlockOwners` per tier, `tier_owners`); an event without a
+  medium is GPU, an unknown medium name the lowest tier (a WARNING, once per name), never GPU. A
+  lower-tier store that is a vLLM placeholder (OffloadingConnector without
+  ``self_describing_kv_events``: no tokens, no parent, block size 0) moves blocks the instance is
+  known to hold (on any tier) to that tier; unknown ones are counted and skipped.
+  `match` / `owners` are the GPU tier; `match_tiers` adds, per instance, the blocks that continue
+  its GPU match on the lower tiers (`lower_tier_counts`: each block on the highest one holding it).
+- Events the index cannot place (unknown parent, wrong block size, unknown placeholder) are counted
+  in `stats` and skipped; they never raise.
 Pure: no I/O, no clock, no threads.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, compress, count, islice, repeat
-from operator import and_, ne, or_
+from operator import and_, is_not, ne, not_, or_
 
 from kvherd.block_hash import HashAlgo, block_extra_keys, block_hash_chain, hash_block
 from kvherd.kv_events import (
@@ -40,8 +49,16 @@ from kvherd.kv_events import (
     KVEventBatch,
     salt_and_extras,
 )
+from policies.views import TIERS
 
-_GPU_MEDIA = (None, "GPU", "gpu", "cuda")
+_log = logging.getLogger(__name__)
+
+# vLLM's medium names (any case) and the aliases engines use, by tier level (0: GPU).
+_LEVEL_OF: dict[str | None, int] = {None: 0, "cuda": 0, "disk": 2}
+for _level, _medium in enumerate(TIERS):
+    _LEVEL_OF[_medium] = _LEVEL_OF[_medium.lower()] = _level
+_LOWEST = len(TIERS) - 1
+_MAX_WARNED = 64  # unknown medium names warned about (a bound: names come off the wire)
 # Blocks looked up by the first chunk of a match walk, and the most per chunk (see `match_groups`).
 _FIRST_CHUNK = 16
 _MAX_CHUNK = 512
@@ -206,6 +223,20 @@ def _record(bits: int, depth: int, id_of: list[str | None], into: dict[str, int]
         bits ^= low
 
 
+def lower_tier_counts(segment: Sequence[int], bit: int, lower: Sequence[BlockOwners]) -> list[int]:
+    """Blocks of `segment` (a chain's continuation past an instance's GPU match, all held by
+    `bit` on some tier) per lower tier, each on the highest of `lower` that holds it; the last tier
+    also takes any block only a higher map holds (a GPU block past a miss: priced as the slowest)."""
+    counts: list[int] = []
+    rest = segment
+    for owners in lower[:-1]:
+        held = list(map(and_, owners.masks(rest), repeat(bit)))
+        counts.append(len(held) - held.count(0))
+        rest = list(compress(rest, map(not_, held)))
+    counts.append(len(rest))
+    return counts
+
+
 @dataclass(frozen=True, slots=True)
 class ApplyResult:
     """Outcome of one batch: applied, a duplicate, or a gap that needs a replay from a sequence."""
@@ -219,11 +250,31 @@ class ApplyResult:
 class _InstanceBlocks:
     bit: int
     trust_engine_hashes: bool
-    # engine hash -> kvherd hash, in store order (oldest first): the LRU for the memory bound.
+    # GPU tier: engine hash -> kvherd hash, in store order (oldest first): the LRU for the bound.
     entries: dict[int, int] = field(default_factory=dict)
     # kvherd hash -> extra engine hashes naming it (rare: distinct engine hashes, same tokens).
     dups: dict[int, int] = field(default_factory=dict)
     next_seq: int | None = None  # None: accept any sequence number (after a resync)
+    # The lower tiers' `entries` and `dups`, CPU first.
+    lower: list[tuple[dict[int, int], dict[int, int]]] = field(
+        default_factory=lambda: [({}, {}) for _ in TIERS[1:]]
+    )
+
+    def tier(self, level: int) -> tuple[dict[int, int], dict[int, int]]:
+        return (self.entries, self.dups) if not level else self.lower[level - 1]
+
+    def num_blocks(self) -> int:
+        return len(self.entries) + sum(len(entries) for entries, _ in self.lower)
+
+    def kv_hash(self, engine_hash: int) -> int | None:
+        """The kvherd hash an engine hash names on any tier (None: unknown)."""
+        found = self.entries.get(engine_hash)
+        if found is None:
+            for entries, _ in self.lower:
+                found = entries.get(engine_hash)
+                if found is not None:
+                    break
+        return found
 
 
 @dataclass(slots=True)
@@ -237,7 +288,8 @@ class IndexStats:
     evicted: int = 0
     unknown_parent: int = 0
     wrong_block_size: int = 0
-    other_medium: int = 0
+    unknown_medium: int = 0  # events whose medium name is none of vLLM's (put on the lowest tier)
+    unknown_placeholder: int = 0  # placeholder blocks the instance was not known to hold
 
 
 class PrefixIndex:
@@ -257,8 +309,11 @@ class PrefixIndex:
         self.hash_algo: HashAlgo = hash_algo
         self.max_blocks_per_instance = max_blocks_per_instance
         self.max_blocks_total = max_blocks_total
-        self.owners = BlockOwners()  # one shard: the store and removal loops update its dict
+        # One per tier, GPU first; one shard each: the store and removal loops update its dict.
+        self.tier_owners = [BlockOwners() for _ in TIERS]
+        self.owners = self.tier_owners[0]
         self._masks = self.owners.shards[0]
+        self._warned: set[str] = set()
         self._own_slots = slots is None
         self.slots = InstanceSlots() if slots is None else slots
         self._instances: dict[str, _InstanceBlocks] = {}
@@ -293,20 +348,41 @@ class PrefixIndex:
     def clear_instance(self, instance_id: str) -> None:
         """Forget everything the instance holds and accept its next batch whatever its number."""
         inst = self._instances[instance_id]
-        self._drop(inst, list(inst.entries))  # leaves no entry and no dup
+        for level in range(len(TIERS)):
+            self._drop(inst, list(inst.tier(level)[0]), level)  # leaves no entry and no dup
         inst.next_seq = None
 
     def __contains__(self, instance_id: object) -> bool:
         return instance_id in self._instances
 
     def num_blocks(self, instance_id: str | None = None) -> int:
+        """Entries indexed (every tier), for one instance or in all."""
         if instance_id is None:
             return self._total
-        return len(self._instances[instance_id].entries)
+        return self._instances[instance_id].num_blocks()
 
-    def blocks(self, instance_id: str) -> set[int]:
-        """The kvherd hashes the index believes `instance_id` holds."""
-        return set(self._instances[instance_id].entries.values())
+    def blocks(self, instance_id: str, medium: str = TIERS[0]) -> set[int]:
+        """The kvherd hashes the index believes `instance_id` holds on the tier `medium`."""
+        return set(self._instances[instance_id].tier(_LEVEL_OF[medium])[0].values())
+
+    def has_lower_tiers(self) -> bool:
+        """Whether any instance is known to hold a block below the GPU."""
+        return any(map(len, self.tier_owners[1:]))
+
+    def level(self, medium: str | None) -> int:
+        """The tier an event's medium names (0: GPU); unknown names are the lowest, warned once."""
+        found = _LEVEL_OF.get(medium)
+        if found is not None:
+            return found
+        self.stats.unknown_medium += 1
+        if len(self._warned) < _MAX_WARNED and medium not in self._warned:
+            self._warned.add(str(medium))
+            _log.warning(
+                "KV events name an unknown medium %r: indexed as the lowest tier (%s)",
+                medium,
+                TIERS[_LOWEST],
+            )
+        return _LOWEST
 
     def next_seq(self, instance_id: str) -> int | None:
         return self._instances[instance_id].next_seq
@@ -345,19 +421,21 @@ class PrefixIndex:
                 inst.next_seq = next_seq
 
     def _stored(self, inst: _InstanceBlocks, event: BlockStored) -> None:
-        if event.medium not in _GPU_MEDIA:
-            self.stats.other_medium += 1
-            return
+        medium = event.medium
+        level = 0 if medium is None or medium == "GPU" else self.level(medium)
         if event.block_size != self.block_size:
-            self.stats.wrong_block_size += 1
+            if level and not event.block_size and event.parent_block_hash is None:
+                self._relocated(inst, event.block_hashes, level)  # (a placeholder has no tokens)
+            else:
+                self.stats.wrong_block_size += 1
             return
         engine_hashes = event.block_hashes
         if inst.trust_engine_hashes:  # an entry names itself (the simulator's whole stream)
-            self._store(inst, engine_hashes, engine_hashes)
+            self._store(inst, engine_hashes, engine_hashes, level)
             return
         parent: int | None = None
         if event.parent_block_hash is not None:
-            parent = inst.entries.get(event.parent_block_hash)
+            parent = inst.kv_hash(event.parent_block_hash)
             if parent is None:  # the parent was evicted or never seen: cannot chain
                 self.stats.unknown_parent += 1
                 return
@@ -375,7 +453,19 @@ class PrefixIndex:
             )
         else:
             kv_hashes = self._keyed_chain(event, tokens, parent)
-        self._store(inst, engine_hashes, kv_hashes)
+        self._store(inst, engine_hashes, kv_hashes, level)
+
+    def _relocated(self, inst: _InstanceBlocks, engine_hashes: Sequence[int], level: int) -> None:
+        """A placeholder store: the blocks it names that the instance holds are on `level` too."""
+        kv_hashes = list(map(inst.kv_hash, engine_hashes))
+        known = list(map(is_not, kv_hashes, repeat(None)))
+        self.stats.unknown_placeholder += len(known) - known.count(True)
+        self._store(
+            inst,
+            list(compress(engine_hashes, known)),
+            list(compress(kv_hashes, known)),  # type: ignore[arg-type]
+            level,
+        )
 
     def _keyed_chain(self, event: BlockStored, tokens: list[int], parent: int | None) -> list[int]:
         """kvherd hashes of an event's blocks folding in the extra keys vLLM reports per block:
@@ -401,7 +491,11 @@ class PrefixIndex:
         return chain
 
     def _store(
-        self, inst: _InstanceBlocks, engine_hashes: Sequence[int], kv_hashes: Sequence[int]
+        self,
+        inst: _InstanceBlocks,
+        engine_hashes: Sequence[int],
+        kv_hashes: Sequence[int],
+        level: int = 0,
     ) -> None:
         """The one store loop (trusted or re-hashed, one block or a prefill's thousands).
 
@@ -409,9 +503,10 @@ class PrefixIndex:
         updated together. Most of the simulator's events are single blocks (a decode filling
         one), where a C-iterator pass costs more to set up than the loop; on its long runs such
         passes are faster (measured: the index's share of a run 15% smaller, about 1% of the run)
-        but would be a second store path to keep in step with this one.
+        but would be a second store path to keep in step with this one. `level`: the tier.
         """
-        entries, dups, owners, bit = inst.entries, inst.dups, self._masks, inst.bit
+        entries, dups = inst.tier(level)
+        owners, bit = self.tier_owners[level].shards[0], inst.bit
         before = len(entries)
         for engine_hash, kv_hash in zip(engine_hashes, kv_hashes, strict=True):
             if engine_hash in entries:  # re-stored: keep its kvherd hash, refresh its LRU position
@@ -428,20 +523,21 @@ class PrefixIndex:
     def _grew(self, inst: _InstanceBlocks, added: int) -> None:
         self._total += added
         self.stats.stored += added
-        if len(inst.entries) > self.max_blocks_per_instance or self._total > self.max_blocks_total:
+        if self._total > self.max_blocks_total or inst.num_blocks() > self.max_blocks_per_instance:
             self._enforce_bounds(inst)
 
     def _removed(self, inst: _InstanceBlocks, event: BlockRemoved) -> None:
-        if event.medium not in _GPU_MEDIA:
-            self.stats.other_medium += 1
-            return
-        self.stats.removed += self._drop(inst, event.block_hashes)
+        medium = event.medium
+        level = 0 if medium is None or medium == "GPU" else self.level(medium)
+        self.stats.removed += self._drop(inst, event.block_hashes, level)
 
-    def _drop(self, inst: _InstanceBlocks, engine_hashes: Iterable[int]) -> int:
+    def _drop(self, inst: _InstanceBlocks, engine_hashes: Iterable[int], level: int = 0) -> int:
         """The one removal loop (removed blocks, evictions, a clear): forget the instance's entries
-        named by `engine_hashes` (unknown ones are skipped) and its claim on their blocks, which a
-        block named twice keeps until its last name goes. Returns the entries forgotten."""
-        entries, dups, owners, keep = inst.entries, inst.dups, self._masks, ~inst.bit
+        on tier `level` named by `engine_hashes` (unknown ones are skipped) and its claim on their
+        blocks there, which a block named twice keeps until its last name goes. Returns the
+        entries forgotten."""
+        entries, dups = inst.tier(level)
+        owners, keep = self.tier_owners[level].shards[0], ~inst.bit
         before = len(entries)
         for engine_hash in engine_hashes:
             kv_hash = entries.pop(engine_hash, None)
@@ -465,17 +561,39 @@ class PrefixIndex:
         return dropped
 
     def _enforce_bounds(self, inst: _InstanceBlocks) -> None:
-        excess = len(inst.entries) - self.max_blocks_per_instance
+        excess = inst.num_blocks() - self.max_blocks_per_instance
         if excess > 0:
             self._evict_oldest(inst, excess)
         if self._total > self.max_blocks_total:
             # Take from the largest instance: the one whose share of the bound is most exceeded.
-            largest = max(self._instances.values(), key=lambda i: len(i.entries))
+            largest = max(self._instances.values(), key=_InstanceBlocks.num_blocks)
             self._evict_oldest(largest, self._total - self.max_blocks_total)
 
     def _evict_oldest(self, inst: _InstanceBlocks, count: int) -> None:
-        self.stats.evicted += self._drop(inst, list(islice(inst.entries, count)))
+        """Forget `count` entries, the lowest tier's oldest first (the least worth to a match)."""
+        for level in range(len(TIERS) - 1, -1, -1):
+            if count <= 0:
+                return
+            dropped = self._drop(inst, list(islice(inst.tier(level)[0], count)), level)
+            self.stats.evicted += dropped
+            count -= dropped
 
     # -- queries -----------------------------------------------------------------------------
     def match(self, chain: Sequence[int]) -> dict[str, int]:
+        """Leading blocks of `chain` on each instance's GPU tier."""
         return match_chain(chain, (self.owners,), self.slots)
+
+    def match_tiers(self, chain: Sequence[int]) -> dict[str, list[int]]:
+        """Per instance, blocks per tier (`TIERS` order): its leading GPU blocks, then the
+        blocks of the chain that continue them on any tier, split by `lower_tier_counts`."""
+        gpu = self.match(chain)
+        result = {instance_id: [depth, 0, 0] for instance_id, depth in gpu.items()}
+        if not self.has_lower_tiers():
+            return result
+        for instance_id, depth in match_chain(chain, self.tier_owners, self.slots).items():
+            start = gpu.get(instance_id, 0)
+            if depth > start:
+                bit = self._instances[instance_id].bit
+                lower = lower_tier_counts(chain[start:depth], bit, self.tier_owners[1:])
+                result[instance_id] = [start, *lower]
+        return result

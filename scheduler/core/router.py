@@ -6,6 +6,7 @@ Contract:
   charges the chosen instance at once (so a burst spreads before any load report arrives), records
   the chain in the approximate index, and returns a `Routed` (decision, request view, matched
   blocks). Callers that already hashed pass `block_hashes` and `num_tokens` instead of tokens.
+  The charge's prefill tokens leave out the prefix cached on any tier (lower tiers load it).
 - Lifecycle: `on_first_token` (prefill done), `on_finish` (completed or aborted), `on_migrated`
   (the request now lives on another instance). Unknown request ids are ignored (a late event after
   an instance left must not crash the proxy). A retry calls `on_finish` and routes again with the
@@ -128,7 +129,12 @@ class Router:
                 f"policy {self.policy.name!r} chose {decision.instance_id!r}, not a candidate"
             )
         matched = view.prefix_match_of(request, decision.instance_id)
-        cached_tokens = min(num_tokens, matched * self.cluster.block_size)
+        cached = matched
+        if self.cluster.prefix_index.has_lower_tiers():  # lower-tier hits load, never prefill
+            cached = int(
+                view.prefix_match_tiers(request)[:, view.index_of(decision.instance_id)].sum()
+            )
+        cached_tokens = min(num_tokens, cached * self.cluster.block_size)
         state = self.cluster.get(decision.instance_id)
         state.dispatch(request_id, num_tokens, num_tokens - cached_tokens, now)
         self.cluster.touch(decision.instance_id)

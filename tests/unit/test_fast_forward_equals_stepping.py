@@ -6,6 +6,8 @@ of pure-decode steps `decode_run_length` guarantees. After every step or run the
 the same tokens, block tables, cached blocks (hash and block id), pool counts and step ids, and
 each fast-forwarded step must emit the KV events and show the pool its stepped twin does. A
 change to `schedule` or `update_from_output` that the fast-forward does not follow fails here.
+With KV tiers on (CPU and disk slots under the pool), evictions move blocks down and a waiting
+head whose prefix continues there is admitted as a load (finished at once, by both twins alike).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from hypothesis import strategies as st
 from instance_agent.engine.core.batch_scheduler import BatchScheduler, SchedulerConfig
 from instance_agent.engine.core.block_manager import BlockManager
 from instance_agent.engine.core.request import InvalidRequestError, Request, SamplingParams
-from kvherd.kv_events import KVEvent
+from instance_agent.engine.core.tiers import TierConfig, TierStore
+from kvherd.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, KVEvent
 from simulator.fast_forward import advance_decode, decode_run_length
 
 BLOCK = 4
@@ -41,6 +44,9 @@ def next_tokens(request: Request, count: int) -> list[int]:
 def step(sched: BatchScheduler) -> tuple[int, list[KVEvent]]:
     """One engine step; its step id and the KV events it emitted."""
     out = sched.schedule()
+    for load in out.loads:  # the copies land before the next step (the driver's choice)
+        sched.finish_load(load.request_id, True)
+    sched.block_manager.take_offloads()
     sampled = {
         s.request.request_id: next_token(list(s.request.token_ids))
         for s in out.scheduled
@@ -93,6 +99,7 @@ def core_state(sched: BatchScheduler) -> tuple[object, ...]:
         sched.num_waiting_tokens,
         sched.running_prefill_tokens,
         (sched.prefix_cache_queries, sched.prefix_cache_hits, sched.num_preemptions),
+        None if bm.tiers is None else bm.tiers.block_hashes(),
     )
 
 
@@ -102,7 +109,13 @@ def twin_schedulers(
     watermark: float,
     config: SchedulerConfig,
     caching: bool = True,
+    tiers: tuple[int, int] = (0, 0),
 ) -> tuple[BatchScheduler, BatchScheduler]:
+    configs = [
+        TierConfig(medium, count)
+        for medium, count in zip((MEDIUM_CPU, MEDIUM_STORAGE), tiers, strict=True)
+        if count
+    ]
     fast, slow = (
         BatchScheduler(
             SchedulerConfig(
@@ -111,7 +124,13 @@ def twin_schedulers(
                 config.max_model_len,
                 config.enable_chunked_prefill,
             ),
-            BlockManager(num_blocks, block_size, caching, watermark),
+            BlockManager(
+                num_blocks,
+                block_size,
+                caching,
+                watermark,
+                TierStore(configs, block_size) if configs and caching else None,
+            ),
         )
         for _ in range(2)
     )
@@ -146,6 +165,7 @@ workloads = st.lists(
     budget=st.integers(6, 24),
     chunked=st.booleans(),
     caching=st.booleans(),
+    tiers=st.sampled_from([(0, 0), (0, 0), (6, 0), (20, 0), (4, 8)]),
 )
 def test_fast_forward_equals_stepping(
     data: st.DataObject,
@@ -157,10 +177,11 @@ def test_fast_forward_equals_stepping(
     budget: int,
     chunked: bool,
     caching: bool,
+    tiers: tuple[int, int],
 ) -> None:
     """Random workloads (shared prefixes, tight pools that preempt, priorities, stop tokens,
-    aborts, prefix caching and chunked prefill on or off): fast-forwarding every guaranteed run
-    leaves the core exactly as stepping does."""
+    aborts, prefix caching, chunked prefill and KV tiers on or off): fast-forwarding every
+    guaranteed run leaves the core exactly as stepping does."""
     max_model_len = 96
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -168,7 +189,7 @@ def test_fast_forward_equals_stepping(
         max_model_len=max_model_len,
         enable_chunked_prefill=chunked,
     )
-    fast, slow = twin_schedulers(num_blocks, block_size, watermark, config, caching)
+    fast, slow = twin_schedulers(num_blocks, block_size, watermark, config, caching, tiers)
     twins = (fast, slow)
     prefixes = [[7] * 8, [9] * 12]
     # (steps until it arrives, id, prompt, max tokens, priority, stop token, abort delay)
@@ -203,12 +224,14 @@ def test_fast_forward_equals_stepping(
             fast_events: list[list[KVEvent]] = []
             first_step = fast.num_steps
             applied = advance_decode(fast, k, next_tokens, pools=pools, step_events=fast_events)
+            fast.block_manager.take_offloads()
             assert 1 <= applied <= k and len(pools) == len(fast_events) == applied
             assert fast.num_steps == first_step + applied
             fast_forwarded += applied
             bm_slow = slow.block_manager
             for j in range(applied):
                 out = slow.schedule()
+                assert not out.loads  # a head admitted as a load ends the run
                 assert out.step_id == first_step + j
                 assert pools[j] == bm_slow.pool_counts()
                 assert not out.preempted

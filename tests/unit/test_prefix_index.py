@@ -89,11 +89,11 @@ def test_unplaceable_events_are_counted_not_raised() -> None:
     index.add_instance("a")
     orphan = stored(PROMPT, 2, 4)  # parent block 1 never stored
     wrong_size = BlockStored(engine_chain(PROMPT)[:1], None, PROMPT[:8], 8)
-    cpu = BlockStored(engine_chain(PROMPT)[:1], None, PROMPT[:4], BS, medium="CPU")
-    index.apply_batch("a", batch(0, orphan, wrong_size, cpu))
+    placeholder = BlockStored(engine_chain(PROMPT)[:1], None, [], 0, medium="CPU")
+    index.apply_batch("a", batch(0, orphan, wrong_size, placeholder))
     assert index.num_blocks("a") == 0
     assert (index.stats.unknown_parent, index.stats.wrong_block_size) == (1, 1)
-    assert index.stats.other_medium == 1
+    assert index.stats.unknown_placeholder == 1  # a location update of a block never seen
 
 
 def test_trusted_engine_hashes_keep_tenant_salts() -> None:

@@ -433,3 +433,30 @@ def test_itl_histogram_counted_entries_equal_single_adds_in_any_order() -> None:
     assert counted.mean() == pytest.approx(exact, rel=1e-15)
     assert one_by_one.mean() == pytest.approx(exact, rel=1e-15)
     assert counted.percentile(50) == one_by_one.percentile(50)
+
+
+def test_cpu_tier_loads_evicted_prefixes_back_and_reports_hits_per_tier() -> None:
+    """A pool too small for the shared prefixes: with a CPU tier they come back as loads (priced
+    on the link), the hit rate rises, and the summary splits it by tier beside the limit."""
+    from simulator.experiment import SimSettings, run_policy
+    from simulator.instance import InstanceConfig
+    from simulator.latency import load_latency_model
+    from simulator.synthetic import generate, parse_spec
+
+    trace = generate(
+        parse_spec(
+            "synthetic:requests=120,rate=4,input_mean=2048,output_mean=8,num_groups=12,"
+            "prefix_tokens=1536,seed=3"
+        )
+    )
+    latency = load_latency_model("roofline:llama-2-7b:h100")
+    runs = {}
+    for cpu in (0, 4096):
+        settings = SimSettings(2, latency, InstanceConfig(num_blocks=640, num_cpu_blocks=cpu))
+        runs[cpu] = run_policy(trace, settings, "kvherd").summary
+    gpu_only, tiered = runs[0], runs[4096]
+    assert gpu_only["hit_rate_cpu"] == 0 and gpu_only["loads"] == 0
+    assert tiered["loads"] > 0 and tiered["hit_rate_cpu"] > 0.05
+    assert tiered["prefix_hit_rate"] > gpu_only["prefix_hit_rate"] + 0.05
+    assert tiered["prefix_hit_rate"] <= tiered["shared_cache_limit"] + 1e-9
+    assert tiered["completed"] == gpu_only["completed"] == 120
