@@ -3,7 +3,7 @@
 most of a flood (batches of 8) and on agents that take it into their batch (64, the default).
 What must hold:
 - admission by expected wait: every flood request is answered 200 or 429 (never 5xx), each 429
-  with ``Retry-After`` and the OpenAI error object;
+  with ``Retry-After`` and the OpenAI error object, within 50 ms at the median;
 - no healthy agent is ejected (``kvherd_ejections_total`` stays absent, both stay healthy);
 - normal service returns soon after the flood ends (target 2 s): asserted with room for a shared
   machine (4 s for short requests, 6 s for long ones, which first drain the admitted work, 9 s
@@ -45,6 +45,9 @@ async def test_flood_is_refused_by_expected_wait_and_service_recovers(
         assert int(headers[b"retry-after"]) >= 1
         error = json.loads(data)["error"]
         assert error["type"] == "rate_limit_error" and error["code"] in {"queue_wait", "queue_full"}
+    # A refusal is cheap: answered in milliseconds while the proxy has CPU left (target 50 ms at
+    # the median; measured 1 ms on the shared machine).
+    assert report.refusal_p50_s is not None and report.refusal_p50_s <= 0.05, report.summary()
     assert not report.ejection_lines, report.ejection_lines
     assert report.health == {"healthy"}, report.health
     # Target 2 s, measured on a shared 2-core machine (bench/HISTORY.md, 2026-12-01): short
