@@ -26,6 +26,12 @@ Contract:
   ``--disk-kv-dir DIR --num-disk-blocks N`` below that in one preallocated, memory-mapped file per
   agent (``DIR/kvherd-kv-<instance id>.bin``); a prompt whose prefix sits on a lower tier loads it
   back instead of recomputing it. The KV events name each block's tier (``medium``).
+- Warm restart: the disk tier survives the agent. Its manifest (``DIR/kvherd-kv-<instance
+  id>.json``, see `kv_manifest`) lists the file's blocks; an agent started on the same folder
+  with the same instance id (the default, HOSTNAME:PORT, needs the same port), model, dtype, block
+  size and number of disk blocks starts with them on disk and publishes their stores
+  (``medium="STORAGE"``) as its first KV event batch, replay included, before serving; any other
+  setting discards them with a WARNING naming what changed.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ Contract:
 - The thread steps while the engine has unfinished work and otherwise sleeps on a condition (no busy
   spin). After each step it hands the outputs to per-request asyncio queues with a single
   ``loop.call_soon_threadsafe`` per step, records the step latency, updates the load gauges and
-  latency histograms, and publishes the step's KV event batch.
+  latency histograms, and publishes the step's KV event batch. Before its first command it
+  publishes what the engine holds already (a warm restart's disk tier), so subscribers and the
+  replay buffer have it at once.
 - `add` resolves once the engine accepted the request (or raises the engine's `InvalidRequestError`,
   which it raises before allocating anything); `open` does the same for any way of starting a
   request on the engine thread (e.g. adopting a migrated one), and `call` runs any function there.
@@ -425,6 +427,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         engine = self.engine
+        self._after_step()  # a warm restart's restored blocks: announced before any request
         while True:
             with self._cond:
                 while not self._commands and not self._stopping and not self._has_work():

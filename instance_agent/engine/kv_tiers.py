@@ -15,6 +15,9 @@ Contract:
   Both are safe against the forward pass by the core's rules: a load writes only blocks its
   request owns and reads only pinned slots.
 - `stats` counts blocks, bytes and seconds moved, per tier and direction.
+- Warm restart (`kv_manifest`): each disk slot's checksum (xxh3-64 of its bytes) is taken as it
+  is written (`disk_checksums`, `disk_writes` counts the writes); `verify_disk` keeps the listed
+  slots whose bytes still match their checksum and adopts those checksums.
 """
 
 from __future__ import annotations
@@ -30,9 +33,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+import xxhash
 
 from instance_agent.engine.core.batch_scheduler import KVLoad
 from instance_agent.engine.core.tiers import BlockCopy
+from instance_agent.engine.kv_manifest import ManifestSlot
 from kvherd.kv_events import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE
 
 log = logging.getLogger(__name__)
@@ -85,12 +90,12 @@ class TierBuffers:
     ) -> None:
         self.kv_cache = kv_cache  # [layers, 2, blocks, block_size, kv_heads, head_dim]
         layers, two, _, block_size, heads, head_dim = kv_cache.shape
-        self._slot_shape = (layers, two, block_size, heads, head_dim)
+        self.slot_shape = (layers, two, block_size, heads, head_dim)
         self.bytes_per_block = kv_cache[:, :, 0].numel() * kv_cache.element_size()
         self.stores: dict[str, torch.Tensor] = {}
         if num_cpu_blocks > 0:
             self.stores[MEDIUM_CPU] = torch.empty(
-                (num_cpu_blocks, *self._slot_shape),
+                (num_cpu_blocks, *self.slot_shape),
                 dtype=kv_cache.dtype,
                 pin_memory=kv_cache.device.type == "cuda",
             )
@@ -99,6 +104,8 @@ class TierBuffers:
                 raise ValueError("a disk tier needs a file")
             self.stores[MEDIUM_STORAGE] = self._map_file(Path(disk_file), num_disk_blocks)
         self.disk_file = Path(disk_file) if disk_file is not None else None
+        self.disk_checksums: list[int | None] = [None] * num_disk_blocks
+        self.disk_writes = 0
         self._stats = _Stats({medium: TransferStats() for medium in self.stores})
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-load")
         self._stream = (
@@ -116,7 +123,7 @@ class TierBuffers:
                 # Claim the space now: a full disk fails the start, not a later offload.
                 os.posix_fallocate(handle.fileno(), 0, nbytes)
         flat = torch.from_file(str(path), shared=True, size=numel, dtype=self.kv_cache.dtype)
-        return flat.view(num_blocks, *self._slot_shape)
+        return flat.view(num_blocks, *self.slot_shape)
 
     # -- offloads ----------------------------------------------------------------------------
     def offload(self, copies: Sequence[BlockCopy]) -> None:
@@ -140,6 +147,24 @@ class TierBuffers:
             self.stores[dst_medium].index_copy_(
                 0, dst, self.stores[src_medium].index_select(0, src)
             )
+        if dst_medium == MEDIUM_STORAGE:
+            for copy in run:
+                self.disk_checksums[copy.dst] = self._checksum(copy.dst)
+            self.disk_writes += len(run)
+
+    def _checksum(self, slot: int) -> int:
+        data = self.stores[MEDIUM_STORAGE][slot].view(torch.uint8).numpy()
+        return xxhash.xxh3_64_intdigest(data.data)
+
+    def verify_disk(self, listed: Sequence[ManifestSlot]) -> list[ManifestSlot]:
+        """The listed disk slots whose bytes match their checksum (reads each once)."""
+        kept = []
+        for entry in listed:
+            in_range = 0 <= entry.slot < len(self.disk_checksums)
+            if in_range and self._checksum(entry.slot) == entry.checksum:
+                self.disk_checksums[entry.slot] = entry.checksum
+                kept.append(entry)
+        return kept
 
     def _count(self, medium: str, direction: str, blocks: int, seconds: float) -> None:
         with self._stats.lock:

@@ -25,11 +25,17 @@ Contract:
   on the load thread; a step with nothing to run waits briefly for a load instead of spinning.
   Migration's `reserve_blocks` runs the offloads it queued before the blocks are written. Tokens
   loaded from any tier count as cached (``num_cached_tokens``), as GPU hits do.
+- Warm restart: the disk tier's manifest (`kv_manifest`) is read at start; when it was written
+  under the same header, the slots whose bytes pass their checksums fill the disk tier again
+  (`BlockManager.restore_tier`: their stores are the first KV event batch). While the disk tier
+  changes, a step rewrites the manifest at most every `MANIFEST_INTERVAL_S` (on its own thread),
+  and `close` writes the last one.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -45,9 +51,17 @@ from instance_agent.engine.core.request import (
     RequestStatus,
     SamplingParams,
 )
-from instance_agent.engine.core.tiers import TierConfig, TierStore
+from instance_agent.engine.core.tiers import SlotEntry, TierConfig, TierStore
+from instance_agent.engine.kv_manifest import (
+    ManifestSlot,
+    ManifestWriter,
+    manifest_header,
+    manifest_path,
+    model_identity,
+    read_manifest,
+)
 from instance_agent.engine.kv_tiers import TierBuffers
-from instance_agent.engine.loader import load_model
+from instance_agent.engine.loader import LoadedModel, load_model
 from instance_agent.engine.model import kv_bytes_per_block
 from instance_agent.engine.model_runner import ModelRunner
 from kvherd.block_hash import HashAlgo
@@ -56,6 +70,9 @@ from kvherd.tokenizer import IncrementalDetokenizer, Tokenizer
 
 MAX_PENDING_KV_EVENTS = 65536
 IDLE_LOAD_WAIT_S = 0.005  # a step with only loads in flight waits this long for one to land
+MANIFEST_INTERVAL_S = 5.0  # a changing disk tier's manifest is rewritten at most this often
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -188,6 +205,11 @@ class LLMEngine:
             if tier_configs
             else None
         )
+        self._manifest: ManifestWriter | None = None
+        self._manifest_at = -MANIFEST_INTERVAL_S  # when the last write started (monotonic)
+        self._manifest_writes = -1  # the disk writes it covered
+        if cfg.num_disk_blocks > 0:
+            self._manifest = self._open_disk_tier(loaded)
         # The model's eos id when it has one; else the tokenizer's.
         self.eos_token_id = (
             loaded.config.eos_token_id
@@ -334,6 +356,8 @@ class LLMEngine:
             buffers.offload(self.block_manager.take_offloads())
             for load in plan.loads:
                 buffers.start_load(load)
+            if self._manifest is not None:
+                self._maybe_write_manifest(buffers)
         if plan.is_empty:
             if buffers is not None and buffers.num_in_flight:
                 buffers.wait(IDLE_LOAD_WAIT_S)
@@ -418,9 +442,72 @@ class LLMEngine:
         return usage
 
     def close(self) -> None:
-        """Stop the load thread (after the loads in flight)."""
+        """Stop the load thread (after the loads in flight) and write the disk tier's manifest."""
         if self.tier_buffers is not None:
             self.tier_buffers.close()
+            if self._manifest is not None:
+                self._manifest.close(self._disk_listing(self.tier_buffers))
+
+    # -- warm restart ------------------------------------------------------------------------
+    def _open_disk_tier(self, loaded: LoadedModel) -> ManifestWriter:
+        cfg, buffers = self.config, self.tier_buffers
+        assert buffers is not None and buffers.disk_file is not None
+        header = manifest_header(
+            model_identity(cfg.model, loaded.config, cfg.seed),
+            dtype=str(loaded.dtype).removeprefix("torch."),
+            block_size=cfg.block_size,
+            block_layout=list(buffers.slot_shape),
+            bytes_per_block=buffers.bytes_per_block,
+            num_blocks=cfg.num_disk_blocks,
+            hash_algo=cfg.hash_algo,
+        )
+        path = manifest_path(buffers.disk_file)
+        listed = read_manifest(path, header)
+        if listed:
+            kept = buffers.verify_disk(listed)
+            if len(kept) < len(listed):
+                log.warning(
+                    "dropping %d of the %d blocks of the disk KV tier in %s: their bytes changed "
+                    "after the manifest was written (overwritten or torn)",
+                    len(listed) - len(kept),
+                    len(listed),
+                    path.parent,
+                )
+            entries = [SlotEntry(s.slot, s.block_hash, s.parent, s.tokens) for s in kept]
+            try:
+                self.block_manager.restore_tier(MEDIUM_STORAGE, entries)
+            except ValueError as exc:
+                log.warning("discarding the disk KV tier in %s: %s", path.parent, exc)
+                buffers.disk_checksums = [None] * cfg.num_disk_blocks
+            else:
+                log.info("restored %d blocks of the disk KV tier in %s", len(kept), path.parent)
+        return ManifestWriter(path, buffers.disk_file, header)
+
+    def _disk_listing(self, buffers: TierBuffers) -> list[ManifestSlot]:
+        """The disk tier's slots with their checksums (after the queued offloads: every listed
+        slot's bytes, and so its checksum, are its block's)."""
+        buffers.offload(self.block_manager.take_offloads())
+        tiers = self.block_manager.tiers
+        assert tiers is not None
+        checksums = buffers.disk_checksums
+        listing = []
+        for entry in tiers.snapshot(MEDIUM_STORAGE):
+            checksum = checksums[entry.slot]
+            assert checksum is not None, f"disk slot {entry.slot} was never written"
+            listing.append(ManifestSlot(*entry, checksum))
+        return listing
+
+    def _maybe_write_manifest(self, buffers: TierBuffers) -> None:
+        now = time.monotonic()
+        if (
+            buffers.disk_writes == self._manifest_writes
+            or now < self._manifest_at + MANIFEST_INTERVAL_S
+        ):
+            return
+        assert self._manifest is not None
+        listing = self._disk_listing(buffers)
+        if self._manifest.write(listing):
+            self._manifest_at, self._manifest_writes = now, buffers.disk_writes
 
     def generate(
         self,

@@ -74,7 +74,10 @@ def test_tiered_agent_answers_exactly_and_serves_prefixes_from_cpu_and_disk(
     assert [text for text, _ in with_tiers] == [text for text, _ in baseline]
     assert [cached for _, cached in baseline] == [0] * 12
     assert [cached for _, cached in with_tiers] == [0] * 4 + [64] * 8
-    assert [p.name for p in tmp_path.iterdir()] == ["kvherd-kv-tiered.bin"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "kvherd-kv-tiered.bin",
+        "kvherd-kv-tiered.json",
+    ]
     gpu, cpu, disk = state["tiers"]
     assert [t["medium"] for t in state["tiers"]] == ["GPU", "CPU", "STORAGE"]
     assert [t["capacity_blocks"] for t in state["tiers"]] == [8, 4, 32]

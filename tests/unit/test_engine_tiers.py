@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from instance_agent.engine.core.batch_scheduler import BatchScheduler, KVLoad, SchedulerConfig
 from instance_agent.engine.core.block_manager import BlockManager
 from instance_agent.engine.core.request import Request, RequestStatus, SamplingParams
-from instance_agent.engine.core.tiers import BlockCopy, TierConfig, TierStore
+from instance_agent.engine.core.tiers import BlockCopy, SlotEntry, TierConfig, TierStore
 from kvherd.kv_events import (
     MEDIUM_CPU,
     MEDIUM_GPU,
@@ -333,3 +333,59 @@ def test_random_workloads_read_only_their_own_kv_and_match_no_tiers(
     with_tiers, without = results
     common = with_tiers.outputs.keys() & without.outputs.keys()
     assert {k: with_tiers.outputs[k] for k in common} == {k: without.outputs[k] for k in common}
+
+
+# -- warm restart: a disk tier listed by `snapshot` fills a fresh store through `restore` ------
+
+
+def test_a_restored_disk_tier_serves_its_prefixes_and_announces_parents_first() -> None:
+    bm = tiered(gpu=4, disk=8)
+    driver = Driver(scheduler(bm))
+    serve(driver, "a", PROMPT_A)
+    serve(driver, "b", PROMPT_B)  # A's three blocks go to disk, tail first
+    assert bm.tiers is not None
+    listed = bm.tiers.snapshot(MEDIUM_STORAGE)
+    a_hashes = make_request("x", PROMPT_A).block_hashes[:3]
+    assert [e.block_hash for e in listed] == [*reversed(a_hashes)]  # LRU order: the tail oldest
+    restarted = tiered(gpu=4, disk=8)
+    restarted.restore_tier(MEDIUM_STORAGE, listed)
+    restarted.check_integrity()
+    events = restarted.take_events()
+    assert [e.block_hashes for e in events] == [[h] for h in a_hashes]  # type: ignore[union-attr]
+    assert {e.medium for e in events} == {MEDIUM_STORAGE}  # type: ignore[union-attr]
+    assert events[1].parent_block_hash == a_hashes[0]  # type: ignore[union-attr]
+    assert restarted.tiers is not None
+    assert restarted.tiers.snapshot(MEDIUM_STORAGE) == listed
+    again = Driver(scheduler(restarted))
+    again.kv.mem[MEDIUM_STORAGE] = driver.kv.mem[MEDIUM_STORAGE]  # the file outlived the process
+    again.events.apply(events)
+    request = serve(again, "a2", PROMPT_A)
+    assert request.num_cached_tokens == 12 and again.outputs["a2"] == driver.outputs["a"]
+    # A restored tier goes on as any other: a new slot is one the listing left free.
+    serve(again, "c", [base + 500 for base in range(13)])
+    restarted.check_integrity()
+
+
+def test_restore_refuses_a_listing_that_does_not_fit_and_restores_nothing() -> None:
+    tokens = bytes(4 * BLOCK)
+    good = [SlotEntry(0, 11, None, tokens), SlotEntry(1, 12, 11, tokens)]
+    bad = {
+        "slot twice": [*good, SlotEntry(1, 13, 12, tokens)],
+        "hash twice": [*good, SlotEntry(2, 12, 11, tokens)],
+        "slot out of range": [SlotEntry(8, 11, None, tokens)],
+        "short tokens": [SlotEntry(0, 11, None, tokens[:4])],
+    }
+    for name, entries in bad.items():
+        bm = tiered(gpu=4, disk=8)
+        with pytest.raises(ValueError):
+            bm.restore_tier(MEDIUM_STORAGE, entries)
+        assert bm.tiers is not None and not bm.tiers.block_hashes()[MEDIUM_STORAGE], name
+        assert not bm.take_events(), name
+    bm = tiered(gpu=4, cpu=2, disk=8)
+    bm.restore_tier(MEDIUM_STORAGE, good)
+    with pytest.raises(ValueError, match="not empty"):
+        bm.restore_tier(MEDIUM_STORAGE, good)
+    with pytest.raises(ValueError, match="already lives"):
+        bm.restore_tier(MEDIUM_CPU, good[:1])
+    with pytest.raises(ValueError, match="no lower tiers"):
+        tiered(gpu=4).restore_tier(MEDIUM_STORAGE, good)

@@ -7,6 +7,8 @@ either way every request's tokens, greedy and seeded, are bit-identical.
 
 from __future__ import annotations
 
+import json
+import logging
 import random
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from instance_agent.engine.core.request import SamplingParams
 from instance_agent.engine.core.tiers import BlockCopy
 from instance_agent.engine.kv_tiers import TierBuffers, _groups
 from instance_agent.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
-from kvherd.kv_events import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE
+from kvherd.kv_events import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, BlockStored, KVEventBatch
 
 BLOCK = 16
 
@@ -43,9 +45,11 @@ def workload() -> list[tuple[str, list[int], SamplingParams]]:
     return requests
 
 
-def run(engine: LLMEngine) -> dict[str, RequestOutput]:
+def run(
+    engine: LLMEngine, requests: list[tuple[str, list[int], SamplingParams]] | None = None
+) -> dict[str, RequestOutput]:
     final: dict[str, RequestOutput] = {}
-    for rid, ids, params in workload():  # one at a time: the pool holds about one prompt
+    for rid, ids, params in requests or workload():  # one at a time: the pool holds one prompt
         engine.add_request(rid, ids, params)
         while engine.has_unfinished():
             for out in engine.step():
@@ -140,3 +144,69 @@ def test_a_load_that_raises_lands_not_ok() -> None:
 def test_a_disk_tier_needs_a_file() -> None:
     with pytest.raises(ValueError, match="file"):
         engine(num_disk_blocks=4)
+
+
+# -- warm restart ----------------------------------------------------------------------------
+
+
+def disk_engine(path: Path, **overrides: object) -> LLMEngine:
+    return engine(num_disk_blocks=32, disk_kv_file=str(path / "kv.bin"), **overrides)
+
+
+def storage_stores(batch: KVEventBatch | None) -> list[int]:
+    assert batch is not None
+    assert all(isinstance(e, BlockStored) and e.medium == MEDIUM_STORAGE for e in batch.events)
+    return [h for e in batch.events for h in e.block_hashes]  # type: ignore[union-attr]
+
+
+def test_the_disk_tier_outlives_the_engine_and_serves_the_same_tokens(tmp_path: Path) -> None:
+    first = disk_engine(tmp_path)
+    before = run(first, workload()[:4])  # closes it: the manifest is written
+    assert first.block_manager.tiers is not None
+    held = first.block_manager.tiers.block_hashes()[MEDIUM_STORAGE]
+    manifest = json.loads((tmp_path / "kv.json").read_text())
+    assert (manifest["block_size"], manifest["model"], len(manifest["slots"])) == (
+        16,
+        "tiny",
+        len(held),
+    )
+    again = disk_engine(tmp_path)
+    assert sorted(storage_stores(again.take_kv_event_batch())) == sorted(held)
+    rid, ids, params = workload()[1]  # a greedy one; the next two pushed its head to disk
+    again.add_request("again", ids, params)
+    (out,) = [o for o in iter_steps(again) if o.finished]
+    assert out.num_cached_tokens == 64
+    assert out.output_token_ids == before[rid].output_token_ids
+    again.close()
+
+
+def iter_steps(e: LLMEngine) -> list[RequestOutput]:
+    outputs = []
+    while e.has_unfinished():
+        outputs += e.step()
+    return outputs
+
+
+def test_a_changed_block_size_or_a_torn_slot_is_not_trusted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run(disk_engine(tmp_path), workload()[:4])
+    listed = json.loads((tmp_path / "kv.json").read_text())["slots"]
+    # A slot written again after the manifest (or torn by a crash) fails its checksum.
+    bytes_per_block = (tmp_path / "kv.bin").stat().st_size // 32
+    with open(tmp_path / "kv.bin", "r+b") as handle:
+        handle.seek(listed[0][0] * bytes_per_block + 100)
+        handle.write(b"\xff" * 8)
+    with caplog.at_level(logging.WARNING):
+        again = disk_engine(tmp_path)
+    assert f"dropping 1 of the {len(listed)} blocks" in caplog.text
+    assert len(storage_stores(again.take_kv_event_batch())) == len(listed) - 1
+    again.close()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        other = engine(num_disk_blocks=32, disk_kv_file=str(tmp_path / "kv.bin"), block_size=8)
+    assert "discarding the disk KV tier" in caplog.text and "block_size 16 (now 8)" in caplog.text
+    assert other.take_kv_event_batch() is None
+    assert not (tmp_path / "kv.json").exists()
+    other.close()  # writes its own, empty, manifest
+    assert json.loads((tmp_path / "kv.json").read_text())["slots"] == []

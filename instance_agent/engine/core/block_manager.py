@@ -30,6 +30,8 @@ Contract:
   GPU blocks and pins those slots (returning the copies that fill the blocks), and `finish_load`
   ends it: loaded (the blocks join the GPU prefix cache, their lower copies go), or not (pins
   released; a failed copy also drops those lower entries, so the prompt is recomputed).
+  `restore_tier` fills an empty lower tier before any request (a warm restart), announced as
+  stores on that tier.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from operator import indexOf, is_not, or_
 from typing import Literal, cast
 
 from instance_agent.engine.core.request import Request
-from instance_agent.engine.core.tiers import BlockCopy, TierHit, TierStore
+from instance_agent.engine.core.tiers import BlockCopy, SlotEntry, TierHit, TierStore
 from kvherd.block_hash import BlockHash
 from kvherd.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
@@ -602,6 +604,15 @@ class BlockManager:
         """The copies evictions queued since the last call, in the order they must run."""
         copies, self._offloads = self._offloads, []
         return copies
+
+    def restore_tier(self, medium: str, entries: list[SlotEntry]) -> None:
+        """Fill the empty `medium` tier with `entries` (`TierStore.restore`; `ValueError` when
+        they do not fit it, or the GPU pool caches one of them)."""
+        if self.tiers is None:
+            raise ValueError("this pool has no lower tiers")
+        if any(entry.block_hash in self._cached for entry in entries):
+            raise ValueError("a restored block is cached on the GPU")
+        self.tiers.restore(medium, entries, self._events)
 
     def lower_tier_hits(self, request: Request, start: int) -> list[TierHit]:
         """The blocks of `request` from table position `start` (its GPU hits) on that the lower

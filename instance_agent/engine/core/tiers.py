@@ -13,6 +13,11 @@ Contract:
   `events` list (vLLM's events with ``medium``: the store on the lower tier before the removal from
   the upper one), in the order they must run: a copy always precedes the one that reuses its source.
 - `discard` drops the unpinned copy of a hash the GPU pool caches anew (computed again, not loaded).
+- `snapshot(medium)` lists a tier's entries (`SlotEntry`: slot, hash, parent, token ids) least
+  recently used first, pinned ones last; `restore(medium, entries)` fills an empty tier from such a
+  list (a warm restart: the disk tier's manifest), checking it (slots in range and distinct, hashes
+  distinct and on no other tier, one block of tokens each; else `ValueError`, nothing restored),
+  and announces each block as stored on that tier, a parent before its children.
 - `locate` finds a hash's tier and slot; `pin` holds a slot for a load in flight (a pinned slot is
   never evicted nor reused) and takes it out of the LRU order; `release` unpins it, and drops it
   when asked to or puts it back in the LRU order as the most recently used.
@@ -24,7 +29,7 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 from kvherd.block_hash import BlockHash
 from kvherd.kv_events import MEDIUM_GPU, BlockRemoved, BlockStored, KVEvent
@@ -60,6 +65,15 @@ class TierCounters:
     stored: int = 0  # blocks that moved into the tier
     hits: int = 0  # blocks loaded back from the tier into the GPU pool
     evicted: int = 0  # blocks that left the tier downwards or were dropped
+
+
+class SlotEntry(NamedTuple):
+    """One occupied slot of a tier, as `snapshot` lists it and `restore` takes it."""
+
+    slot: int
+    block_hash: BlockHash
+    parent: BlockHash | None
+    tokens: bytes  # the block's token ids, packed as uint32
 
 
 class _Entry(NamedTuple):
@@ -214,6 +228,55 @@ class TierStore:
             tier.lru.clear()
             tier.entries = [None] * tier.num_blocks
             tier.free = list(range(tier.num_blocks - 1, -1, -1))
+
+    def _tier(self, medium: str) -> Tier:
+        for tier in self.tiers:
+            if tier.medium == medium:
+                return tier
+        raise ValueError(f"no {medium} tier")
+
+    def snapshot(self, medium: str) -> list[SlotEntry]:
+        """The tier's entries, least recently used first, then the pinned ones."""
+        tier = self._tier(medium)
+        listed = [*tier.lru, *tier.pins]
+        return [
+            SlotEntry(tier.slots[h], *cast(_Entry, tier.entries[tier.slots[h]])) for h in listed
+        ]
+
+    def restore(self, medium: str, entries: list[SlotEntry], events: list[KVEvent]) -> None:
+        """Fill the empty `medium` tier with `entries` (least recently used first)."""
+        tier = self._tier(medium)
+        if tier.slots:
+            raise ValueError(f"the {medium} tier is not empty")
+        slots = {e.slot for e in entries}
+        hashes = {e.block_hash for e in entries}
+        if len(slots) != len(entries) or len(hashes) != len(entries):
+            raise ValueError("a slot or a block hash is listed twice")
+        if not all(0 <= slot < tier.num_blocks for slot in slots):
+            raise ValueError(f"a slot lies outside the tier's {tier.num_blocks}")
+        if any(len(e.tokens) != 4 * self.block_size for e in entries):
+            raise ValueError(f"an entry does not hold {self.block_size} token ids")
+        if any(h in other.slots for other in self.tiers for h in hashes):
+            raise ValueError("a block hash already lives on a tier")
+        for slot, block_hash, parent, tokens in entries:
+            tier.slots[block_hash] = slot
+            tier.entries[slot] = _Entry(block_hash, parent, tokens)
+            tier.lru[block_hash] = None
+        tier.free = sorted(set(range(tier.num_blocks)) - slots, reverse=True)
+        # Parents first: a prefix index chains a block only onto a parent it knows.
+        by_hash = {e.block_hash: e for e in entries}
+        announced: set[BlockHash] = set()
+        for entry in entries:
+            chain = []
+            at: SlotEntry | None = entry
+            while at is not None and at.block_hash not in announced:
+                chain.append(at)
+                announced.add(at.block_hash)
+                at = by_hash.get(at.parent) if at.parent is not None else None
+            for item in reversed(chain):
+                events.append(
+                    self._stored(_Entry(item.block_hash, item.parent, item.tokens), medium)
+                )
 
     def block_hashes(self) -> dict[str, list[BlockHash]]:
         """Every hash each tier holds, by medium (what its KV events announced)."""
