@@ -60,6 +60,15 @@ Contract:
   running batch, so no decode run straddles it). The router prices lower-tier hits with each
   instance's load ratio (`tier_load_ratio`: tier bytes per token over bandwidth, over the latency
   model's prefill time per token).
+- Cross-instance prefix pull (`prefix_pull`: `simulator.pull.PullConfig`, mixed fleets only): the
+  router asks `scheduler.core.prefix_pull` after the policy. A PULL holds its request back when it
+  reaches its instance: between that instance's steps the blocks past its GPU hits, up to what
+  the holder truly holds then (GPU or lower tiers), are reserved there under a carrier request
+  (`simulator.pull.carrier`; no room: recompute), copied on the pair's NICs (`PullLinks`:
+  contention, the holder's blocks read without stalling its steps, its disk-held ones at its disk
+  bandwidth first), then cached there by the engine's `cache_full_blocks` (KV events and all)
+  and the request is admitted; the carrier lets go once the request is scheduled (it hit them)
+  or ends. Counts go to `pull_stats`.
 - A request the engine refuses (too long for an instance) is counted as failed, never crashes the run.
 - Deterministic: same trace, config and seed -> identical results.
 """
@@ -74,7 +83,7 @@ from dataclasses import dataclass, field
 
 from instance_agent.engine.core.load import engine_load
 from instance_agent.engine.core.request import InvalidRequestError, Request, RequestStatus
-from kvherd.kv_events import KVEvent
+from kvherd.kv_events import MEDIUM_CPU, KVEvent
 from migration.core.handoff import handoff_stages, holds_first_token
 from migration.core.protocol import AbortReason
 from migration.core.session import (
@@ -101,6 +110,7 @@ from scheduler.core.admission_queue import QueueSettings
 from scheduler.core.cluster_state import ClusterState
 from scheduler.core.load_report import LoadReport
 from scheduler.core.migration_loop import MigrationLoop
+from scheduler.core.prefix_pull import PullAction, PullChoice
 from scheduler.core.router import Router
 from simulator.admission import SimAdmission
 from simulator.host_model import HostModel
@@ -109,6 +119,15 @@ from simulator.latency.base import LatencyModel
 from simulator.loop import EventLoop
 from simulator.metrics import MetricsCollector
 from simulator.pd import FINISHED_FIRST, SimHandoffs
+from simulator.pull import (
+    HOLDER_LOST,
+    NO_ROOM,
+    PullConfig,
+    PullLinks,
+    PullStats,
+    carrier,
+    pull_settings,
+)
 from simulator.traces import Trace, TraceRequest
 from simulator.transfer import TransferLink, TransferModel
 
@@ -141,6 +160,7 @@ class ClusterConfig:
     admission: AdmissionSettings | None = None
     admission_queue: QueueSettings = field(default_factory=QueueSettings)
     max_inflight_per_instance: int = 256
+    prefix_pull: PullConfig | None = None  # cross-instance prefix pulls (None: off)
 
     @property
     def disaggregated(self) -> bool:
@@ -240,7 +260,19 @@ class SimCluster:
         # One approximate-index shard: shards keep the proxy's single decisions from stalling
         # while the index grows; a simulation only pays their overhead (same decisions).
         self.state = ClusterState(block_size=config.instance.block_size, approx_shards=1)
-        self.router = Router(self.state, dispatch, pd_policy if config.disaggregated else None)
+        pull = config.prefix_pull
+        self.router = Router(
+            self.state,
+            dispatch,
+            pd_policy if config.disaggregated else None,
+            None if pull is None or config.disaggregated else pull_settings(pull, latency),
+        )
+        self.pull_stats = PullStats()
+        self._pull_links = PullLinks()
+        self._pull_plans: dict[str, PullChoice] = {}  # routed as a PULL, not reached yet
+        self._pulls_into: dict[str, int] = {}  # instance id -> pulls on their way to it
+        # Request id -> (instance, carrier id, first pulled block, end): blocks held for it.
+        self._pull_carriers: dict[str, tuple[SimInstance, str, int, int]] = {}
         self.migration_loop = (
             None
             if migration is None
@@ -414,6 +446,8 @@ class SimCluster:
             admission.dispatched(routed.instance_id, rid)
         if routed.decode_id is not None:
             self.handoffs.expect(rid, routed.instance_id, routed.decode_id)
+        if routed.pull is not None:
+            self._note_pull(rid, routed.pull)
         instance = self.instances[routed.instance_id]
         overhead = self.config.host.request_overhead(
             path_draw, lambda: self._busy_others(instance), lambda: self._fleet_idle_s(now)
@@ -426,6 +460,9 @@ class SimCluster:
     def _admit(self, instance: SimInstance, request: Request) -> None:
         now = self.loop.now
         rid = request.request_id
+        if rid in self._pull_plans:  # its blocks come first
+            self._defer_for_pull(instance, request)
+            return
         for periodic in self._periodic:  # the fleet may have gone idle while it was in transit
             periodic.wake()
         waiting = instance.scheduler.waiting
@@ -452,6 +489,90 @@ class SimCluster:
         if instance.idle:
             self._start_step(instance)
 
+    # -- cross-instance prefix pull --------------------------------------------------------------
+    def _note_pull(self, request_id: str, choice: PullChoice) -> None:
+        self.pull_stats.count(self.pull_stats.decided, choice.action.value)
+        if choice.action is PullAction.PULL:
+            self._pull_plans[request_id] = choice
+
+    def _defer_for_pull(self, instance: SimInstance, request: Request) -> None:
+        """The request reached its instance's agent: the pull starts between its steps."""
+        iid = instance.instance_id
+        self._pulls_into[iid] = self._pulls_into.get(iid, 0) + 1
+        self._run_between_steps(instance, lambda: self._start_pull(instance, request))
+
+    def _start_pull(self, dst: SimInstance, request: Request) -> None:
+        """Reserve the blocks the holder still holds past `dst`'s GPU hits and queue their copy;
+        without any, or without room, the request is admitted to recompute."""
+        rid = request.request_id
+        choice = self._pull_plans.pop(rid)
+        assert choice.source is not None
+        holder = self.instances[choice.source]
+        hashes = request.block_hashes[: choice.first_block + choice.num_blocks]
+        bm = dst.block_manager
+        shared = bm.lookup_cached_prefix(hashes)
+        on_gpu, end = _held_prefix(holder, hashes)
+        first = len(shared)
+        reason = HOLDER_LOST if end <= first else None
+        owner = f"pull:{rid}"
+        if reason is None:
+            bm.share_cached_blocks(owner, shared)
+            if bm.reserve_blocks(owner, end - first) is None:
+                bm.free_owner(owner)
+                reason = NO_ROOM
+        if reason is not None:
+            self.pull_stats.count(self.pull_stats.fallback, reason)
+            self._pull_done(dst, request)
+            return
+        bs = bm.block_size
+        kv_bytes = self.latency.kv_bytes_per_token or 0.0
+        nbytes = (end - first) * bs * kv_bytes
+        disk = max(0, end - max(first, on_gpu + _on_cpu(holder, hashes, on_gpu, end)))
+        assert self.config.prefix_pull is not None  # (only pulls reach here)
+        seconds = self.config.prefix_pull.time(nbytes)
+        seconds += disk * bs * kv_bytes / holder.config.disk_bandwidth
+        now = self.loop.now
+        lands = self._pull_links.reserve(holder.instance_id, dst.instance_id, now, seconds)
+        stats = self.pull_stats
+        stats.started += 1
+        stats.bytes_pulled += nbytes
+        stats.link_s += lands - now
+        self.loop.call_at(lands, self._pull_landed, dst, request, first, end)
+
+    def _pull_landed(self, dst: SimInstance, request: Request, first: int, end: int) -> None:
+        self._run_between_steps(dst, lambda: self._finish_pull(dst, request, first, end))
+
+    def _finish_pull(self, dst: SimInstance, request: Request, first: int, end: int) -> None:
+        """The blocks landed: cache them on `dst` (held until the request is scheduled) and
+        admit the request."""
+        held = carrier(request, end)
+        held.num_computed_tokens = end * request.block_size
+        dst.block_manager.cache_full_blocks(held)
+        rid = request.request_id
+        self._pull_carriers[rid] = (dst, held.request_id, first, end)
+        stats = self.pull_stats
+        stats.landed += 1
+        stats.tokens_landed += (end - first) * request.block_size
+        self._pull_done(dst, request)
+        if rid not in dst.scheduler.requests:  # the engine refused it
+            self._release_pull(rid)
+
+    def _pull_done(self, dst: SimInstance, request: Request) -> None:
+        iid = dst.instance_id
+        self._pulls_into[iid] -= 1
+        if not self._pulls_into[iid]:
+            del self._pulls_into[iid]
+        self._admit(dst, request)
+
+    def _release_pull(self, request_id: str) -> None:
+        """The request was scheduled (it took its hits) or ended: the carrier lets go."""
+        dst, owner, first, end = self._pull_carriers.pop(request_id)
+        dst.block_manager.free_owner(owner)
+        request = dst.scheduler.requests.get(request_id)
+        if request is not None and request.num_cached_tokens >= 0:
+            hit = min(request.num_cached_tokens, end * request.block_size)
+            self.pull_stats.tokens_hit += max(0, hit - first * request.block_size)
+
     # -- engine steps ----------------------------------------------------------------------------
     def _start_step(self, instance: SimInstance) -> None:
         if not instance.idle:
@@ -469,6 +590,7 @@ class SimCluster:
                 self.migration_loop is None
                 and instance.scheduler.waiting
                 and not instance.scheduler.num_loading  # a landing load joins the batch
+                and instance.instance_id not in self._pulls_into  # so does a landing pull
             ):
                 horizon = math.inf
             run = instance.start_decode_run(
@@ -579,6 +701,8 @@ class SimCluster:
     # -- TokenSink (called by instances) ---------------------------------------------------------
     def on_scheduled(self, request_id: str, now: float) -> None:
         self.metrics.on_scheduled(request_id, now)
+        if request_id in self._pull_carriers:
+            self._release_pull(request_id)
 
     def on_tokens(self, request_ids: list[str], now: float) -> None:
         for request_id in self.metrics.on_tokens(request_ids, now):
@@ -591,6 +715,8 @@ class SimCluster:
 
     def on_finished(self, request: Request, instance_id: str, now: float) -> None:
         rid = request.request_id
+        if rid in self._pull_carriers:
+            self._release_pull(rid)
         self.router.on_finish(rid, now)
         if self.admission is not None:
             self.admission.released(rid)
@@ -912,6 +1038,31 @@ class SimCluster:
         key = abort.reason.value
         m.stats.aborted[key] = m.stats.aborted.get(key, 0) + 1
         m.on_done(rid, key)
+
+
+def _held_prefix(holder: SimInstance, hashes: list[int]) -> tuple[int, int]:
+    """How many of the leading `hashes` the holder caches on GPU, and how deep its prefix goes
+    on any tier (the KV a pull can read there now)."""
+    bm = holder.block_manager
+    on_gpu = len(bm.lookup_cached_prefix(hashes))
+    end = on_gpu
+    if bm.tiers is not None:
+        while end < len(hashes) and bm.tiers.locate(hashes[end]) is not None:
+            end += 1
+    return on_gpu, end
+
+
+def _on_cpu(holder: SimInstance, hashes: list[int], start: int, end: int) -> int:
+    """Of the holder's lower-tier blocks at positions [start, end), the leading ones in host
+    DRAM (the rest sit on its disk)."""
+    tiers = holder.block_manager.tiers
+    count = 0
+    while tiers is not None and start + count < end:
+        hit = tiers.locate(hashes[start + count])
+        if hit is None or tiers.tiers[hit.level].medium != MEDIUM_CPU:
+            break
+        count += 1
+    return count
 
 
 def tier_load_ratio(config: InstanceConfig, latency: LatencyModel) -> tuple[float, float]:

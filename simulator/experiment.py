@@ -8,7 +8,8 @@ and a run is deterministic for a seed. `kvherd sim` and the benchmarks both go t
 With `prefill_instances` / `decode_instances` the fleet is disaggregated: the P/D policy
 `pd_policy` (loaded and seeded like the others) pairs each request, and the summary gains the
 handoff rows (`handoff_summary`). Every summary has the KV tier rows (`tier_summary`: hit rate
-per lower tier, loads, offloads) and the trace's `shared_cache_limit` beside the hit rate.
+per lower tier, loads, offloads) and the trace's `shared_cache_limit` beside the hit rate; with
+`prefix_pull` also the pull rows (`pull_summary`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from simulator.host_model import HostModel
 from simulator.instance import InstanceConfig
 from simulator.latency.base import LatencyModel
 from simulator.metrics import shared_cache_limit
+from simulator.pull import PullConfig, PullStats
 from simulator.traces import Trace
 from simulator.transfer import TransferModel
 
@@ -66,6 +68,7 @@ class SimSettings:
     admission: AdmissionSettings | None = None
     admission_queue: QueueSettings = field(default_factory=QueueSettings)
     max_inflight_per_instance: int = 256
+    prefix_pull: PullConfig | None = None  # cross-instance prefix pulls (None: off)
 
     def cluster_config(self) -> ClusterConfig:
         return ClusterConfig(
@@ -83,6 +86,7 @@ class SimSettings:
             admission=self.admission,
             admission_queue=self.admission_queue,
             max_inflight_per_instance=self.max_inflight_per_instance,
+            prefix_pull=self.prefix_pull,
         )
 
     @property
@@ -155,7 +159,10 @@ def run_policy(
     summary["unfinished"] = metrics.num_unfinished
     if cluster.admission is not None:
         summary.update(admission_summary(cluster.admission.stats))
-    summary.update(tier_summary(cluster, float(metrics.columns()["prompt_tokens"].sum())))
+    prompt_tokens = float(metrics.columns()["prompt_tokens"].sum())
+    summary.update(tier_summary(cluster, prompt_tokens))
+    if settings.prefix_pull is not None:
+        summary.update(pull_summary(cluster.pull_stats, prompt_tokens))
     summary["shared_cache_limit"] = shared_cache_limit(trace)
     if settings.disaggregated:
         summary.update(handoff_summary(cluster))
@@ -201,6 +208,21 @@ def tier_summary(cluster: SimCluster, prompt_tokens: float) -> dict[str, Any]:
         ),
         "offload_gbytes": sum(s.offload_bytes for s in stats) / 1e9,
     }
+
+
+def pull_summary(stats: PullStats, prompt_tokens: float) -> dict[str, Any]:
+    """The prefix-pull rows: decisions by action, pulls and their fallbacks, bytes, and the
+    share of prompt tokens served from pulled blocks (inside `prefix_hit_rate` already)."""
+    out: dict[str, Any] = {f"pull_decided_{a}": n for a, n in sorted(stats.decided.items())}
+    out |= {
+        "pulls": stats.landed,
+        "pulls_fallback": sum(stats.fallback.values()),
+        "pull_gbytes": stats.bytes_pulled / 1e9,
+        "pull_ms_mean": 1000.0 * stats.link_s / stats.started if stats.started else math.nan,
+        "hit_rate_pulled": stats.tokens_hit / prompt_tokens if prompt_tokens else math.nan,
+    }
+    out |= {f"pulls_fallback_{r}": n for r, n in sorted(stats.fallback.items())}
+    return out
 
 
 def handoff_summary(cluster: SimCluster) -> dict[str, Any]:

@@ -55,6 +55,15 @@ _PD_ROWS = (
     ("handoff_downtime_ms_mean", "P/D handoff downtime mean (ms)", "{:.2f}"),
 )
 
+_PULL_ROWS = (
+    ("pulls", "prefix pulls", "{:.0f}"),
+    ("pulls_fallback", "prefix pulls fallen back to recompute", "{:.0f}"),
+    ("pull_decided_route", "routed to the prefix holder", "{:.0f}"),
+    ("pull_gbytes", "KV pulled (GB)", "{:.2f}"),
+    ("pull_ms_mean", "pull time mean (ms)", "{:.1f}"),
+    ("hit_rate_pulled", "prefix hit rate from pulled blocks", "{:.1%}"),
+)
+
 _ADMISSION_ROWS = (
     ("refused", "refused (429)", "{:.0f}"),
     ("refused_queue_wait", "refused: expected wait", "{:.0f}"),
@@ -89,7 +98,7 @@ def markdown_table(results: Mapping[str, Mapping[str, Any]]) -> str:
         "|---|" + "---:|" * len(labels),
     ]
     rows = metric_rows()
-    for extra in (_ADMISSION_ROWS, _PD_ROWS):  # shown when some run has them
+    for extra in (_ADMISSION_ROWS, _PD_ROWS, _PULL_ROWS):  # shown when some run has them
         rows.extend(row for row in extra if any(row[0] in r for r in results.values()))
     for key, label, fmt in rows:
         cells = [_fmt(results[name].get(key), fmt) for name in labels]

@@ -108,6 +108,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=200.0,
         help="KV transfer bandwidth between instances in Gbit/s (default 200)",
     )
+    fleet.add_argument(
+        "--prefix-pull",
+        action="store_true",
+        help="pull a long prefix from the instance holding it when that beats recomputing or "
+        "routing to the holder (estimated TTFT)",
+    )
+    fleet.add_argument(
+        "--pull-min-tokens",
+        type=int,
+        default=2048,
+        help="prefix tokens a holder must add before a pull is considered (default 2048)",
+    )
+    fleet.add_argument(
+        "--pull-bandwidth-gbps",
+        type=float,
+        default=400.0,
+        help="NIC bandwidth for prefix pulls in Gbit/s (default 400)",
+    )
     admission = parser.add_argument_group(
         "the proxy's admission (off unless --admission; the same rule and flags as kvherd serve)"
     )
@@ -380,6 +398,17 @@ def run(args: argparse.Namespace) -> int:
         pd_policy=args.pd_policy,
         transfer=transfer,
     )
+    if args.prefix_pull:
+        from simulator.pull import PullConfig
+
+        if disaggregated:
+            return _fail("--prefix-pull needs a fleet of mixed instances (no P/D)")
+        try:
+            settings.prefix_pull = PullConfig(
+                args.pull_min_tokens, args.pull_bandwidth_gbps * 1e9 / 8
+            )
+        except ValueError as exc:
+            return _fail(str(exc))
     if args.admission:
         (
             settings.admission,
@@ -407,6 +436,14 @@ def run(args: argparse.Namespace) -> int:
         "host_profile": None if args.profile is None else str(args.profile),
         "host": host.profile_section(),
         "migration_policy": args.migration_policy,
+        "prefix_pull": (
+            None
+            if settings.prefix_pull is None
+            else {
+                "min_tokens": args.pull_min_tokens,
+                "bandwidth_gbps": args.pull_bandwidth_gbps,
+            }
+        ),
         "seed": args.seed,
         "slo_ttft_ms": args.slo_ttft,
         "slo_tpot_ms": args.slo_tpot,

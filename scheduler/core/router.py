@@ -19,6 +19,11 @@ Contract:
   among what is left and the request runs there entirely. The decode instance counts the request
   as incoming from the pairing on (`InstanceState.incoming`) until `on_migrated` moves it there,
   `on_handoff_failed` says it stays where it was prefilled, or it ends.
+- Cross-instance prefix pull (`pull`: `scheduler.core.prefix_pull.PullSettings`; None: off): a
+  dispatch policy's pick (never a P/D pairing) is checked against the holder of a deeper prefix
+  (`choose_pull`): ROUTE sends the request to the holder, PULL keeps it where the policy chose and
+  charges it as cached up to the holder's depth; `Routed.pull` keeps the choice whenever a
+  holder was worth a look, and the driver moves a PULL's blocks before the prefill.
 - `NoInstanceError` when nothing is dispatchable. Pure: times are arguments, no I/O or threads;
   the proxy and the simulator drive the same object.
 
@@ -50,6 +55,7 @@ from policies.base import DispatchPolicy, PDPolicy
 from policies.views import ClusterView, Decision, NoInstanceError, PDDecision, RequestView
 from scheduler.core.cluster_state import ClusterState
 from scheduler.core.instance_state import Dispatch
+from scheduler.core.prefix_pull import PullAction, PullChoice, PullSettings, choose_pull
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +64,7 @@ class Routed:
     request: RequestView
     matched_blocks: int  # leading blocks the chosen instance caches, as the index believes
     decode_id: str | None = None  # P/D: hand the request to this instance after its first token
+    pull: PullChoice | None = None  # the prefix-pull choice, where a holder was worth a look
 
     @property
     def instance_id(self) -> str:
@@ -66,11 +73,16 @@ class Routed:
 
 class Router:
     def __init__(
-        self, cluster: ClusterState, policy: DispatchPolicy, pd_policy: PDPolicy | None = None
+        self,
+        cluster: ClusterState,
+        policy: DispatchPolicy,
+        pd_policy: PDPolicy | None = None,
+        pull: PullSettings | None = None,
     ) -> None:
         self.cluster = cluster
         self.policy = policy
         self.pd_policy = pd_policy
+        self.pull = pull
         self._where: dict[str, str] = {}  # request id -> instance id
         self._decode_of: dict[str, str] = {}  # request id -> its decode instance, until handed
 
@@ -118,9 +130,16 @@ class Router:
         )
         view = self.cluster.view(now, exclude)
         pair = self._pair(request, view, exclude)
+        pull = None
         if pair is None:
             decision = self.policy.choose(request, view)
             decode_id = None
+            if self.pull is not None:
+                pull = choose_pull(request, view, decision.instance_id, self.pull)
+                if not pull.estimates:
+                    pull = None
+                elif pull.action is PullAction.ROUTE:
+                    decision = Decision(pull.instance_id, decision.scores, pull.reason)
         else:
             decision = Decision(pair.prefill, reason=pair.reason)
             decode_id = pair.decode if pair.disaggregated else None
@@ -134,6 +153,8 @@ class Router:
             cached = int(
                 view.prefix_match_tiers(request)[:, view.index_of(decision.instance_id)].sum()
             )
+        if pull is not None and pull.action is PullAction.PULL:  # cached once the pull lands
+            cached = pull.first_block + pull.num_blocks
         cached_tokens = min(num_tokens, cached * self.cluster.block_size)
         state = self.cluster.get(decision.instance_id)
         state.dispatch(request_id, num_tokens, num_tokens - cached_tokens, now)
@@ -144,7 +165,7 @@ class Router:
             self._decode_of[request_id] = decode_id
             self.cluster.get(decode_id).incoming.add(request_id)
             self.cluster.touch(decode_id)
-        return Routed(decision, request, matched, decode_id)
+        return Routed(decision, request, matched, decode_id, pull)
 
     def _pair(
         self, request: RequestView, view: ClusterView, exclude: Collection[str]

@@ -1,0 +1,155 @@
+"""The prefix-pull rule: recompute at the preferred instance, route to the holder, or pull its
+blocks, by estimated TTFT (`scheduler.core.prefix_pull`), and the router acting on it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from policies.base import DispatchPolicy
+from policies.views import ClusterView, Decision, InstanceView, RequestView
+from scheduler.core.cluster_state import ClusterState
+from scheduler.core.prefix_pull import PullAction, PullSettings, choose_pull
+from scheduler.core.router import Router
+
+BS = 16
+REQUEST = RequestView("r", 512 * BS, tuple(range(512)), BS)  # 8,192 tokens
+# 10k prefill tokens/s, 100 kB of KV per token over 50 GB/s: a pulled token costs 2 us, a
+# recomputed one 100 us.
+SETTINGS = PullSettings(prefill_tokens_per_s=1e4, kv_bytes_per_token=1e5)
+
+
+def view(instances: list[InstanceView], tiers: list[list[float]]) -> ClusterView:
+    """A hand-built view whose match per tier is `tiers` (rows GPU, CPU, STORAGE)."""
+    table = np.array(tiers, dtype=np.float64)
+    gpu = {inst.instance_id: int(d) for inst, d in zip(instances, table[0], strict=True) if d}
+    return ClusterView(
+        instances, 0.0, lambda request: gpu, tier_matcher=lambda request, _gpu: table[1:]
+    )
+
+
+def inst(name: str, **fields: float) -> InstanceView:
+    return InstanceView(name, capacity=10_000, free_blocks=10_000, **fields)  # type: ignore[arg-type]
+
+
+def busy(name: str) -> InstanceView:
+    return inst(name, num_running=10, waiting_prefill_tokens=50_000)
+
+
+def test_no_holder_deeper_than_the_preferred_instance_recomputes_without_estimates() -> None:
+    cluster = view([inst("p"), busy("h")], [[300, 200], [0, 0], [0, 0]])
+    choice = choose_pull(REQUEST, cluster, "p", SETTINGS)
+    assert (choice.action, choice.instance_id, choice.estimates) == (
+        PullAction.RECOMPUTE,
+        "p",
+        {},
+    )
+
+
+def test_a_holder_below_the_minimum_gain_is_not_considered() -> None:
+    # 127 blocks deeper = 2,032 tokens < 2,048.
+    cluster = view([inst("p"), inst("h")], [[100, 227], [0, 0], [0, 0]])
+    assert choose_pull(REQUEST, cluster, "p", SETTINGS).estimates == {}
+    cluster = view([inst("p"), inst("h")], [[100, 228], [0, 0], [0, 0]])
+    assert choose_pull(REQUEST, cluster, "p", SETTINGS).estimates != {}
+    lower = PullSettings(prefill_tokens_per_s=1e4, kv_bytes_per_token=1e5, min_gain_tokens=0)
+    cluster = view([inst("p"), inst("h")], [[100, 101], [0, 0], [0, 0]])
+    assert choose_pull(REQUEST, cluster, "p", lower).estimates != {}
+
+
+def test_a_busy_holder_and_a_fast_link_pull_to_the_idle_instance() -> None:
+    cluster = view([inst("p"), busy("h")], [[0, 400], [0, 0], [0, 0]])
+    choice = choose_pull(REQUEST, cluster, "p", SETTINGS)
+    assert (choice.action, choice.instance_id, choice.source) == (PullAction.PULL, "p", "h")
+    assert (choice.first_block, choice.num_blocks) == (0, 400)
+    transfer = 400 * BS * 1e5 / 50e9 + 50e-6
+    assert choice.estimates[PullAction.PULL] == pytest.approx(transfer + (8192 - 6400) / 1e4)
+    assert choice.estimates[PullAction.RECOMPUTE] == pytest.approx(8192 / 1e4)
+    assert choice.estimates[PullAction.ROUTE] == pytest.approx((50_000 + 320 + 1792) / 1e4)
+    assert choice.reason.startswith("pull (est. TTFT: recompute 819 ms")
+
+
+def test_an_idle_holder_gets_the_request_routed_to_it() -> None:
+    cluster = view([busy("p"), inst("h")], [[0, 400], [0, 0], [0, 0]])
+    choice = choose_pull(REQUEST, cluster, "p", SETTINGS)
+    assert (choice.action, choice.instance_id, choice.source) == (PullAction.ROUTE, "h", None)
+
+
+def test_a_slow_link_recomputes_with_the_estimates_kept() -> None:
+    slow = PullSettings(prefill_tokens_per_s=1e4, kv_bytes_per_token=1e5, bandwidth=1e8)
+    cluster = view([inst("p"), busy("h")], [[0, 400], [0, 0], [0, 0]])
+    choice = choose_pull(REQUEST, cluster, "p", slow)
+    assert choice.action is PullAction.RECOMPUTE and choice.instance_id == "p"
+    assert choice.estimates[PullAction.PULL] > choice.estimates[PullAction.RECOMPUTE]
+
+
+def test_the_pull_starts_past_the_preferred_gpu_hits_and_replaces_its_lower_tier_ones() -> None:
+    # p: 100 GPU blocks, then 50 on CPU; h: 400 deep. The pull copies positions 100..400.
+    cluster = view([inst("p"), busy("h")], [[100, 400], [50, 0], [0, 0]])
+    choice = choose_pull(REQUEST, cluster, "p", SETTINGS)
+    assert (choice.action, choice.first_block, choice.num_blocks) == (PullAction.PULL, 100, 300)
+    load = 50 * BS * 0.05  # p's own CPU hits at the default load ratio
+    assert choice.estimates[PullAction.RECOMPUTE] == pytest.approx((load + 8192 - 150 * BS) / 1e4)
+
+
+def test_the_holder_s_disk_blocks_add_their_read_time() -> None:
+    # h: 100 GPU, 100 CPU, 200 disk blocks; storage load ratio 0.4 of a prefill token each.
+    cluster = view([inst("p"), busy("h")], [[0, 100], [0, 100], [0, 200]])
+    choice = choose_pull(REQUEST, cluster, "p", SETTINGS)
+    transfer = 400 * BS * 1e5 / 50e9 + 50e-6 + 200 * BS * 0.4 / 1e4
+    assert choice.estimates[PullAction.PULL] == pytest.approx(transfer + 1792 / 1e4)
+
+
+def test_the_holder_is_the_deepest_dispatchable_one_and_never_covers_the_last_token() -> None:
+    draining = InstanceView("d", capacity=10_000, free_blocks=10_000, draining=True)
+    cluster = view(
+        [inst("p"), draining, busy("a"), busy("b")],
+        [[0, 512, 300, 250], [0, 0, 0, 50], [0, 0, 0, 0]],
+    )
+    choice = choose_pull(REQUEST, cluster, "p", SETTINGS)
+    assert choice.source == "a"  # a and b are 300 deep; a has more of it on GPU
+    full = view([inst("p"), busy("h")], [[0, 512], [0, 0], [0, 0]])
+    assert choose_pull(REQUEST, full, "p", SETTINGS).num_blocks == 511
+
+
+class _Fixed(DispatchPolicy):
+    name = "fixed"
+
+    def __init__(self, instance_id: str) -> None:
+        self.instance_id = instance_id
+
+    def choose(self, request: RequestView, cluster: ClusterView) -> Decision:
+        return Decision(self.instance_id)
+
+
+def _router(preferred: str, holder_busy: bool) -> tuple[Router, ClusterState]:
+    from kvherd.kv_events import BlockStored
+    from scheduler.core.load_report import LoadReport
+
+    state = ClusterState(block_size=BS)
+    for iid in ("p", "h"):
+        state.add_instance(iid, has_kv_events=True, trust_engine_hashes=True, now=0.0)
+    state.apply_kv_events(
+        "h", [BlockStored(list(REQUEST.block_hashes[:400]), None, [], BS, medium="GPU")]
+    )
+    if holder_busy:
+        state.apply_report("h", LoadReport(num_running=10, waiting_prefill_tokens=50_000), 0.0)
+    return Router(state, _Fixed(preferred), pull=SETTINGS), state
+
+
+def test_the_router_charges_a_pull_as_cached_and_sends_a_route_to_the_holder() -> None:
+    router, state = _router("p", holder_busy=True)
+    routed = router.route("r", now=0.0, num_tokens=8192, block_hashes=REQUEST.block_hashes)
+    assert routed.instance_id == "p" and routed.pull is not None
+    assert (routed.pull.action, routed.pull.source, routed.pull.num_blocks) == (
+        PullAction.PULL,
+        "h",
+        400,
+    )
+    assert state.view(0.0)["p"].pending_prefill_tokens == 8192 - 400 * BS
+    router, _ = _router("p", holder_busy=False)
+    other = tuple(range(1000, 1512))  # a prompt nobody holds: it stays on p, 8,192 tokens
+    assert router.route("x", now=0.0, num_tokens=8192, block_hashes=other).pull is None
+    routed = router.route("r", now=0.0, num_tokens=8192, block_hashes=REQUEST.block_hashes)
+    assert routed.instance_id == "h" and routed.pull is not None
+    assert routed.pull.action is PullAction.ROUTE and routed.decision.reason.startswith("route")
