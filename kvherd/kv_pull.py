@@ -165,7 +165,9 @@ class BlockServer:
         self.port = self._listener.getsockname()[1]
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._accept, name="kvherd-block-server", daemon=True)
+        self._thread = threading.Thread(
+            target=self._accept, name="kvherd-block-server", daemon=True
+        )
         self._thread.start()
 
     def _accept(self) -> None:

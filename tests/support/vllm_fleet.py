@@ -19,6 +19,8 @@ Contract:
   ``--kv-events-config`` per `VllmSpec`: ``tcp://*:P`` makes vLLM bind its PUB (``kv_bind``), a
   host endpoint makes it connect (the consumer binds), and a replay ROUTER always binds.
   ``VLLM_CPU_KVCACHE_SPACE=1`` and one OpenMP core per server (``VLLM_CPU_OMP_THREADS_BIND``).
+  ``VllmSpec(connector=True)`` loads kvherd's KV connector from this tree (`connector_config`;
+  its block server on `VllmServer.block_address`).
   `wait_ready` polls ``/health``; a server that exits first fails with its log's tail.
 - `stop_vllm` SIGTERMs the process group (API server, EngineCore, worker), then SIGKILLs it:
   nothing is left running. `vllm_servers` starts several at once and always stops them all.
@@ -62,6 +64,9 @@ REQUIRE_VLLM_ENV = "KVHERD_REQUIRE_VLLM"  # "1" in CI: missing vLLM fails instea
 SERVED_MODEL = "tiny"
 VLLM_BLOCK_SIZE = 128  # the CPU build's default
 READY_TIMEOUT_S = 600.0  # two cold starts on two busy cores take 1-3 minutes each
+CONNECTOR_PULL_TIMEOUT_S = 3.0  # short, so a test of a stalled source ends quickly
+# vLLM imports kvherd.vllm_connector from this tree.
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 _END_SEQ = -1
 T = TypeVar("T")
@@ -107,6 +112,7 @@ class VllmSpec:
     kv_bind: bool = True  # True: ``tcp://*:P`` (vLLM binds); False: ``tcp://127.0.0.1:P``
     block_size: int | None = None
     extra_args: tuple[str, ...] = ()
+    connector: bool = False  # load kvherd's KV connector, serving its blocks on a port of its own
 
 
 @dataclass
@@ -117,6 +123,7 @@ class VllmServer:
     log_path: str
     kv_port: int
     replay_port: int
+    block_port: int | None = None  # the kvherd connector's block server (VllmSpec.connector)
     ready_s: float | None = None
 
     @property
@@ -131,6 +138,12 @@ class VllmServer:
     @property
     def replay_endpoint(self) -> str:
         return f"tcp://127.0.0.1:{self.replay_port}"
+
+    @property
+    def block_address(self) -> str:
+        """Where the kvherd connector serves this server's blocks (``kvherd_pull.from``)."""
+        assert self.block_port is not None, f"{self.spec.name} runs without the kvherd connector"
+        return f"tcp://127.0.0.1:{self.block_port}"
 
     def log(self, tail: int = 6000) -> str:
         with open(self.log_path, errors="replace") as handle:
@@ -191,7 +204,13 @@ class VllmServer:
 
 
 def vllm_command(
-    python: str, model_dir: Path, spec: VllmSpec, port: int, kv_port: int, replay_port: int
+    python: str,
+    model_dir: Path,
+    spec: VllmSpec,
+    port: int,
+    kv_port: int,
+    replay_port: int,
+    block_port: int | None = None,
 ) -> list[str]:
     host = "*" if spec.kv_bind else "127.0.0.1"
     kv_config = {
@@ -227,7 +246,22 @@ def vllm_command(
     ]
     if spec.block_size is not None:
         cmd += ["--block-size", str(spec.block_size)]
+    if block_port is not None:
+        cmd += ["--kv-transfer-config", json.dumps(connector_config(block_port))]
     return cmd + list(spec.extra_args)
+
+
+def connector_config(
+    block_port: int, pull_timeout_s: float = CONNECTOR_PULL_TIMEOUT_S
+) -> dict[str, Any]:
+    """vLLM's ``--kv-transfer-config`` for kvherd's connector, serving its blocks on `block_port`."""
+    return {
+        "kv_connector": "KvherdConnector",
+        "kv_connector_module_path": "kvherd.vllm_connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"port": block_port, "pull_timeout_s": pull_timeout_s},
+    }
 
 
 def start_vllm(
@@ -235,6 +269,7 @@ def start_vllm(
 ) -> VllmServer:
     """Launch one server (without waiting for it: see `wait_ready`)."""
     port, kv_port, replay_port = free_port(), free_port(), free_port()
+    block_port = free_port() if spec.connector else None
     log_path = str(log_dir / f"vllm-{spec.name}-{port}.log")
     env = {
         **os.environ,
@@ -250,15 +285,17 @@ def start_vllm(
     # fixed seed of vLLM's block-hash chain.
     for name in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME", "PYTHONHASHSEED"):
         env.pop(name, None)
+    if spec.connector:
+        env["PYTHONPATH"] = str(REPO_ROOT)  # this tree's kvherd, whatever vLLM's venv holds
     with open(log_path, "wb") as log_file:  # the child keeps its own descriptor
         process = subprocess.Popen(
-            vllm_command(python, model_dir, spec, port, kv_port, replay_port),
+            vllm_command(python, model_dir, spec, port, kv_port, replay_port, block_port),
             stdout=log_file,
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
         )
-    return VllmServer(spec, port, process, log_path, kv_port, replay_port)
+    return VllmServer(spec, port, process, log_path, kv_port, replay_port, block_port)
 
 
 def wait_ready(server: VllmServer, timeout_s: float = READY_TIMEOUT_S) -> None:

@@ -1,0 +1,162 @@
+"""kvherd's vLLM KV connector between two real vLLM servers: prefix pulls, and every way one fails.
+
+The session pair runs the connector (`VllmSpec.connector`), each serving its blocks on a port of
+its own. A prompt computed on ``a`` and then sent to ``b`` with ``kvherd_pull`` from ``a`` is
+loaded, not recomputed: ``b``'s ``cached_tokens`` count the pulled blocks and the greedy output is
+the one ``a`` gave and the one ``b`` gives when it computes the prompt itself (a ``cache_salt`` of
+its own defeats its cache). A pull that cannot be served (nobody listening, a source that dies or
+stalls mid-block, a source without the blocks) ends in a recompute: status 200, no cached tokens,
+the same output, and afterwards ``b`` holds no block for a request (KV usage back to 0) and has
+nothing waiting. The dying and stalling sources are fake servers on loopback, so that the session's
+servers survive them; at the socket ``b`` sees what a killed or frozen ``a`` would show it.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from agent_process import free_port
+from vllm_fleet import SERVED_MODEL, Prompts, VllmServer, poll_until
+
+MAX_TOKENS = 8
+
+
+def _complete(server: VllmServer, prompt: str, **extra: Any) -> dict[str, Any]:
+    body = {
+        "model": SERVED_MODEL,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        **extra,
+    }
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=120.0, trust_env=False)
+    assert response.status_code == 200, response.text
+    answer: dict[str, Any] = response.json()
+    return answer
+
+
+def _cached(answer: dict[str, Any]) -> int:
+    return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"] or 0)
+
+
+def _text(answer: dict[str, Any]) -> str:
+    return str(answer["choices"][0]["text"])
+
+
+def _pull(source: str, **options: Any) -> dict[str, Any]:
+    return {"kv_transfer_params": {"kvherd_pull": {"from": source, **options}}}
+
+
+def _gauge(server: VllmServer, name: str) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10.0, trust_env=False).text
+    values = [
+        float(line.rpartition(" ")[2])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    ]
+    assert values, f"no {name} on {server.url}/metrics"
+    return sum(values)
+
+
+def _assert_nothing_pinned(server: VllmServer) -> None:
+    """No request holds a block (cached blocks are free in vLLM's pool) and none waits."""
+
+    def idle() -> bool:
+        return (
+            _gauge(server, "vllm:kv_cache_usage_perc") == 0.0
+            and _gauge(server, "vllm:num_requests_waiting") == 0.0
+            and _gauge(server, "vllm:num_requests_running") == 0.0
+        )
+
+    assert poll_until(idle, timeout_s=20.0), server.log()
+
+
+def test_prefix_computed_on_a_is_pulled_by_b(
+    vllm_pair: tuple[VllmServer, VllmServer], prompts: Prompts
+) -> None:
+    a, b = vllm_pair
+    prompt = prompts.make("connector-pull", blocks=4)
+    full_blocks = prompts.full_blocks(prompt)
+    computed_on_a = _complete(a, prompt)
+    recomputed_on_b = _complete(b, prompt, cache_salt="connector-pull-recompute")
+    assert _cached(computed_on_a) == 0 and _cached(recomputed_on_b) == 0
+
+    pulled = _complete(b, prompt, **_pull(a.block_address))
+
+    assert _cached(pulled) == full_blocks * 128, pulled["usage"]
+    assert pulled["kv_transfer_params"] == {
+        "kvherd_pull": {"outcome": "loaded", "tokens": full_blocks * 128}
+    }
+    assert _text(pulled) == _text(computed_on_a) == _text(recomputed_on_b)
+    # b keeps what it loaded: the same prompt again is a local hit, with no pull asked.
+    assert _cached(_complete(b, prompt)) == full_blocks * 128
+    _assert_nothing_pinned(b)
+
+
+def test_pull_takes_only_the_tokens_asked_for(
+    vllm_pair: tuple[VllmServer, VllmServer], prompts: Prompts
+) -> None:
+    a, b = vllm_pair
+    prompt = prompts.make("connector-partial", blocks=3)
+    expected = _text(_complete(a, prompt))
+    pulled = _complete(b, prompt, **_pull(a.block_address, tokens=2 * 128 + 5))
+    assert _cached(pulled) == 2 * 128
+    assert _text(pulled) == expected
+
+
+class _FakeSource:
+    """A block server that says it holds the blocks, then dies or stalls inside the first one."""
+
+    def __init__(self, behaviour: str) -> None:
+        self.behaviour = behaviour
+        self.release = threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        with self.listener:
+            conn, _ = self.listener.accept()
+            with conn:
+                conn.recv(1 << 20)
+                header = json.dumps({"count": 1}).encode()
+                conn.sendall(len(header).to_bytes(4, "big") + header + b"\0" * 1000)
+                if self.behaviour == "stall":
+                    self.release.wait(30.0)
+
+
+@pytest.fixture(params=["unreachable", "source_dies", "source_stalls", "source_lacks_blocks"])
+def failing_source(
+    request: pytest.FixtureRequest, vllm_pair: tuple[VllmServer, VllmServer]
+) -> Iterator[str]:
+    kind = request.param
+    if kind == "unreachable":
+        yield f"tcp://127.0.0.1:{free_port()}"  # nobody listens there
+    elif kind == "source_lacks_blocks":
+        yield vllm_pair[0].block_address  # a never saw the prompt
+    else:
+        fake = _FakeSource("stall" if kind == "source_stalls" else "die")
+        yield fake.address
+        fake.release.set()
+
+
+def test_a_failed_pull_recomputes_and_pins_nothing(
+    vllm_pair: tuple[VllmServer, VllmServer],
+    prompts: Prompts,
+    failing_source: str,
+    request: pytest.FixtureRequest,
+) -> None:
+    _a, b = vllm_pair
+    prompt = prompts.make(f"connector-fault-{request.node.callspec.id}", blocks=2)
+    answer = _complete(b, prompt, **_pull(failing_source))
+    assert _cached(answer) == 0, answer["usage"]
+    assert answer["kv_transfer_params"] == {"kvherd_pull": {"outcome": "failed", "tokens": 0}}
+    reference = _complete(b, prompt, cache_salt=f"ref-{request.node.callspec.id}")
+    assert _text(answer) == _text(reference)
+    _assert_nothing_pinned(b)
