@@ -1,8 +1,9 @@
 """Whole-block KV pulls between engine workers over plain TCP: a bounded block store, its server, a fetch.
 
 Contract:
-- `BlockStore(capacity_bytes)`: block hash (bytes) -> one block's KV bytes (every layer, one layout),
-  LRU, never above its capacity; thread-safe. `prefix(hashes)` is the longest stored prefix.
+- `BlockStore(capacity_blocks)`: block hash (bytes) -> one block's KV bytes (every layer, one
+  layout), LRU by put, never above its capacity; thread-safe. `prefix(hashes)` is the longest
+  stored prefix. `BlockIndex(capacity_blocks)` is the same policy on hashes alone: a mirror.
 - `BlockServer(store, layout, host, port)` answers each connection's one request (a frame: the
   layout key and up to `MAX_PULL_BLOCKS` hashes) with a header (``count`` blocks it holds, in
   order, from the first) and then those blocks. A layout other than its own gets ``count`` 0 and an
@@ -63,15 +64,52 @@ def parse_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
+class BlockIndex:
+    """Bounded LRU of block hashes. Fed the same puts, it holds exactly what a `BlockStore` of the
+    same capacity holds: the vLLM scheduler's mirror of its worker's store (another process)."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity_blocks = max(1, capacity_blocks)
+        self.evicted = 0
+        self._order: OrderedDict[bytes, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._order
+
+    def put(self, block_hash: bytes) -> tuple[bool, list[bytes]]:
+        """Add or touch `block_hash`: (whether it is new, the hashes evicted to make room)."""
+        if block_hash in self._order:
+            self._order.move_to_end(block_hash)
+            return False, []
+        evicted: list[bytes] = []
+        while len(self._order) >= self.capacity_blocks:
+            evicted.append(self._order.popitem(last=False)[0])
+        self.evicted += len(evicted)
+        self._order[block_hash] = None
+        return True, evicted
+
+    def prefix_len(self, hashes: Sequence[bytes]) -> int:
+        """How many of `hashes`, from the first, are held (nothing is touched)."""
+        n = 0
+        while n < len(hashes) and hashes[n] in self._order:
+            n += 1
+        return n
+
+
 class BlockStore:
     """Bounded LRU of whole blocks keyed by block hash (see the module contract)."""
 
-    def __init__(self, capacity_bytes: int) -> None:
-        self.capacity_bytes = capacity_bytes
-        self.used_bytes = 0
-        self.evicted = 0
-        self._blocks: OrderedDict[bytes, bytes] = OrderedDict()
+    def __init__(self, capacity_blocks: int) -> None:
+        self._index = BlockIndex(capacity_blocks)
+        self._blocks: dict[bytes, bytes] = {}
         self._lock = threading.Lock()
+
+    @property
+    def evicted(self) -> int:
+        return self._index.evicted
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -81,36 +119,26 @@ class BlockStore:
             return block_hash in self._blocks
 
     def put(self, block_hash: bytes, block: bytes) -> None:
-        if len(block) > self.capacity_bytes:
-            return
+        """Keep `block` (a held hash is only touched: one hash names one block's KV)."""
         with self._lock:
-            old = self._blocks.pop(block_hash, None)
-            if old is not None:
-                self.used_bytes -= len(old)
-            while self.used_bytes + len(block) > self.capacity_bytes:
-                _, dropped = self._blocks.popitem(last=False)
-                self.used_bytes -= len(dropped)
-                self.evicted += 1
-            self._blocks[block_hash] = block
-            self.used_bytes += len(block)
+            added, evicted = self._index.put(block_hash)
+            for dropped in evicted:
+                del self._blocks[dropped]
+            if added:
+                self._blocks[block_hash] = block
 
     def prefix(self, hashes: Sequence[bytes]) -> list[bytes]:
-        """The stored blocks of the longest prefix of `hashes`, each touched as recently used.
-
-        The bytes are immutable, so a block evicted while it is being sent stays valid."""
-        found: list[bytes] = []
+        """The stored blocks of the longest prefix of `hashes` (nothing is touched, so that a
+        mirror `BlockIndex` stays exact). The bytes are immutable: a block evicted while it is
+        being sent stays valid."""
         with self._lock:
-            for block_hash in hashes:
-                block = self._blocks.get(block_hash)
-                if block is None:
-                    break
-                self._blocks.move_to_end(block_hash)
-                found.append(block)
-        return found
+            n = self._index.prefix_len(hashes)
+            return [self._blocks[h] for h in hashes[:n]]
 
     def check_integrity(self) -> None:
-        assert self.used_bytes == sum(len(b) for b in self._blocks.values())
-        assert self.used_bytes <= self.capacity_bytes
+        with self._lock:
+            assert len(self._blocks) == len(self._index) <= self._index.capacity_blocks
+            assert all(h in self._index for h in self._blocks)
 
 
 def _send_frame(sock: socket.socket, payload: dict[str, Any]) -> None:

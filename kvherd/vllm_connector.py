@@ -4,6 +4,10 @@ Contract (loaded by vLLM's own python; see vllm_connector.md for the flags and t
 - Every worker copies each full block its engine computes or loads into a bounded host
   `kv_pull.BlockStore` (``kv_connector_extra_config.store_mib``, default 512) after the forward
   that wrote it, and serves the store on ``port`` (0 or absent: serves nothing) to other workers.
+- Host tier (``host_tier``, default on): the scheduler mirrors the store (`kv_pull.BlockIndex`),
+  announces it with vLLM's own events on vLLM's KV event stream (``BlockStored`` and
+  ``BlockRemoved``, ``medium`` "CPU"), and a request whose prefix vLLM's pool lost but the store
+  holds loads it from there (``{"kvherd_host": ...}`` in its response) instead of recomputing.
 - A request whose ``kv_transfer_params`` carry ``{"kvherd_pull": {"from": "tcp://host:port",
   "tokens": N}}`` loads, asynchronously, the full prompt blocks past its local hit (up to N tokens,
   never the block of the last prompt token) from that server into the blocks vLLM allocated,
@@ -25,14 +29,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
 )
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-from kvherd.kv_pull import BlockServer, BlockStore, Pull, PullError, fetch_blocks
+from kvherd.kv_pull import BlockIndex, BlockServer, BlockStore, Pull, PullError, fetch_blocks
 
 logger = logging.getLogger("vllm.kvherd_connector")  # under vLLM's logger, so it reaches its log
 
@@ -43,10 +49,10 @@ PARALLEL_PULLS = 2  # loader threads per worker; more only contend for the same 
 
 @dataclass(frozen=True, slots=True)
 class BlockLoad:
-    """Load `hashes` from `source` into this worker's `block_ids`, for `request_id`."""
+    """Load `hashes` from `source` (None: this worker's own store) into its `block_ids`."""
 
     request_id: str
-    source: str
+    source: str | None
     hashes: list[bytes]
     block_ids: list[int]
 
@@ -67,7 +73,8 @@ class _Tracked:
     pull: Pull | None
     saved_blocks: int = 0  # blocks already handed to the workers to keep
     planned: tuple[int, int] | None = None  # (first block, blocks) the last match offered
-    pulled_tokens: int = 0
+    kind: str | None = None  # the load it got: "kvherd_pull" (a peer) or "kvherd_host" (its store)
+    loaded_tokens: int = 0
     outcome: str | None = None  # "loading", then "loaded" or "failed"
 
 
@@ -86,11 +93,19 @@ class KvherdConnector(KVConnectorBase_V1):
             )
         extra = transfer.kv_connector_extra_config or {}
         self._block_size: int = vllm_config.cache_config.block_size
+        # Both sides size the store from vLLM's KV config, so the scheduler's mirror is exact.
+        block_bytes = sum(t.size for t in kv_cache_config.kv_cache_tensors) // max(
+            1, kv_cache_config.num_blocks
+        )
+        capacity = (int(extra.get("store_mib", DEFAULT_STORE_MIB)) << 20) // max(1, block_bytes)
         # Scheduler side.
         self._tracked: dict[str, _Tracked] = {}
         self._ready_loads: list[BlockLoad] = []
+        self._host_tier = bool(extra.get("host_tier", True))
+        self._host_index = BlockIndex(capacity)
+        self._events: list[KVCacheEvent] = []  # drained by vLLM every step (take_events)
         # Worker side.
-        self._store = BlockStore(int(extra.get("store_mib", DEFAULT_STORE_MIB)) << 20)
+        self._store = BlockStore(capacity)
         self._host = str(extra.get("host", "127.0.0.1"))
         self._port = int(extra.get("port", 0))
         self._pull_timeout_s = float(extra.get("pull_timeout_s", DEFAULT_PULL_TIMEOUT_S))
@@ -111,16 +126,20 @@ class KvherdConnector(KVConnectorBase_V1):
         if tracked is None:
             tracked = _Tracked(request, Pull.from_params(request.kv_transfer_params))
             self._tracked[request.request_id] = tracked
-        if tracked.pull is None or tracked.outcome is not None:
-            return 0, False  # no ask, or it was tried: a failed pull recomputes
+        tracked.planned = None
+        if tracked.outcome is not None:
+            return 0, False  # one load per request: a failed one recomputes
         size = self._block_size
-        wanted = (request.num_prompt_tokens - 1) // size
-        if tracked.pull.tokens is not None:
-            wanted = min(wanted, tracked.pull.tokens // size)
-        wanted = min(wanted, len(request.block_hashes))
         first = num_computed_tokens // size
+        wanted = min((request.num_prompt_tokens - 1) // size, len(request.block_hashes))
+        if tracked.pull is not None:
+            if tracked.pull.tokens is not None:
+                wanted = min(wanted, tracked.pull.tokens // size)
+        elif self._host_tier:
+            wanted = first + self._host_index.prefix_len(request.block_hashes[first:wanted])
+        else:
+            return 0, False
         if wanted <= first:
-            tracked.planned = None
             return 0, False
         tracked.planned = (first, wanted - first)
         return (wanted - first) * size, True
@@ -129,14 +148,13 @@ class KvherdConnector(KVConnectorBase_V1):
         tracked = self._tracked.get(request.request_id)
         if num_external_tokens == 0 or tracked is None or tracked.planned is None:
             return
-        assert tracked.pull is not None
         first, count = tracked.planned
         block_ids = blocks.get_block_ids()[0][first : first + count]
         hashes = [bytes(h) for h in request.block_hashes[first : first + count]]
-        self._ready_loads.append(
-            BlockLoad(request.request_id, tracked.pull.source, hashes, list(block_ids))
-        )
-        tracked.outcome, tracked.pulled_tokens = "loading", count * self._block_size
+        source = tracked.pull.source if tracked.pull is not None else None
+        self._ready_loads.append(BlockLoad(request.request_id, source, hashes, list(block_ids)))
+        tracked.kind = "kvherd_host" if source is None else "kvherd_pull"
+        tracked.outcome, tracked.loaded_tokens = "loading", count * self._block_size
 
     def build_connector_meta(self, scheduler_output: Any) -> KvherdConnectorMetadata:
         meta = KvherdConnectorMetadata(loads=self._ready_loads)
@@ -157,9 +175,39 @@ class KvherdConnector(KVConnectorBase_V1):
                 continue
             block_ids = manager.get_block_ids(request_id)[0]
             for i in range(tracked.saved_blocks, full):
-                meta.saves.append((bytes(request.block_hashes[i]), block_ids[i]))
+                block_hash = bytes(request.block_hashes[i])
+                meta.saves.append((block_hash, block_ids[i]))
+                self._mirror_put(request, i, block_hash)
             tracked.saved_blocks = full
         return meta
+
+    def _mirror_put(self, request: Any, i: int, block_hash: bytes) -> None:
+        """The worker keeps this block: mirror it, and announce it (and any eviction) as vLLM
+        would a tier of its own, on vLLM's event stream."""
+        added, evicted = self._host_index.put(block_hash)
+        if evicted and self._host_tier:
+            hashes = [maybe_convert_block_hash(h) for h in evicted]
+            self._events.append(BlockRemoved(block_hashes=hashes, medium=MEDIUM_CPU))
+        if not added or not self._host_tier:
+            return
+        size = self._block_size
+        parent = request.block_hashes[i - 1] if i else None
+        lora = request.lora_request
+        self._events.append(
+            BlockStored(
+                block_hashes=[maybe_convert_block_hash(block_hash)],
+                parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
+                token_ids=list(request.all_token_ids[i * size : (i + 1) * size]),
+                block_size=size,
+                lora_id=lora.adapter_id if lora else None,
+                medium=MEDIUM_CPU,
+                lora_name=lora.name if lora else None,
+            )
+        )
+
+    def take_events(self) -> list[KVCacheEvent]:
+        events, self._events = self._events, []
+        return events
 
     def update_connector_output(self, connector_output: Any) -> None:
         failed = connector_output.failed_recving or set()
@@ -170,11 +218,11 @@ class KvherdConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         tracked = self._tracked.pop(request.request_id, None)
-        if tracked is None or tracked.pull is None:
+        if tracked is None or tracked.kind is None:
             return False, None
         loaded = tracked.outcome == "loaded"
-        report = {"outcome": tracked.outcome or "none", "tokens": tracked.pulled_tokens * loaded}
-        return False, {"kvherd_pull": report}
+        report = {"outcome": tracked.outcome, "tokens": tracked.loaded_tokens * loaded}
+        return False, {tracked.kind: report}
 
     # ---- worker side ----------------------------------------------------------------------
 
@@ -215,14 +263,20 @@ class KvherdConnector(KVConnectorBase_V1):
             self._write_block(load.block_ids[i], data)
 
         try:
-            count = fetch_blocks(
-                load.source,
-                self._layout,
-                load.hashes,
-                self._block_bytes,
-                sink,
-                self._pull_timeout_s,
-            )
+            if load.source is None:  # the host tier: this worker's own store
+                blocks = self._store.prefix(load.hashes)
+                for i, block in enumerate(blocks):
+                    sink(i, memoryview(block))
+                count = len(blocks)
+            else:
+                count = fetch_blocks(
+                    load.source,
+                    self._layout,
+                    load.hashes,
+                    self._block_bytes,
+                    sink,
+                    self._pull_timeout_s,
+                )
             if count < len(load.hashes):
                 raise PullError(f"{load.source} holds {count} of {len(load.hashes)} blocks")
             loaded = True
@@ -231,7 +285,7 @@ class KvherdConnector(KVConnectorBase_V1):
                 load.request_id,
                 count,
                 count * self._block_bytes,
-                load.source,
+                load.source or "the host tier",
                 time.monotonic() - started,
             )
         except PullError as exc:

@@ -24,8 +24,9 @@ Contract:
   `wait_ready` polls ``/health``; a server that exits first fails with its log's tail.
 - `stop_vllm` SIGTERMs the process group (API server, EngineCore, worker), then SIGKILLs it:
   nothing is left running. `vllm_servers` starts several at once and always stops them all.
-- `VllmServer.held_blocks()` is what vLLM's own events say it holds: every batch of its replay
-  buffer (from sequence 0), folded (stored minus removed, cleared on ``AllBlocksCleared``), decoded
+- `VllmServer.held_blocks()` is what vLLM's own events say its pool holds: every batch of its
+  replay buffer (from sequence 0), folded (stored minus removed, cleared on ``AllBlocksCleared``;
+  events of another ``medium`` than GPU, the kvherd connector's host tier, left out), decoded
   with msgpack here rather than with kvherd's decoder, so it is an independent oracle.
 - `kvherd_serve(*args)` runs ``python -m kvherd serve`` on free ports with an admin token, waits
   for both ports, and on exit SIGTERMs it (SIGKILL after a timeout); `KvherdServe.log()` is its
@@ -72,8 +73,9 @@ _END_SEQ = -1
 T = TypeVar("T")
 
 
-def build_tiny_llama(path: str | Path, seed: int = 0) -> Path:
-    """Write the tiny random Llama and its tokenizer into `path` (see the module contract)."""
+def build_tiny_llama(path: str | Path, seed: int = 0, hidden: int = 64, layers: int = 2) -> Path:
+    """Write the tiny random Llama and its tokenizer into `path` (see the module contract);
+    `hidden` and `layers` make a larger one (heads of head_dim 32), for benchmarks."""
     import torch
     from chat_corpus import build_tokenizer
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -82,11 +84,11 @@ def build_tiny_llama(path: str | Path, seed: int = 0) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 32,
+        num_key_value_heads=hidden // 32,
         head_dim=32,
         max_position_embeddings=4096,
         rms_norm_eps=1e-6,
@@ -180,6 +182,8 @@ class VllmServer:
         for _seq, (_ts, events, *_rank) in self.replay_batches():
             for event in events:
                 kind = event["type"]
+                if event.get("medium") not in (None, "GPU") and kind != "AllBlocksCleared":
+                    continue  # another tier's (the kvherd connector's host tier): not the pool
                 if kind == "BlockStored":
                     for block_hash in event["block_hashes"]:
                         held[block_hash] = event
@@ -287,6 +291,7 @@ def start_vllm(
         env.pop(name, None)
     if spec.connector:
         env["PYTHONPATH"] = str(REPO_ROOT)  # this tree's kvherd, whatever vLLM's venv holds
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache: the host tier's test
     with open(log_path, "wb") as log_file:  # the child keeps its own descriptor
         process = subprocess.Popen(
             vllm_command(python, model_dir, spec, port, kv_port, replay_port, block_port),

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kvherd.kv_pull import (
     MAX_PULL_BLOCKS,
+    BlockIndex,
     BlockServer,
     BlockStore,
     Pull,
@@ -28,30 +29,37 @@ def _block(i: int) -> bytes:
     return bytes([i % 256]) * BLOCK
 
 
-@given(st.lists(st.tuples(st.integers(0, 20), st.integers(1, 3 * BLOCK)), max_size=60))
-def test_store_stays_within_capacity(puts: list[tuple[int, int]]) -> None:
-    store = BlockStore(capacity_bytes=5 * BLOCK)
-    for key, size in puts:
-        store.put(key.to_bytes(4, "big"), b"x" * size)
+@given(st.lists(st.integers(0, 20), max_size=80), st.integers(1, 6))
+def test_store_stays_within_capacity_and_its_mirror_index_stays_exact(
+    keys: list[int], capacity: int
+) -> None:
+    store, mirror = BlockStore(capacity), BlockIndex(capacity)
+    for key in keys:
+        block_hash = key.to_bytes(4, "big")
+        store.put(block_hash, _block(key))
+        mirror.put(block_hash)
         store.check_integrity()
-    if puts:
-        key, size = puts[-1]
-        assert store.prefix([key.to_bytes(4, "big")]) == [b"x" * size]
+        probe = [k.to_bytes(4, "big") for k in range(21)]
+        assert {h for h in probe if h in store} == {h for h in probe if h in mirror}
+    if keys:
+        assert store.prefix([keys[-1].to_bytes(4, "big")]) == [_block(keys[-1])]
 
 
 def test_store_prefix_stops_at_the_first_missing_block_and_evicts_lru() -> None:
-    store = BlockStore(capacity_bytes=3 * BLOCK)
+    store = BlockStore(capacity_blocks=3)
     for i in range(3):
         store.put(bytes([i]), _block(i))
     assert store.prefix([b"\x00", b"\x01", b"\x09", b"\x02"]) == [_block(0), _block(1)]
-    store.put(b"\x03", _block(3))  # 2 was the least recently used
-    assert b"\x02" not in store and store.evicted == 1
+    store.put(b"\x00", _block(0))  # touched: 1 is now the least recently put
+    store.put(b"\x03", _block(3))
+    assert b"\x01" not in store and store.evicted == 1
     assert len(store) == 3
+    assert BlockIndex(2).put(b"a") == (True, [])
 
 
 @pytest.fixture
 def server() -> BlockServer:
-    store = BlockStore(capacity_bytes=100 * BLOCK)
+    store = BlockStore(capacity_blocks=100)
     for i in range(10):
         store.put(bytes([i]), _block(i))
     srv = BlockServer(store, LAYOUT, io_timeout_s=2.0)

@@ -9,6 +9,9 @@ stalls mid-block, a source without the blocks) ends in a recompute: status 200, 
 the same output, and afterwards ``b`` holds no block for a request (KV usage back to 0) and has
 nothing waiting. The dying and stalling sources are fake servers on loopback, so that the session's
 servers survive them; at the socket ``b`` sees what a killed or frozen ``a`` would show it.
+Host tier: a prompt's blocks, once computed, are announced on ``b``'s own KV event stream as
+``medium`` "CPU" too; after ``POST /reset_prefix_cache`` empties ``b``'s pool, the prompt loads
+from the host tier (``cached_tokens``) with the same output.
 """
 
 from __future__ import annotations
@@ -159,4 +162,44 @@ def test_a_failed_pull_recomputes_and_pins_nothing(
     assert answer["kv_transfer_params"] == {"kvherd_pull": {"outcome": "failed", "tokens": 0}}
     reference = _complete(b, prompt, cache_salt=f"ref-{request.node.callspec.id}")
     assert _text(answer) == _text(reference)
+    _assert_nothing_pinned(b)
+
+
+def _stored_hashes(server: VllmServer, start: int, medium: str) -> set[int]:
+    return {
+        block_hash
+        for _seq, (_ts, events, *_rank) in server.replay_batches(start)
+        for event in events
+        if event["type"] == "BlockStored" and event.get("medium") == medium
+        for block_hash in event["block_hashes"]
+    }
+
+
+def test_blocks_the_pool_lost_load_from_the_host_tier(
+    vllm_pair: tuple[VllmServer, VllmServer], prompts: Prompts
+) -> None:
+    _a, b = vllm_pair
+    prompt = prompts.make("connector-host-tier", blocks=3)
+    full_blocks = prompts.full_blocks(prompt)
+    batches = b.replay_batches()
+    start = batches[-1][0] + 1 if batches else 0
+    computed = _complete(b, prompt)
+
+    def announced() -> tuple[set[int], set[int]] | None:
+        gpu, cpu = _stored_hashes(b, start, "GPU"), _stored_hashes(b, start, "CPU")
+        return (gpu, cpu) if len(cpu) == full_blocks else None
+
+    tiers = poll_until(announced, timeout_s=10.0)
+    assert tiers, _stored_hashes(b, start, "CPU")
+    gpu, cpu = tiers
+    assert cpu <= gpu  # the prompt's full blocks, under vLLM's own hashes
+
+    reset = httpx.post(b.url + "/reset_prefix_cache", timeout=30.0, trust_env=False)
+    assert reset.status_code == 200, reset.text
+    reloaded = _complete(b, prompt)
+    assert _cached(reloaded) == full_blocks * 128, reloaded["usage"]
+    assert reloaded["kv_transfer_params"] == {
+        "kvherd_host": {"outcome": "loaded", "tokens": full_blocks * 128}
+    }
+    assert _text(reloaded) == _text(computed)
     _assert_nothing_pinned(b)
