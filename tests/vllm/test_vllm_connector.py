@@ -12,6 +12,10 @@ servers survive them; at the socket ``b`` sees what a killed or frozen ``a`` wou
 Host tier: a prompt's blocks, once computed, are announced on ``b``'s own KV event stream as
 ``medium`` "CPU" too; after ``POST /reset_prefix_cache`` empties ``b``'s pool, the prompt loads
 from the host tier (``cached_tokens``) with the same output.
+Stop-and-copy migration, orchestrated here as the proxy would: a greedy stream on ``a`` is cut
+(the client closes it: vLLM aborts the request, the connector's store keeps its full blocks, the
+decoded ones included) and resumed on ``b`` from the prompt plus the tokens streamed, pulling
+them: ``b`` prefills only the last partial block and continues with the unmigrated run's tokens.
 """
 
 from __future__ import annotations
@@ -162,6 +166,77 @@ def test_a_failed_pull_recomputes_and_pins_nothing(
     assert answer["kv_transfer_params"] == {"kvherd_pull": {"outcome": "failed", "tokens": 0}}
     reference = _complete(b, prompt, cache_salt=f"ref-{request.node.callspec.id}")
     assert _text(answer) == _text(reference)
+    _assert_nothing_pinned(b)
+
+
+MIGRATED_MAX_TOKENS = 320  # decoding outlasts the cut, and crosses a block boundary before it
+CUT_AFTER_TOKENS = 200
+
+
+def _generate_ids(server: VllmServer, prompt_ids: list[int], max_tokens: int, **extra: Any) -> Any:
+    body = {
+        "model": SERVED_MODEL,
+        "prompt": prompt_ids,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **extra,
+    }
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=120.0, trust_env=False)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _stream_until(server: VllmServer, prompt_ids: list[int], tokens: int) -> list[int]:
+    """Stream a greedy completion and close it once `tokens` token ids have arrived."""
+    body = {
+        "model": SERVED_MODEL,
+        "prompt": prompt_ids,
+        "max_tokens": MIGRATED_MAX_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": True,
+    }
+    got: list[int] = []
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", json=body, timeout=120.0, trust_env=False
+    ) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            got += json.loads(line[len("data: ") :])["choices"][0]["token_ids"] or []
+            if len(got) >= tokens:
+                break  # closing the connection aborts the request at the source
+    return got
+
+
+def test_a_running_request_migrates_by_stop_and_copy(
+    vllm_pair: tuple[VllmServer, VllmServer], prompts: Prompts
+) -> None:
+    a, b = vllm_pair
+    status, tokenized = a.tokenize({"model": SERVED_MODEL, "prompt": prompts.make("migrate")})
+    assert status == 200
+    prompt_ids: list[int] = tokenized["tokens"]
+    unmigrated = _generate_ids(b, prompt_ids, MIGRATED_MAX_TOKENS, cache_salt="unmigrated")
+    expected: list[int] = unmigrated["choices"][0]["token_ids"]
+
+    streamed = _stream_until(a, prompt_ids, CUT_AFTER_TOKENS)
+    context = prompt_ids + streamed
+    resumed = _generate_ids(
+        b,
+        context,
+        MIGRATED_MAX_TOKENS - len(streamed),
+        **_pull(a.block_address),
+    )
+
+    full_blocks = (len(context) - 1) // 128
+    assert full_blocks > len(prompt_ids) // 128  # decoded blocks moved, not only the prompt's
+    assert _cached(resumed) == full_blocks * 128, resumed["usage"]
+    assert resumed["kv_transfer_params"]["kvherd_pull"]["outcome"] == "loaded"
+    assert streamed + resumed["choices"][0]["token_ids"] == expected
+    _assert_nothing_pinned(a)
     _assert_nothing_pinned(b)
 
 
