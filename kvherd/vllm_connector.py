@@ -15,8 +15,9 @@ Contract (loaded by vLLM's own python; see vllm_connector.md for the flags and t
 - Any failure (refused, unreachable, short stream, a block the source lacks, ``pull_timeout_s``
   passing) reports the load failed: vLLM frees the blocks and recomputes (``kv_load_failure_policy``
   must be "recompute"); a request pulls at most once. Nothing stays pinned on either side.
-- The response's ``kv_transfer_params`` say ``{"kvherd_pull": {"outcome": "loaded"|"failed",
-  "tokens": n}}``. Blocks move only between servers of one model, dtype, block size and CPU ISA.
+- The response of a request that loaded says so in its ``kv_transfer_params``: ``{"kvherd_pull"
+  (or "kvherd_host"): {"outcome": "loaded"|"failed", "tokens": n}}``. Blocks move only between
+  servers of one model, dtype, block size and CPU ISA (the layout key of every pull says which).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -44,7 +46,7 @@ logger = logging.getLogger("vllm.kvherd_connector")  # under vLLM's logger, so i
 
 DEFAULT_STORE_MIB = 512
 DEFAULT_PULL_TIMEOUT_S = 10.0
-PARALLEL_PULLS = 2  # loader threads per worker; more only contend for the same two cores here
+PARALLEL_PULLS = 2  # loader threads per worker: a slow source does not hold up the next pull
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,12 +251,12 @@ class KvherdConnector(KVConnectorBase_V1):
         return torch.cat(parts).numpy().tobytes()
 
     def _write_block(self, block_id: int, data: memoryview) -> None:
-        source = torch.frombuffer(data, dtype=torch.uint8)
+        # Through numpy views: one copy, and a read-only source (a stored block) is fine.
+        source = np.frombuffer(data, dtype=np.uint8)
         per_layer = self._block_bytes // len(self._layers)
         for i, layer in enumerate(self._layers):
-            layer[block_id].reshape(-1).view(torch.uint8).copy_(
-                source[i * per_layer : (i + 1) * per_layer]
-            )
+            target = layer[block_id].reshape(-1).view(torch.uint8).numpy()
+            target[:] = source[i * per_layer : (i + 1) * per_layer]
 
     def _load(self, load: BlockLoad) -> None:
         started = time.monotonic()
