@@ -19,11 +19,14 @@ Contract:
   ``--kv-events-config`` per `VllmSpec`: ``tcp://*:P`` makes vLLM bind its PUB (``kv_bind``), a
   host endpoint makes it connect (the consumer binds), and a replay ROUTER always binds.
   ``VLLM_CPU_KVCACHE_SPACE=1`` and one OpenMP core per server (``VLLM_CPU_OMP_THREADS_BIND``).
+  ``VllmSpec(connector=True)`` loads kvherd's KV connector from this tree (`connector_config`;
+  its block server on `VllmServer.block_address`).
   `wait_ready` polls ``/health``; a server that exits first fails with its log's tail.
 - `stop_vllm` SIGTERMs the process group (API server, EngineCore, worker), then SIGKILLs it:
   nothing is left running. `vllm_servers` starts several at once and always stops them all.
-- `VllmServer.held_blocks()` is what vLLM's own events say it holds: every batch of its replay
-  buffer (from sequence 0), folded (stored minus removed, cleared on ``AllBlocksCleared``), decoded
+- `VllmServer.held_blocks()` is what vLLM's own events say its pool holds: every batch of its
+  replay buffer (from sequence 0), folded (stored minus removed, cleared on ``AllBlocksCleared``;
+  events of another ``medium`` than GPU, the kvherd connector's host tier, left out), decoded
   with msgpack here rather than with kvherd's decoder, so it is an independent oracle.
 - `kvherd_serve(*args)` runs ``python -m kvherd serve`` on free ports with an admin token, waits
   for both ports, and on exit SIGTERMs it (SIGKILL after a timeout); `KvherdServe.log()` is its
@@ -62,13 +65,17 @@ REQUIRE_VLLM_ENV = "KVHERD_REQUIRE_VLLM"  # "1" in CI: missing vLLM fails instea
 SERVED_MODEL = "tiny"
 VLLM_BLOCK_SIZE = 128  # the CPU build's default
 READY_TIMEOUT_S = 600.0  # two cold starts on two busy cores take 1-3 minutes each
+CONNECTOR_PULL_TIMEOUT_S = 3.0  # short, so a test of a stalled source ends quickly
+# vLLM imports kvherd.vllm_connector from this tree.
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 _END_SEQ = -1
 T = TypeVar("T")
 
 
-def build_tiny_llama(path: str | Path, seed: int = 0) -> Path:
-    """Write the tiny random Llama and its tokenizer into `path` (see the module contract)."""
+def build_tiny_llama(path: str | Path, seed: int = 0, hidden: int = 64, layers: int = 2) -> Path:
+    """Write the tiny random Llama and its tokenizer into `path` (see the module contract);
+    `hidden` and `layers` make a larger one (heads of head_dim 32), for benchmarks."""
     import torch
     from chat_corpus import build_tokenizer
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -77,11 +84,11 @@ def build_tiny_llama(path: str | Path, seed: int = 0) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 32,
+        num_key_value_heads=hidden // 32,
         head_dim=32,
         max_position_embeddings=4096,
         rms_norm_eps=1e-6,
@@ -107,6 +114,7 @@ class VllmSpec:
     kv_bind: bool = True  # True: ``tcp://*:P`` (vLLM binds); False: ``tcp://127.0.0.1:P``
     block_size: int | None = None
     extra_args: tuple[str, ...] = ()
+    connector: bool = False  # load kvherd's KV connector, serving its blocks on a port of its own
 
 
 @dataclass
@@ -117,6 +125,7 @@ class VllmServer:
     log_path: str
     kv_port: int
     replay_port: int
+    block_port: int | None = None  # the kvherd connector's block server (VllmSpec.connector)
     ready_s: float | None = None
 
     @property
@@ -131,6 +140,12 @@ class VllmServer:
     @property
     def replay_endpoint(self) -> str:
         return f"tcp://127.0.0.1:{self.replay_port}"
+
+    @property
+    def block_address(self) -> str:
+        """Where the kvherd connector serves this server's blocks (``kvherd_pull.from``)."""
+        assert self.block_port is not None, f"{self.spec.name} runs without the kvherd connector"
+        return f"tcp://127.0.0.1:{self.block_port}"
 
     def log(self, tail: int = 6000) -> str:
         with open(self.log_path, errors="replace") as handle:
@@ -167,6 +182,8 @@ class VllmServer:
         for _seq, (_ts, events, *_rank) in self.replay_batches():
             for event in events:
                 kind = event["type"]
+                if event.get("medium") not in (None, "GPU") and kind != "AllBlocksCleared":
+                    continue  # another tier's (the kvherd connector's host tier): not the pool
                 if kind == "BlockStored":
                     for block_hash in event["block_hashes"]:
                         held[block_hash] = event
@@ -191,7 +208,13 @@ class VllmServer:
 
 
 def vllm_command(
-    python: str, model_dir: Path, spec: VllmSpec, port: int, kv_port: int, replay_port: int
+    python: str,
+    model_dir: Path,
+    spec: VllmSpec,
+    port: int,
+    kv_port: int,
+    replay_port: int,
+    block_port: int | None = None,
 ) -> list[str]:
     host = "*" if spec.kv_bind else "127.0.0.1"
     kv_config = {
@@ -227,7 +250,22 @@ def vllm_command(
     ]
     if spec.block_size is not None:
         cmd += ["--block-size", str(spec.block_size)]
+    if block_port is not None:
+        cmd += ["--kv-transfer-config", json.dumps(connector_config(block_port))]
     return cmd + list(spec.extra_args)
+
+
+def connector_config(
+    block_port: int, pull_timeout_s: float = CONNECTOR_PULL_TIMEOUT_S
+) -> dict[str, Any]:
+    """vLLM's ``--kv-transfer-config`` for kvherd's connector, serving its blocks on `block_port`."""
+    return {
+        "kv_connector": "KvherdConnector",
+        "kv_connector_module_path": "kvherd.vllm_connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"port": block_port, "pull_timeout_s": pull_timeout_s},
+    }
 
 
 def start_vllm(
@@ -235,6 +273,7 @@ def start_vllm(
 ) -> VllmServer:
     """Launch one server (without waiting for it: see `wait_ready`)."""
     port, kv_port, replay_port = free_port(), free_port(), free_port()
+    block_port = free_port() if spec.connector else None
     log_path = str(log_dir / f"vllm-{spec.name}-{port}.log")
     env = {
         **os.environ,
@@ -250,15 +289,18 @@ def start_vllm(
     # fixed seed of vLLM's block-hash chain.
     for name in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME", "PYTHONHASHSEED"):
         env.pop(name, None)
+    if spec.connector:
+        env["PYTHONPATH"] = str(REPO_ROOT)  # this tree's kvherd, whatever vLLM's venv holds
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache: the host tier's test
     with open(log_path, "wb") as log_file:  # the child keeps its own descriptor
         process = subprocess.Popen(
-            vllm_command(python, model_dir, spec, port, kv_port, replay_port),
+            vllm_command(python, model_dir, spec, port, kv_port, replay_port, block_port),
             stdout=log_file,
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
         )
-    return VllmServer(spec, port, process, log_path, kv_port, replay_port)
+    return VllmServer(spec, port, process, log_path, kv_port, replay_port, block_port)
 
 
 def wait_ready(server: VllmServer, timeout_s: float = READY_TIMEOUT_S) -> None:

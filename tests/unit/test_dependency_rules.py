@@ -1,8 +1,9 @@
 """DESIGN.md's dependency rules, checked by folder in a fresh interpreter where forbidden packages fail.
 
 - Every module under a ``core/`` folder, under ``policies/`` and under ``simulator/`` (but the trace
-  replay client, the real clock's driver), and the shared vocabulary in ``kvherd/`` (but the CLI),
-  imports with torch, fastapi, uvicorn, httpx, starlette and transformers unavailable.
+  replay client, the real clock's driver), and the shared vocabulary in ``kvherd/`` (but the CLI and
+  the vLLM connector, which runs only inside vLLM's own python), imports with torch, fastapi,
+  uvicorn, httpx, starlette and transformers unavailable.
 - A ``core/`` module imports, of kvherd's own packages, only other ``core/`` modules, ``policies`` and
   ``kvherd`` (the pure vocabulary).
 - Nothing outside the simulator (and the tests and benchmarks) imports the simulator.
@@ -36,6 +37,10 @@ def _product_modules() -> dict[str, pathlib.Path]:
     }
 
 
+# kvherd/ modules allowed heavy imports: the CLI (and its __main__) dispatches to torch-using
+# subcommands; the vLLM connector is loaded by vLLM, with vLLM and torch, and nowhere else.
+IMPURE_VOCABULARY = {"kvherd.cli", "kvherd.__main__", "kvherd.vllm_connector"}
+
 # The real-clock side of traces: `kvherd replay` sends a trace to a live endpoint over HTTP.
 REAL_CLOCK = {"simulator.replay", "simulator.replay_cli"}
 
@@ -46,8 +51,7 @@ def _is_pure(module: str) -> bool:
         return False
     if parts[0] in {"policies", "simulator"} or "core" in parts[:-1] or parts[-1] == "core":
         return True
-    # The shared vocabulary; the CLI (and its __main__) dispatches to torch-using subcommands.
-    return parts[0] == "kvherd" and module not in {"kvherd.cli", "kvherd.__main__"}
+    return parts[0] == "kvherd" and module not in IMPURE_VOCABULARY
 
 
 def _imports(path: pathlib.Path) -> set[str]:

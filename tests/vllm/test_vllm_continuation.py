@@ -58,9 +58,10 @@ def killable(
     with contextlib.ExitStack() as stack:
 
         def start() -> VllmServer:
-            (server,) = stack.enter_context(
-                vllm_servers(vllm_python, tiny_model, [VllmSpec("c")], log_dir)
-            )
+            # Configured like the session pair: its KV connector is part of the config that
+            # vLLM's system_fingerprint hashes, which a continued stream must keep.
+            spec = VllmSpec("c", connector=True)
+            (server,) = stack.enter_context(vllm_servers(vllm_python, tiny_model, [spec], log_dir))
             return server
 
         yield start

@@ -1,0 +1,270 @@
+"""Whole-block KV pulls between engine workers over plain TCP: a bounded block store, its server, a fetch.
+
+Contract:
+- `BlockStore(capacity_blocks)`: block hash (bytes) -> one block's KV bytes (every layer, one
+  layout), LRU by put, never above its capacity; thread-safe. `prefix(hashes)` is the longest
+  stored prefix. `BlockIndex(capacity_blocks)` is the same policy on hashes alone: a mirror.
+- `BlockServer(store, layout, host, port)` answers each connection's one request (a frame: the
+  layout key and up to `MAX_PULL_BLOCKS` hashes) with a header (``count`` blocks it holds, in
+  order, from the first) and then those blocks. A layout other than its own gets ``count`` 0 and an
+  error. At most `MAX_CONNECTIONS` are served at once; a stalled peer is dropped after `io_timeout_s`.
+- `fetch_blocks(address, layout, hashes, sink, timeout_s)` asks ``tcp://host:port`` for `hashes`
+  and calls ``sink(i, block)`` per block as it arrives (one block buffered at a time); it returns
+  how many came, raises `PullError` on a refusal, a short stream, or `timeout_s` passing overall.
+- `Pull.from_params(kv_transfer_params)` reads ``{"kvherd_pull": {"from": ADDR, "tokens": N?}}``.
+Frames are a 4-byte big-endian length and a JSON object (hashes in hex: vLLM's python has no
+msgpack); blocks follow as raw bytes of the layout's block size. Only the standard library is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+MAX_PULL_BLOCKS = 4096  # one request's hashes: a 512k-token prompt at block size 128
+MAX_FRAME_BYTES = 1 << 20  # a request of MAX_PULL_BLOCKS hex 32-byte hashes fits with room
+MAX_CONNECTIONS = 4  # concurrent pulls served; each buffers at most one block
+_LENGTH = struct.Struct(">I")
+
+
+class PullError(Exception):
+    """A pull that did not deliver what it asked for; the caller recomputes."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pull:
+    """A request's ask to load its prefix from another instance's block server."""
+
+    source: str  # tcp://host:port of the source worker's `BlockServer`
+    tokens: int | None  # the prefix the source holds (None: every full prompt block)
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any] | None) -> Pull | None:
+        ask = (params or {}).get("kvherd_pull")
+        if not isinstance(ask, dict) or not isinstance(ask.get("from"), str):
+            return None
+        tokens = ask.get("tokens")
+        return cls(ask["from"], tokens if isinstance(tokens, int) and tokens >= 0 else None)
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``tcp://host:port`` -> (host, port); `PullError` for anything else."""
+    rest = address.removeprefix("tcp://")
+    host, _, port = rest.rpartition(":")
+    if rest == address or not host or not port.isdigit():
+        raise PullError(f"not a tcp://host:port address: {address!r}")
+    return host, int(port)
+
+
+class BlockIndex:
+    """Bounded LRU of block hashes. Fed the same puts, it holds exactly what a `BlockStore` of the
+    same capacity holds: the vLLM scheduler's mirror of its worker's store (another process)."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity_blocks = max(1, capacity_blocks)
+        self.evicted = 0
+        self._order: OrderedDict[bytes, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._order
+
+    def put(self, block_hash: bytes) -> tuple[bool, list[bytes]]:
+        """Add or touch `block_hash`: (whether it is new, the hashes evicted to make room)."""
+        if block_hash in self._order:
+            self._order.move_to_end(block_hash)
+            return False, []
+        evicted: list[bytes] = []
+        while len(self._order) >= self.capacity_blocks:
+            evicted.append(self._order.popitem(last=False)[0])
+        self.evicted += len(evicted)
+        self._order[block_hash] = None
+        return True, evicted
+
+    def prefix_len(self, hashes: Sequence[bytes]) -> int:
+        """How many of `hashes`, from the first, are held (nothing is touched)."""
+        n = 0
+        while n < len(hashes) and hashes[n] in self._order:
+            n += 1
+        return n
+
+
+class BlockStore:
+    """Bounded LRU of whole blocks keyed by block hash (see the module contract)."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self._index = BlockIndex(capacity_blocks)
+        self._blocks: dict[bytes, bytes] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def evicted(self) -> int:
+        return self._index.evicted
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, block_hash: object) -> bool:
+        with self._lock:
+            return block_hash in self._blocks
+
+    def put(self, block_hash: bytes, block: bytes) -> None:
+        """Keep `block` (a held hash is only touched: one hash names one block's KV)."""
+        with self._lock:
+            added, evicted = self._index.put(block_hash)
+            for dropped in evicted:
+                del self._blocks[dropped]
+            if added:
+                self._blocks[block_hash] = block
+
+    def prefix(self, hashes: Sequence[bytes]) -> list[bytes]:
+        """The stored blocks of the longest prefix of `hashes` (nothing is touched, so that a
+        mirror `BlockIndex` stays exact). The bytes are immutable: a block evicted while it is
+        being sent stays valid."""
+        with self._lock:
+            n = self._index.prefix_len(hashes)
+            return [self._blocks[h] for h in hashes[:n]]
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            assert len(self._blocks) == len(self._index) <= self._index.capacity_blocks
+            assert all(h in self._index for h in self._blocks)
+
+
+def _send_frame(sock: socket.socket, payload: dict[str, Any]) -> None:
+    data = json.dumps(payload, separators=(",", ":")).encode()
+    sock.sendall(_LENGTH.pack(len(data)) + data)
+
+
+def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None) -> None:
+    got = 0
+    while got < len(view):
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PullError("pull timed out")
+            sock.settimeout(left)
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise PullError(f"peer closed after {got} of {len(view)} bytes")
+        got += n
+
+
+def _recv_frame(sock: socket.socket, deadline: float | None) -> dict[str, Any]:
+    head = bytearray(_LENGTH.size)
+    _recv_exact(sock, memoryview(head), deadline)
+    (size,) = _LENGTH.unpack(head)
+    if size > MAX_FRAME_BYTES:
+        raise PullError(f"frame of {size} bytes")
+    body = bytearray(size)
+    _recv_exact(sock, memoryview(body), deadline)
+    frame = json.loads(body)
+    if not isinstance(frame, dict):
+        raise PullError("frame is not a map")
+    return frame
+
+
+class BlockServer:
+    """Serves a `BlockStore`'s blocks to `fetch_blocks` callers from a daemon thread."""
+
+    def __init__(
+        self,
+        store: BlockStore,
+        layout: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        io_timeout_s: float = 10.0,
+    ) -> None:
+        self.store = store
+        self.layout = layout
+        self.io_timeout_s = io_timeout_s
+        self.served_blocks = 0
+        self._listener = socket.create_server((host, port), reuse_port=False)
+        self.port = self._listener.getsockname()[1]
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._closed = threading.Event()
+        self._thread = threading.Thread(
+            target=self._accept, name="kvherd-block-server", daemon=True
+        )
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            if not self._slots.acquire(blocking=False):
+                conn.close()  # the peer sees a short stream and recomputes
+                continue
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            with conn:
+                conn.settimeout(self.io_timeout_s)
+                ask = _recv_frame(conn, time.monotonic() + self.io_timeout_s)
+                hashes = ask.get("hashes")
+                if ask.get("layout") != self.layout:
+                    _send_frame(conn, {"count": 0, "error": f"layout {self.layout}"})
+                    return
+                if not isinstance(hashes, list) or len(hashes) > MAX_PULL_BLOCKS:
+                    _send_frame(conn, {"count": 0, "error": "bad hashes"})
+                    return
+                blocks = self.store.prefix([bytes.fromhex(h) for h in hashes])
+                _send_frame(conn, {"count": len(blocks)})
+                for block in blocks:
+                    self.served_blocks += 1  # counted first: the peer may read it before we return
+                    conn.sendall(block)
+        except (OSError, PullError, ValueError, TypeError):
+            return  # the peer's fetch fails on its side and it recomputes
+        finally:
+            self._slots.release()
+
+    def close(self) -> None:
+        self._closed.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        self._thread.join(timeout=5.0)
+
+
+def fetch_blocks(
+    address: str,
+    layout: str,
+    hashes: Sequence[bytes],
+    block_bytes: int,
+    sink: Callable[[int, memoryview], None],
+    timeout_s: float,
+) -> int:
+    """Pull `hashes` from the server at `address` (see the module contract); returns the count."""
+    if len(hashes) > MAX_PULL_BLOCKS:
+        raise PullError(f"{len(hashes)} blocks asked, at most {MAX_PULL_BLOCKS}")
+    deadline = time.monotonic() + timeout_s
+    host, port = parse_address(address)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            _send_frame(sock, {"layout": layout, "hashes": [h.hex() for h in hashes]})
+            header = _recv_frame(sock, deadline)
+            if "error" in header:
+                raise PullError(f"{address} refused: {header['error']}")
+            count = header.get("count")
+            if not isinstance(count, int) or not 0 <= count <= len(hashes):
+                raise PullError(f"{address} sent a bad header {header!r}")
+            buffer = memoryview(bytearray(block_bytes))
+            for i in range(count):
+                _recv_exact(sock, buffer, deadline)
+                sink(i, buffer)
+            return count
+    except (OSError, ValueError) as exc:
+        raise PullError(f"pull from {address}: {exc}") from exc
