@@ -2,7 +2,8 @@
 
 Contract:
 - A request waits only where an engine queues it (`queued_at`): what is there beyond its batch
-  slots (``InstanceView.batch_slots``, when known) or, while its KV pool cannot take the queue's
+  slots (``InstanceView.batch_slots``, when known; the engine's count, or the proxy's requests in
+  flight there when more) or, while its KV pool cannot take the queue's
   head, what it reports waiting (all it reports, when its slots are unknown). A scrape that has
   not yet seen a request start is no queue, nor a long generation in a batch with free slots.
   `can_start(view)`: a new request would start at once there.
@@ -38,6 +39,12 @@ def _kv_bound(view: InstanceView) -> bool:
     return view.reported_waiting > 0 and view.head_waiting_blocks > view.free_blocks
 
 
+def _occupied(view: InstanceView) -> int:
+    """Requests holding or wanting a slot: the engine's, or the proxy's in flight there when more
+    (those still on their way through the instance's HTTP server wait too)."""
+    return max(view.num_running + view.num_waiting, view.inflight)
+
+
 def queued_at(view: InstanceView) -> int:
     """Requests queued at one instance (module contract)."""
     slots = view.batch_slots
@@ -45,7 +52,7 @@ def queued_at(view: InstanceView) -> int:
         return view.reported_waiting
     # With its slots known, what the engine reported waiting counts only while its KV pool is
     # what holds the queue: a request that arrived between two steps waits for no one.
-    beyond = view.num_running + view.num_waiting - slots
+    beyond = _occupied(view) - slots
     return max(beyond, view.reported_waiting if _kv_bound(view) else 0, 0)
 
 
@@ -54,7 +61,7 @@ def can_start(view: InstanceView) -> bool:
     slots = view.batch_slots
     if slots <= 0:
         return view.reported_waiting <= 0
-    return view.num_running + view.num_waiting < slots and not _kv_bound(view)
+    return _occupied(view) < slots and not _kv_bound(view)
 
 
 def fleet_queue(views: Iterable[InstanceView], saturated: Collection[str]) -> tuple[int, float]:
@@ -66,7 +73,7 @@ def fleet_queue(views: Iterable[InstanceView], saturated: Collection[str]) -> tu
         queued += queued_at(view)
         if view.instance_id not in saturated and can_start(view):
             slots = view.batch_slots
-            free += slots - view.num_running - view.num_waiting if slots else math.inf
+            free += slots - _occupied(view) if slots else math.inf
     return queued, free
 
 

@@ -177,6 +177,10 @@ def test_a_request_waits_only_where_an_engine_queues_it() -> None:
     # non-streamed request whose first token the proxy never sees): no queue while slots are free.
     lagging = InstanceView("a", num_running=2, num_waiting=6, inflight=8, batch_slots=16)
     assert queued_at(lagging) == 0 and can_start(lagging)
+    # On their way through the instance's HTTP server (the proxy has more in flight there than
+    # the engine counts): beyond the slots, they wait too.
+    in_transit = InstanceView("a", num_running=8, inflight=12, batch_slots=8)
+    assert queued_at(in_transit) == 4 and not can_start(in_transit)
     # Slots unknown (vLLM does not report max_num_seqs): only what the engine says it queues.
     unknown = InstanceView("a", num_running=3, num_waiting=9, inflight=12)
     assert queued_at(unknown) == 0 and can_start(unknown)
