@@ -167,8 +167,8 @@ class KvherdDispatch:
         On a large fleet each numpy call costs more in dispatch than in arithmetic, so the number
         of calls is the decision's cost.
         """
-        tiers = cluster.prefix_match_tiers(request)
-        matched = tiers[0]
+        tiers = cluster.prefix_match_tiers(request) if cluster.has_lower_tiers else None
+        matched = cluster.prefix_match_array(request) if tiers is None else tiers[0]
         column = cluster.column
         # Queued prefill: what the instance reported waiting, or what the router itself sent that has
         # not produced a first token (this also covers chunked prefills already running).
@@ -177,7 +177,7 @@ class KvherdDispatch:
         # None where no instance is short of blocks, cached or not: the memory term is 0 anyway.
         shortfall = short_by if short_by.max() + request.num_blocks > 0 else None
         lower, load = 0.0, 0.0
-        if tiers[1:].any():
+        if tiers is not None and tiers[1:].any():
             lower = tiers[1] + tiers[2]
             load = self.load_tokens(
                 request,
@@ -229,9 +229,16 @@ class KvherdDispatch:
         if not any(allowed):
             raise NoInstanceError(f"no dispatchable instance among {len(cluster)} registered")
         least = min(inst.inflight for inst, ok in zip(instances, allowed, strict=True) if ok)
-        tiers = cluster.prefix_match_tiers(request)  # (the core's one form of the match: arrays)
-        matched = tiers[0].tolist()
-        cpu, storage = (tiers[1].tolist(), tiers[2].tolist()) if tiers[1:].any() else ((), ())
+        # The core's one form of the match: arrays (GPU only while no instance holds lower tiers).
+        cpu: list[float] = []
+        storage: list[float] = []
+        if cluster.has_lower_tiers:
+            tiers = cluster.prefix_match_tiers(request)
+            matched = tiers[0].tolist()
+            if tiers[1:].any():
+                cpu, storage = tiers[1].tolist(), tiers[2].tolist()
+        else:
+            matched = cluster.prefix_match_array(request).tolist()
         cost = [
             self.cost(request, inst, blocks, *((cpu[i], storage[i]) if cpu else ()))
             if ok

@@ -286,6 +286,12 @@ class ClusterView:
             self._array_cache[request.request_id] = cached
         return cached
 
+    @property
+    def has_lower_tiers(self) -> bool:
+        """Whether blocks below the GPU are matched at all (else `prefix_match_tiers`' lower rows
+        are zeros, and a policy may read `prefix_match_array` alone)."""
+        return self._tier_matcher is not None
+
     def prefix_match_tiers(self, request: RequestView) -> np.ndarray:
         """Blocks per tier and instance, shape (len(`TIERS`), instances), read-only: row 0 the
         leading GPU blocks (`prefix_match_array`), each lower row the blocks continuing them on

@@ -297,8 +297,9 @@ class ClusterState:
             return self.match_lower_array(request.block_hashes, gpu)
 
         # One form of the match, the array; the view derives the mapping from it for the policies
-        # that ask for one.
-        return ClusterView(views, now, None, columns, self._position, array_matcher, tier_matcher)
+        # that ask for one. Lower tiers are matched only while some instance holds a block there.
+        tiers = tier_matcher if self.prefix_index.has_lower_tiers() else None
+        return ClusterView(views, now, None, columns, self._position, array_matcher, tiers)
 
     def _slot_position(self) -> np.ndarray:
         """Slot -> position in view order (-1 for a free slot), rebuilt after membership changes."""
