@@ -667,13 +667,15 @@ class Fleet:
         spec = inst.spec
         kv: dict[str, Any] | None = None
         if instance_id in self.cluster.prefix_index:
+            tiers = self.cluster.prefix_index.tier_counts(instance_id)
             kv = {
                 "endpoint": spec.kv_events_endpoint,
                 "bind": spec.kv_events_bind,
                 "topic": spec.kv_topic,
                 "replay_endpoint": spec.replay_endpoint,
                 "fallback": inst.kv_fallback,
-                "indexed_blocks": self.cluster.prefix_index.num_blocks(instance_id),
+                "indexed_blocks": tiers["GPU"],
+                "indexed_blocks_by_tier": tiers,
                 "stream": self.subscriber.stats(instance_id),
             }
         return {

@@ -361,6 +361,12 @@ class PrefixIndex:
             return self._total
         return self._instances[instance_id].num_blocks()
 
+    def tier_counts(self, instance_id: str) -> dict[str, int]:
+        """Entries indexed per tier (`TIERS` names) for one instance: a block held on two tiers
+        (a host copy beside the GPU one, as vLLM's connectors keep) counts on each."""
+        inst = self._instances[instance_id]
+        return {medium: len(inst.tier(level)[0]) for level, medium in enumerate(TIERS)}
+
     def blocks(self, instance_id: str, medium: str = TIERS[0]) -> set[int]:
         """The kvherd hashes the index believes `instance_id` holds on the tier `medium`."""
         return set(self._instances[instance_id].tier(_LEVEL_OF[medium])[0].values())
