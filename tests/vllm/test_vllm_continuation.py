@@ -45,7 +45,9 @@ from vllm_fleet import (
 MAX_TOKENS = 3400  # several seconds of decoding on the tiny model; + a 600-token prompt < 4,096
 CUT_AT = 2  # events the client has read when its instance is stopped or killed (early: a
 # client that lags its stream must not find it complete by then)
-CUT_ATTEMPTS = 3
+# 3 attempts missed in 2 of 3 clean CI runs on 2026-12-01 (fourth session): vLLM's /metrics can
+# answer late while its workers decode, so a running request goes unseen; 6 leaves room.
+CUT_ATTEMPTS = 6
 
 
 @pytest.fixture(scope="module")
