@@ -302,3 +302,19 @@ def describe(outcomes: Sequence[Outcome]) -> str:
     for outcome in incomplete[:3]:
         lines.append(f"  incomplete: {outcome}")
     return "\n".join(lines)
+
+
+def assert_survivor_served(run: KillRun, min_after: int) -> None:
+    """What a kill test asserts, alike in front of agents and vLLM: no 429 before the kill (half
+    the fleet's slots), at least `min_after` requests after it, none hung, >= 99% of them served
+    whole, no 5xx."""
+    report = (
+        f"before the kill:\n{describe(run.before)}\nin flight at the kill:\n"
+        f"{describe(run.during)}\nafter the kill:\n{describe(run.after)}"
+    )
+    print(report)
+    assert len(run.after) >= min_after, report
+    assert not [o for o in run.before if o.status == 429], report
+    assert not [o for o in run.during + run.after if o.hung], report
+    assert sum(o.ok for o in run.after) >= 0.99 * len(run.after), report
+    assert not [o for o in run.after if o.status is not None and o.status >= 500], report
