@@ -4,7 +4,8 @@ Contract:
 - `ActiveProber` (async) GETs each instance's ``/health`` every ``interval_s``: a failed probe counts as
   a failure, a passed probe as a success (`scheduler.core.outliers.OutlierDetector`), so an instance
   that is down is ejected even with no traffic and a recovered one comes back without waiting for a
-  lucky request.
+  lucky request. A draining agent (503 ``{"status": "draining"}``) passes: it is alive and still
+  serving, or handing over, its open requests; ejecting it would fail them over mid-migration.
 - A probe's timeout, like the request path's deadlines, does not count the time the proxy's own
   event loop was late (`lag_owed(since)`: `scheduler.proxy.loop_lag.LoopLag.owed`, given by
   ``kvherd serve``): the probe waits on for as long as the loop owed, and one still unanswered after
@@ -61,7 +62,7 @@ class ActiveProber:
             while True:
                 done, _ = await asyncio.wait({get}, timeout=max(0.0, budget - _elapsed(since)))
                 if done:
-                    ok = get.result().status_code == 200
+                    ok = _alive(get.result())
                     break
                 owed = self.lag_owed(since)
                 if owed > self.max_extension * self.timeout_s:
@@ -94,3 +95,15 @@ class ActiveProber:
 
 def _elapsed(since: float) -> float:
     return time.monotonic() - since
+
+
+def _alive(response: httpx.Response) -> bool:
+    if response.status_code == 200:
+        return True
+    if response.status_code != 503:
+        return False
+    try:
+        body = response.json()
+    except ValueError:
+        return False
+    return isinstance(body, dict) and body.get("status") == "draining"

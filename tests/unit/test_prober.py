@@ -20,9 +20,11 @@ TIMEOUT_S = 0.3
 
 
 class HealthServer:
-    """``GET /health`` answers 200 once `release` is set; `arrived` is set when a probe came in."""
+    """``GET /health`` answers `status` with `body` once `release` is set; `arrived` is set when a
+    probe came in."""
 
     def __init__(self) -> None:
+        self.status, self.body = 200, b""
         self.arrived = threading.Event()
         self.release = threading.Event()
         outer = self
@@ -31,9 +33,10 @@ class HealthServer:
             def do_GET(self) -> None:
                 outer.arrived.set()
                 outer.release.wait(30)
-                self.send_response(200)
-                self.send_header("content-length", "0")
+                self.send_response(outer.status)
+                self.send_header("content-length", str(len(outer.body)))
                 self.end_headers()
+                self.wfile.write(outer.body)
 
             def log_message(self, *args: object) -> None:
                 pass
@@ -118,3 +121,28 @@ async def test_an_instance_that_does_not_answer_fails_its_probe(server: HealthSe
     finally:
         await prober.stop()
     assert results == [("a", False)]
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "alive"),
+    [
+        (503, b'{"status": "draining"}', True),  # an agent handing its requests over
+        (503, b'{"status": "overloaded"}', False),
+        (503, b"[]", False),
+        (503, b"not json", False),
+        (500, b'{"status": "engine_dead"}', False),
+    ],
+)
+async def test_a_draining_agent_passes_its_probe(
+    server: HealthServer, status: int, body: bytes, alive: bool
+) -> None:
+    """Ejecting a draining agent would fail its requests over while they migrate away."""
+    server.status, server.body = status, body
+    server.release.set()
+    results: list[tuple[str, bool]] = []
+    prober = ActiveProber(lambda: {}, lambda i, ok: results.append((i, ok)), timeout_s=5.0)
+    try:
+        assert await prober.probe("a", server.url) is alive
+    finally:
+        await prober.stop()
+    assert results == [("a", alive)]
