@@ -24,7 +24,8 @@ Contract:
   after it, where the window sees it, while the shared machine's own speed swings (by 2-3x
   within a run, measured) would read as a relapse. Each 429's latency is kept too.
 - `poisson(max_tokens, max_num_seqs, load, seconds)`: ordinary Poisson traffic at `load` x the
-  capacity measured the same way, on the same kind of fleet: its statuses.
+  capacity measured the same way, on the same kind of fleet: its statuses, and the capacity
+  measured again after it (`PoissonRun.load`: the load the fleet really had).
 """
 
 from __future__ import annotations
@@ -157,9 +158,9 @@ async def capacity(client: RawClient, max_tokens: int, seconds: float = 3.0) -> 
 
 async def poisson(
     max_tokens: int, max_num_seqs: int, load: float, seconds: float, seed: int = 0
-) -> tuple[float, dict[int, int]]:
+) -> PoissonRun:
     """Ordinary traffic: Poisson arrivals at `load` x the fleet's capacity for `seconds`, on the
-    flood's fleet; (capacity, statuses)."""
+    flood's fleet, with the capacity measured again right after."""
     rng = random.Random(seed)
     statuses: dict[int, int] = {}
     with (
@@ -184,8 +185,23 @@ async def poisson(
             tasks.append(asyncio.create_task(one(len(tasks))))
             due += rng.expovariate(load * rate)
         await asyncio.gather(*tasks)
+        after = await capacity(client, max_tokens)
         client.close()
-    return rate, statuses
+    return PoissonRun(len(tasks) / seconds, rate, after, statuses)
+
+
+@dataclass(frozen=True, slots=True)
+class PoissonRun:
+    arrival_rate: float  # requests/s sent
+    capacity: float  # measured before, which set the arrival rate
+    capacity_after: float  # measured again right after
+    statuses: dict[int, int]
+
+    @property
+    def load(self) -> float:
+        """The arrivals over the lower of the two capacities: the load the fleet actually had
+        (a shared machine slowing down during the run raises it)."""
+        return self.arrival_rate / min(self.capacity, self.capacity_after)
 
 
 def ejections(metrics: str) -> list[str]:
