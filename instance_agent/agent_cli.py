@@ -55,6 +55,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, help="model name clients send")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--pull-port",
+        type=int,
+        default=0,
+        help="port of the block server other agents pull prefixes from (default: any free one)",
+    )
+    parser.add_argument(
+        "--pull-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a prefix pull may take before it is given up and the prefix recomputed",
+    )
     parser.add_argument("--instance-id", default=None, help="default: HOSTNAME:PORT")
     parser.add_argument(
         "--advertise-host", default=None, help="host the scheduler reaches this agent at"
@@ -146,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
         create_migration_router,
     )
     from instance_agent.pd_handoff import PDHandoffs
+    from instance_agent.prefix_pull import PrefixPulls
     from instance_agent.registration import Registrar
     from instance_agent.server import Agent, DrainingServer, create_app
     from kvherd.fd_limit import raise_fd_limit
@@ -235,6 +248,13 @@ def run(args: argparse.Namespace) -> int:
         },
     )
     engine_loop = EngineLoop(engine, publisher=publisher, metrics=metrics)
+    try:
+        pulls = PrefixPulls(
+            engine_loop, args.host, advertise_host, args.pull_port, args.pull_timeout
+        )
+    except OSError as exc:
+        log.error("cannot bind the prefix-pull block server on port %d: %s", args.pull_port, exc)
+        return 2
     agent = Agent(
         engine_loop=engine_loop,
         metrics=metrics,
@@ -242,6 +262,7 @@ def run(args: argparse.Namespace) -> int:
         served_model_name=served_name,
         model_root=args.model,
         role=args.role,
+        pulls=pulls,
     )
     if args.scheduler:
 
@@ -278,6 +299,7 @@ def run(args: argparse.Namespace) -> int:
                 "model": served_name,
                 "block_size": bm.block_size,
                 "role": args.role,
+                "pull_address": pulls.address,
             },
             load_summary,
             heartbeat_s=args.heartbeat_interval,
@@ -308,6 +330,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if publisher is not None:
             publisher.close()
+        pulls.close()
         engine.close()
     # Everything is closed; skip the interpreter's final garbage collection over the model and
     # the web stack, which takes seconds and only delays the exit an orchestrator waits for.

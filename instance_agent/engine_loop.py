@@ -11,7 +11,8 @@ Contract:
   replay buffer have it at once.
 - `add` resolves once the engine accepted the request (or raises the engine's `InvalidRequestError`,
   which it raises before allocating anything); `open` does the same for any way of starting a
-  request on the engine thread (e.g. adopting a migrated one), and `call` runs any function there.
+  request on the engine thread (e.g. adopting a migrated one), and `call` runs any function there
+  (`call_threadsafe` from another thread).
   The returned `RequestStream` yields the engine's outputs until the one with ``finished``; closing
   it early (client gone, cancellation) aborts the request on the engine thread, which frees its
   blocks. A request aborted by the agent itself (drain timeout) ends its stream with
@@ -36,6 +37,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -375,6 +377,20 @@ class EngineLoop:
 
         self._submit(command)
         return await result
+
+    def call_threadsafe(self, fn: Callable[[LLMEngine], T], timeout: float) -> T:
+        """`call` from a thread of its own (not the engine's, nor the event loop's); raises
+        TimeoutError when the engine thread did not run it within `timeout`."""
+        result: Future[T] = Future()
+
+        def command() -> None:
+            try:
+                result.set_result(fn(self.engine))
+            except BaseException as exc:
+                result.set_exception(exc)
+
+        self._submit(command)
+        return result.result(timeout)
 
     def _announce_detached(self, streams: list[RequestStream]) -> None:
         assert self._loop is not None and self._idle is not None

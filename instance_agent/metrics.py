@@ -15,6 +15,9 @@ Contract:
   tiers, ``kvherd_kv_offload_bytes_total`` / ``kvherd_kv_offload_seconds_total`` (into the tier) and
   ``kvherd_kv_load_bytes_total`` / ``kvherd_kv_load_seconds_total`` (out of it), fed by `set_tiers`
   with the engine's cumulative `tier_usage`.
+- Prefix pulls into this agent (`instance_agent.prefix_pull`): ``kvherd_prefix_pulls_total`` by
+  ``outcome``, ``kvherd_prefix_pull_bytes_total``, ``kvherd_prefix_pull_seconds_total``, fed by
+  `pulled`; blocks served to other agents: ``kvherd_prefix_pull_served_blocks_total``.
 - Each `AgentMetrics` owns its own `CollectorRegistry` (several agents may live in one test process).
 - Every method is thread-safe (prometheus-client's own locking); the engine thread calls them.
 """
@@ -117,6 +120,21 @@ class AgentMetrics:
             )
         }
         self._tier_seen: dict[tuple[str, str], float] = {}
+        self._pulls = Counter(
+            "kvherd_prefix_pulls", "Prefix pulls into this instance, by outcome.",
+            [*labels, "outcome"], registry=reg,
+        )  # fmt: skip
+        self._pull_bytes = Counter(
+            "kvherd_prefix_pull_bytes", "KV bytes pulled from other instances.", labels,
+            registry=reg,
+        ).labels(*values)  # fmt: skip
+        self._pull_seconds = Counter(
+            "kvherd_prefix_pull_seconds", "Seconds spent pulling prefixes.", labels, registry=reg
+        ).labels(*values)
+        self.pull_served_blocks = Counter(
+            "kvherd_prefix_pull_served_blocks", "KV blocks sent to other instances' pulls.",
+            labels, registry=reg,
+        ).labels(*values)  # fmt: skip
 
     def set_load(self, running: int, waiting: int, kv_usage: float) -> None:
         self.num_requests_running.set(running)
@@ -136,6 +154,11 @@ class AgentMetrics:
                     if value > seen:
                         counter.labels(*self._values, medium).inc(value - seen)
                     self._tier_seen[medium, key] = value
+
+    def pulled(self, outcome: str, num_bytes: int, seconds: float) -> None:
+        self._pulls.labels(*self._values, outcome).inc()
+        self._pull_bytes.inc(num_bytes)
+        self._pull_seconds.inc(seconds)
 
     def request_finished(self, finish_reason: str) -> None:
         self._request_success.labels(*self._values, finish_reason).inc()

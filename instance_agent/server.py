@@ -39,6 +39,10 @@ Contract (`create_app(agent)` returns the FastAPI app):
   decode instance at URL as it is admitted and is handed to it after its first token
   (`instance_agent.pd_handoff`; 401 without the fleet token when the agent has one); `Agent.role`
   (``prefill``, ``decode``, ``mixed``) is reported in the state snapshot.
+- Prefix pull: ``X-Kvherd-Pull: tcp://HOST:PORT blocks=N`` loads the prompt's leading blocks
+  from that agent's block server before the request is added (`instance_agent.prefix_pull`; a
+  failed pull recomputes); ``X-Kvherd-Pull-Outcome`` says what landed. The state snapshot names
+  this agent's own block server (``pull_address``).
 - `Agent` holds what the routes share: the engine loop, metrics, identity, and the draining flag.
   `Agent.drain` stops accepting work and waits for open requests to finish (or aborts them after
   a timeout).
@@ -82,6 +86,13 @@ from instance_agent.engine_loop import (
     RequestStream,
 )
 from instance_agent.metrics import AgentMetrics
+from instance_agent.prefix_pull import (
+    PULL_HEADER,
+    PULL_OUTCOME_HEADER,
+    PrefixPulls,
+    PullAsk,
+    Pulled,
+)
 from instance_agent.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -113,6 +124,7 @@ class Agent:
     created: int = field(default_factory=protocol.now)
     role: str = "mixed"  # P/D disaggregation: "prefill", "decode" or "mixed"
     handoffs: pd_handoff.PDHandoffs | None = None  # hands requests to their decode instance
+    pulls: PrefixPulls | None = None  # serves cached blocks to other agents, pulls prefixes
 
     @property
     def engine(self) -> LLMEngine:
@@ -137,6 +149,7 @@ class Agent:
                 role=self.role,
                 tiers=engine.tier_usage(),
             )
+            state["pull_address"] = None if self.pulls is None else self.pulls.address
             if check_integrity:
                 try:
                     engine.block_manager.check_integrity()
@@ -400,6 +413,16 @@ def _request_id(request: Request) -> str:
     return given
 
 
+def _pull_ask(request: Request) -> PullAsk | None:
+    given = request.headers.get(PULL_HEADER)
+    if given is None:
+        return None
+    try:
+        return PullAsk.parse(given)
+    except ValueError as exc:
+        raise bad_request(str(exc), param=PULL_HEADER) from None
+
+
 def _wants_ledger(request: Request) -> bool:
     return request.headers.get(wire.TOKEN_IDS_HEADER) == "1"
 
@@ -425,7 +448,9 @@ async def _generate(
         if body.kvherd_continuation is not None and not body.stream:
             raise bad_request("only a streamed request can be continued", "kvherd_continuation")
         hold = bool(handoff_dst) and agent.handoffs is not None and agent.handoffs.holds_first_token
-        stream, meta = await _submit(agent, body, request_id, hold)
+        stream, meta = await _submit(agent, body, request_id, hold, _pull_ask(request))
+        if meta.pulled is not None:
+            headers[PULL_OUTCOME_HEADER] = meta.pulled.header()
     except OpenAIError as exc:
         return _error_response(exc, headers)
     except InvalidRequestError as exc:
@@ -502,6 +527,7 @@ class _Meta:
     sampling_seed: int | None = None  # known when the request started here
     # As admitted here: its tokens and their full-block hashes (a P/D handoff reserves for them).
     admitted: tuple[int, tuple[int, ...]] = (0, ())
+    pulled: Pulled | None = None  # the prefix pull that ran before it was added
 
 
 async def _submit(
@@ -509,9 +535,11 @@ async def _submit(
     body: CompletionRequest | ChatCompletionRequest,
     request_id: str,
     hold: bool = False,
+    pull: PullAsk | None = None,
 ) -> tuple[RequestStream, _Meta]:
     """Open the request's stream; `hold`: suspend it at its first token (a P/D handoff out of a
-    prefill-only agent, `pd_handoff`), set in the very engine command that adds it."""
+    prefill-only agent, `pd_handoff`), set in the very engine command that adds it; `pull`:
+    load its prefix from another agent first (`prefix_pull`; a failed pull recomputes)."""
     if agent.draining:
         raise OpenAIError(
             503, "the instance is draining and accepts no new requests", type="server_error"
@@ -536,11 +564,18 @@ async def _submit(
     seeds: list[int] = []
     admitted: list[tuple[int, tuple[int, ...]]] = []
 
+    pulled: Pulled | None = None
+
     def start(engine: LLMEngine) -> None:
         if continuation is None:
-            request = engine.add_request(
-                request_id, prompt_ids, params, priority=body.priority, cache_salt=body.cache_salt
-            )
+            try:
+                request = engine.add_request(
+                    request_id, prompt_ids, params, priority=body.priority,
+                    cache_salt=body.cache_salt,
+                )  # fmt: skip
+            finally:  # it holds its hits now (or was refused): the pull's carrier lets go
+                if pulled is not None:
+                    pulled.release(engine)
         else:
             request = engine.continue_request(
                 request_id,
@@ -569,6 +604,9 @@ async def _submit(
                 "kvherd_continuation",
             )
         meta.prompt_len, meta.model = len(prompt_ids), agent.served_model_name
+    if pull is not None and agent.pulls is not None and continuation is None:
+        pulled = meta.pulled = await agent.pulls.pull(request_id, prompt_ids, body.cache_salt, pull)
+        agent.metrics.pulled(pulled.outcome, pulled.num_bytes, pulled.seconds)
     stream = await agent.engine_loop.open(request_id, start)
     meta.sampling_seed, meta.admitted = seeds[0], admitted[0]
     return stream, meta

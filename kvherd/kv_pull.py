@@ -4,7 +4,8 @@ Contract:
 - `BlockStore(capacity_blocks)`: block hash (bytes) -> one block's KV bytes (every layer, one
   layout), LRU by put, never above its capacity; thread-safe. `prefix(hashes)` is the longest
   stored prefix. `BlockIndex(capacity_blocks)` is the same policy on hashes alone: a mirror.
-- `BlockServer(store, layout, host, port)` answers each connection's one request (a frame: the
+- `BlockServer(source, layout, host, port)` serves any `BlockSource` (a `BlockStore`, an engine's
+  cache) and answers each connection's one request (a frame: the
   layout key and up to `MAX_PULL_BLOCKS` hashes) with a header (``count`` blocks it holds, in
   order, from the first) and then those blocks. A layout other than its own gets ``count`` 0 and an
   error. At most `MAX_CONNECTIONS` are served at once; a stalled peer is dropped after `io_timeout_s`.
@@ -27,7 +28,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 MAX_PULL_BLOCKS = 4096  # one request's hashes: a 512k-token prompt at block size 128
 MAX_FRAME_BYTES = 1 << 20  # a request of MAX_PULL_BLOCKS hex 32-byte hashes fits with room
@@ -97,6 +98,12 @@ class BlockIndex:
         while n < len(hashes) and hashes[n] in self._order:
             n += 1
         return n
+
+
+class BlockSource(Protocol):
+    def prefix(self, hashes: Sequence[bytes]) -> list[bytes]:
+        """The blocks of the longest held prefix of `hashes`, as immutable bytes."""
+        ...
 
 
 class BlockStore:
@@ -175,11 +182,11 @@ def _recv_frame(sock: socket.socket, deadline: float | None) -> dict[str, Any]:
 
 
 class BlockServer:
-    """Serves a `BlockStore`'s blocks to `fetch_blocks` callers from a daemon thread."""
+    """Serves a `BlockSource`'s blocks to `fetch_blocks` callers from a daemon thread."""
 
     def __init__(
         self,
-        store: BlockStore,
+        store: BlockSource,
         layout: str,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -226,8 +233,8 @@ class BlockServer:
                 for block in blocks:
                     self.served_blocks += 1  # counted first: the peer may read it before we return
                     conn.sendall(block)
-        except (OSError, PullError, ValueError, TypeError):
-            return  # the peer's fetch fails on its side and it recomputes
+        except Exception:  # a dead peer, a bad frame, a source that failed: the peer's fetch fails
+            return  # on its side and it recomputes
         finally:
             self._slots.release()
 

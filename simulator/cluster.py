@@ -64,7 +64,7 @@ Contract:
   router asks `scheduler.core.prefix_pull` after the policy. A PULL holds its request back when it
   reaches its instance: between that instance's steps the blocks past its GPU hits, up to what
   the holder truly holds then (GPU or lower tiers), are reserved there under a carrier request
-  (`simulator.pull.carrier`; no room: recompute), copied on the pair's NICs (`PullLinks`:
+  (the engine core's `pull_carrier`; no room: recompute), copied on the pair's NICs (`PullLinks`:
   contention, the holder's blocks read without stalling its steps, its disk-held ones at its disk
   bandwidth first), then cached there by the engine's `cache_full_blocks` (KV events and all)
   and the request is admitted; the carrier lets go once the request is scheduled (it hit them)
@@ -82,7 +82,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from instance_agent.engine.core.load import engine_load
-from instance_agent.engine.core.request import InvalidRequestError, Request, RequestStatus
+from instance_agent.engine.core.request import (
+    InvalidRequestError,
+    Request,
+    RequestStatus,
+    pull_carrier,
+)
 from kvherd.kv_events import MEDIUM_CPU, KVEvent
 from migration.core.handoff import handoff_stages, holds_first_token
 from migration.core.protocol import AbortReason
@@ -125,7 +130,6 @@ from simulator.pull import (
     PullConfig,
     PullLinks,
     PullStats,
-    carrier,
     pull_settings,
 )
 from simulator.traces import Trace, TraceRequest
@@ -545,7 +549,7 @@ class SimCluster:
     def _finish_pull(self, dst: SimInstance, request: Request, first: int, end: int) -> None:
         """The blocks landed: cache them on `dst` (held until the request is scheduled) and
         admit the request."""
-        held = carrier(request, end)
+        held = pull_carrier(request, end)
         held.num_computed_tokens = end * request.block_size
         dst.block_manager.cache_full_blocks(held)
         rid = request.request_id

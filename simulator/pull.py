@@ -9,9 +9,8 @@ Contract:
 - `PullLinks`: each instance has one NIC, egress and ingress; a pull of `seconds` starts once
   both the holder's egress and the destination's ingress are free, and holds both until it
   lands (first come, first served: contention between pulls). Engine steps never wait on it.
-- `carrier(request, num_blocks)`: the engine `Request` under whose id the destination holds a
-  pull's blocks (the request's leading `num_blocks` blocks, same tokens and hashes), so caching
-  them once landed is the block manager's own `cache_full_blocks`.
+- The destination holds a pull's blocks under the engine core's `pull_carrier` (the agents'
+  pulls do too), so caching them once landed is the block manager's own `cache_full_blocks`.
 - `PullStats`: decisions by action, pulls started, landed, and fallbacks by reason (``no_room``:
   the destination could not reserve the blocks; ``holder_lost``: the holder no longer held any
   of them), bytes and seconds on the links, tokens landed and tokens the request then hit.
@@ -21,7 +20,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from instance_agent.engine.core.request import Request, SamplingParams
 from scheduler.core.prefix_pull import PullSettings
 from simulator.latency.base import LatencyModel
 
@@ -83,15 +81,3 @@ class PullLinks:
         self._egress_free[src] = end
         self._ingress_free[dst] = end
         return end
-
-
-def carrier(request: Request, num_blocks: int) -> Request:
-    """The reservation owner that holds a pull's blocks on the destination."""
-    bs = request.block_size
-    return Request(
-        f"pull:{request.request_id}",
-        request.token_ids[: num_blocks * bs],
-        SamplingParams(max_tokens=1, seed=0),
-        bs,
-        cache_salt=request.cache_salt,
-    )

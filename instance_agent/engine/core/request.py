@@ -351,3 +351,18 @@ class Request:
             f"Request({self.request_id!r}, status={self.status.value}, "
             f"tokens={self.num_tokens}, computed={self.num_computed_tokens})"
         )
+
+
+def pull_carrier(request: Request, num_blocks: int) -> Request:
+    """The owner under which an instance holds `request`'s leading `num_blocks` blocks that
+    another instance's copy filled (a prefix pull): the same tokens and hashes, so caching them
+    is `BlockManager.cache_full_blocks` (with ``num_computed_tokens`` set to what landed)."""
+    bs = request.block_size
+    return Request(
+        f"pull:{request.request_id}",
+        request.token_ids[: num_blocks * bs],
+        SamplingParams(max_tokens=1, seed=0),
+        bs,
+        cache_salt=request.cache_salt,
+        hash_algo=request._hash_algo,
+    )

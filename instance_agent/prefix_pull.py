@@ -1,0 +1,245 @@
+"""Cross-instance prefix pulls between kvherd agents: serve cached blocks, fetch a prefix.
+
+Contract:
+- Every agent serves its GPU prefix cache over `kvherd.kv_pull`'s block protocol at `address`:
+  the blocks of the longest cached prefix of the hashes asked for are pinned on the engine
+  thread (a reference under a pull owner: no eviction takes them), read off it and sent, then
+  unpinned, so the holder's running requests keep stepping meanwhile.
+- `pull(...)` runs on the destination before a request is added (the proxy asks with
+  `PULL_HEADER`: the holder's address and its depth in prompt blocks). On the engine thread it
+  hashes the prompt as the request will be, holds its own leading GPU hits and reserves blocks
+  for the rest up to the holder's depth (never the last prompt token's block); the holder's
+  blocks are written straight into them off the engine thread; what landed joins the prefix
+  cache under the engine core's `pull_carrier`, and `Pulled.release` (called in the command that
+  adds the request) lets the carrier go. The request then hits them as a local prefix: its
+  output is that of a local hit, bit-identical to recomputing.
+- A holder that refuses, stalls past `timeout_s`, dies or sends a short stream costs a
+  recompute of what did not land, never an error; nothing stays reserved (`Pulled.outcome`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from instance_agent.engine.core.request import Request, SamplingParams, pull_carrier
+from kvherd.kv_pull import BlockServer, PullError, fetch_blocks, parse_address
+
+if TYPE_CHECKING:
+    from instance_agent.engine.llm_engine import LLMEngine
+    from instance_agent.engine_loop import EngineLoop
+
+log = logging.getLogger(__name__)
+
+PULL_HEADER = "x-kvherd-pull"  # "tcp://HOST:PORT blocks=N": the holder and its depth in blocks
+PULL_OUTCOME_HEADER = "x-kvherd-pull-outcome"  # "OUTCOME blocks=N bytes=B seconds=S"
+OUTCOMES = ("landed", "partial", "nothing_to_pull", "no_room", "failed")
+_HASH_BYTES = 32  # a block hash on the wire (xxh3-64 or sha256)
+
+
+@dataclass(frozen=True, slots=True)
+class PullAsk:
+    address: str
+    num_blocks: int  # leading prompt blocks the holder holds
+
+    @classmethod
+    def parse(cls, header: str) -> PullAsk:
+        """`PULL_HEADER`'s value; ValueError for anything else."""
+        address, _, rest = header.strip().partition(" ")
+        key, _, value = rest.partition("=")
+        if key != "blocks" or not value.isdigit():
+            raise ValueError(f"{PULL_HEADER} must be 'tcp://HOST:PORT blocks=N', not {header!r}")
+        try:
+            parse_address(address)
+        except PullError as exc:
+            raise ValueError(f"{PULL_HEADER}: {exc}") from None
+        return cls(address, int(value))
+
+    def header(self) -> str:
+        return f"{self.address} blocks={self.num_blocks}"
+
+
+@dataclass(slots=True)
+class Pulled:
+    """What a pull did: `outcome` (one of `OUTCOMES`) and what landed."""
+
+    outcome: str
+    owner: str | None = None  # the carrier holding the landed blocks until `release`
+    num_blocks: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+
+    def release(self, engine: LLMEngine) -> None:
+        """Engine thread: the request was added (it holds its hits now), or will not be."""
+        if self.owner is not None:
+            engine.free_reservation(self.owner)
+            self.owner = None
+
+    def header(self) -> str:
+        return (
+            f"{self.outcome} blocks={self.num_blocks} bytes={self.num_bytes} "
+            f"seconds={self.seconds:.6f}"
+        )
+
+
+def kv_views(engine: LLMEngine) -> list[torch.Tensor]:
+    """The KV cache as one tensor per layer and K/V, indexed by block id on dim 0."""
+    cache = engine.runner.kv_cache  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+    return [cache[layer, kv] for layer in range(cache.shape[0]) for kv in range(2)]
+
+
+def layout_key(engine: LLMEngine) -> str:
+    """What two agents must share for one's block bytes to be the other's KV."""
+    cache = engine.runner.kv_cache
+    return (
+        f"kvherd:{engine.config.model}:{engine.config.seed}:{engine.config.hash_algo}:{cache.dtype}:"
+        f"{tuple(cache.shape[:2])}:{tuple(cache.shape[3:])}"
+    )
+
+
+class PrefixPulls:
+    """An agent's block server and its pulls (module contract)."""
+
+    def __init__(
+        self,
+        engine_loop: EngineLoop,
+        host: str,
+        advertise_host: str,
+        port: int = 0,
+        timeout_s: float = 10.0,
+    ) -> None:
+        self.engine_loop = engine_loop
+        engine = engine_loop.engine
+        self.views = kv_views(engine)
+        self.block_bytes = sum(v[0].numel() * v.element_size() for v in self.views)
+        self.layout = layout_key(engine)
+        self.timeout_s = timeout_s
+        self._owners = itertools.count()
+        self._releases: set[asyncio.Future[None]] = set()  # of pulls whose client left
+        self._server = BlockServer(self, self.layout, host, port, io_timeout_s=timeout_s)
+        self.address = f"tcp://{advertise_host}:{self._server.port}"
+
+    def close(self) -> None:
+        self._server.close()
+
+    # -- the holder (`kvherd.kv_pull.BlockSource`, on the block server's threads) ----------------
+    def prefix(self, hashes: Sequence[bytes]) -> list[bytes]:
+        owner = f"pull-out:{next(self._owners)}"
+        wanted = [int.from_bytes(h, "big") for h in hashes]
+
+        def pin(engine: LLMEngine) -> list[int]:
+            block_manager = engine.block_manager
+            hits = block_manager.lookup_cached_prefix(wanted)
+            block_manager.share_cached_blocks(owner, hits)
+            return hits
+
+        loop = self.engine_loop
+        try:
+            hits = loop.call_threadsafe(pin, self.timeout_s)
+            blocks = [self._read(block_id) for block_id in hits]
+            if loop.metrics is not None:
+                loop.metrics.pull_served_blocks.inc(len(blocks))
+            return blocks
+        finally:  # queued after the pin, so it runs after it even if the pin timed out here
+            with contextlib.suppress(TimeoutError):
+                loop.call_threadsafe(lambda engine: engine.free_reservation(owner), self.timeout_s)
+
+    def _read(self, block_id: int) -> bytes:
+        return b"".join(v[block_id].view(torch.uint8).cpu().numpy().tobytes() for v in self.views)
+
+    # -- the destination ----------------------------------------------------------------------
+    async def pull(
+        self, request_id: str, prompt_ids: Sequence[int], cache_salt: str | None, ask: PullAsk
+    ) -> Pulled:
+        """Pull `ask`'s blocks for the prompt (module contract). Cancelled, it lets the pull
+        run to its end and then frees what it holds."""
+        task = asyncio.ensure_future(self._pull(request_id, prompt_ids, cache_salt, ask))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(self._abandoned)
+            raise
+
+    def _abandoned(self, task: asyncio.Future[Pulled]) -> None:
+        if not task.cancelled() and task.exception() is None:
+            release = asyncio.ensure_future(self.engine_loop.call(task.result().release))
+            self._releases.add(release)
+            release.add_done_callback(self._releases.discard)
+
+    async def _pull(
+        self, request_id: str, prompt_ids: Sequence[int], cache_salt: str | None, ask: PullAsk
+    ) -> Pulled:
+        started = time.perf_counter()
+        loop = self.engine_loop
+        request: Request | None = None
+        owner = ""
+
+        def reserve(engine: LLMEngine) -> tuple[int, int, list[int]]:
+            """(the holder's depth here, this instance's GPU hits, now held by the carrier, the
+            blocks reserved past them up to that depth)."""
+            nonlocal request, owner
+            request = Request(
+                request_id,
+                prompt_ids,
+                SamplingParams(max_tokens=1, seed=0),
+                engine.config.block_size,
+                cache_salt=cache_salt,
+                hash_algo=engine.config.hash_algo,
+            )
+            owner = pull_carrier(request, 0).request_id
+            upto = min(ask.num_blocks, (len(prompt_ids) - 1) // request.block_size)
+            block_manager = engine.block_manager
+            hits = block_manager.lookup_cached_prefix(request.block_hashes[:upto])
+            if len(hits) >= upto:
+                return upto, len(hits), []
+            block_manager.share_cached_blocks(owner, hits)
+            reserved = engine.reserve_blocks(owner, upto - len(hits))
+            if reserved is None:
+                engine.free_reservation(owner)
+            return upto, len(hits), reserved or []
+
+        upto, local, reserved = await loop.call(reserve)
+        assert request is not None
+        if not reserved:
+            return Pulled("nothing_to_pull" if local >= upto else "no_room")
+        hashes = [h.to_bytes(_HASH_BYTES, "big") for h in request.block_hashes[local:upto]]
+        landed = 0
+
+        def sink(i: int, block: memoryview) -> None:
+            nonlocal landed
+            offset = 0
+            for view in self.views:
+                row = view[reserved[i]].view(torch.uint8).reshape(-1)
+                size = row.numel()
+                row.copy_(torch.frombuffer(block, dtype=torch.uint8, count=size, offset=offset))
+                offset += size
+            landed = i + 1
+
+        fetch = asyncio.to_thread(
+            fetch_blocks, ask.address, self.layout, hashes, self.block_bytes, sink, self.timeout_s
+        )
+        outcome = "landed"
+        try:
+            await fetch
+        except PullError as exc:
+            log.warning("pull of %s from %s: %s (recomputing)", request_id, ask.address, exc)
+            outcome = "failed"
+        except Exception:
+            log.exception("pull of %s from %s failed (recomputing)", request_id, ask.address)
+            outcome = "failed"
+        if outcome == "landed" and landed < len(hashes):
+            outcome = "partial"
+        carrier = pull_carrier(request, local + landed)
+        carrier.num_computed_tokens = (local + landed) * request.block_size
+        await loop.call(lambda engine: engine.block_manager.cache_full_blocks(carrier))
+        return Pulled(
+            outcome, owner, landed, landed * self.block_bytes, time.perf_counter() - started
+        )
