@@ -6,7 +6,7 @@ Contract:
   thread (a reference under a pull owner: no eviction takes them), read off it and sent, then
   unpinned, so the holder's running requests keep stepping meanwhile.
 - `pull(...)` runs on the destination before a request is added (the proxy asks with
-  `PULL_HEADER`: the holder's address and its depth in prompt blocks). On the engine thread it
+  `kvherd.kv_pull.PULL_HEADER`: the holder's address and its depth in prompt blocks). On the engine thread it
   hashes the prompt as the request will be, holds its own leading GPU hits and reserves blocks
   for the rest up to the holder's depth (never the last prompt token's block); the holder's
   blocks are written straight into them off the engine thread; what landed joins the prefix
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from instance_agent.engine.core.request import Request, SamplingParams, pull_carrier
-from kvherd.kv_pull import BlockServer, PullError, fetch_blocks, parse_address
+from kvherd.kv_pull import BlockServer, PullAsk, PullError, fetch_blocks
 
 if TYPE_CHECKING:
     from instance_agent.engine.llm_engine import LLMEngine
@@ -39,39 +39,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PULL_HEADER = "x-kvherd-pull"  # "tcp://HOST:PORT blocks=N": the holder and its depth in blocks
-PULL_OUTCOME_HEADER = "x-kvherd-pull-outcome"  # "OUTCOME blocks=N bytes=B seconds=S"
-OUTCOMES = ("landed", "partial", "nothing_to_pull", "no_room", "failed")
 _HASH_BYTES = 32  # a block hash on the wire (xxh3-64 or sha256)
-
-
-@dataclass(frozen=True, slots=True)
-class PullAsk:
-    address: str
-    num_blocks: int  # leading prompt blocks the holder holds
-
-    @classmethod
-    def parse(cls, header: str) -> PullAsk:
-        """`PULL_HEADER`'s value; ValueError for anything else."""
-        address, _, rest = header.strip().partition(" ")
-        key, _, value = rest.partition("=")
-        if key != "blocks" or not value.isdigit():
-            raise ValueError(f"{PULL_HEADER} must be 'tcp://HOST:PORT blocks=N', not {header!r}")
-        try:
-            parse_address(address)
-        except PullError as exc:
-            raise ValueError(f"{PULL_HEADER}: {exc}") from None
-        return cls(address, int(value))
-
-    def header(self) -> str:
-        return f"{self.address} blocks={self.num_blocks}"
 
 
 @dataclass(slots=True)
 class Pulled:
-    """What a pull did: `outcome` (one of `OUTCOMES`) and what landed."""
+    """What a pull did and what landed."""
 
-    outcome: str
+    outcome: str  # one of `kvherd.kv_pull.PULL_OUTCOMES`
     owner: str | None = None  # the carrier holding the landed blocks until `release`
     num_blocks: int = 0
     num_bytes: int = 0
@@ -84,6 +59,7 @@ class Pulled:
             self.owner = None
 
     def header(self) -> str:
+        """`kvherd.kv_pull.PULL_OUTCOME_HEADER`'s value."""
         return (
             f"{self.outcome} blocks={self.num_blocks} bytes={self.num_bytes} "
             f"seconds={self.seconds:.6f}"

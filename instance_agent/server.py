@@ -86,13 +86,7 @@ from instance_agent.engine_loop import (
     RequestStream,
 )
 from instance_agent.metrics import AgentMetrics
-from instance_agent.prefix_pull import (
-    PULL_HEADER,
-    PULL_OUTCOME_HEADER,
-    PrefixPulls,
-    PullAsk,
-    Pulled,
-)
+from instance_agent.prefix_pull import PrefixPulls, Pulled
 from instance_agent.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -100,6 +94,7 @@ from instance_agent.protocol import (
 from instance_agent.registration import Registrar
 from instance_agent.state import snapshot
 from kvherd import __version__, wire
+from kvherd.kv_pull import PULL_HEADER, PULL_OUTCOME_HEADER, PullAsk
 from kvherd.wire import OpenAIError, bad_request
 
 if TYPE_CHECKING:

@@ -12,7 +12,9 @@ Contract:
 - `fetch_blocks(address, layout, hashes, sink, timeout_s)` asks ``tcp://host:port`` for `hashes`
   and calls ``sink(i, block)`` per block as it arrives (one block buffered at a time); it returns
   how many came, raises `PullError` on a refusal, a short stream, or `timeout_s` passing overall.
-- `Pull.from_params(kv_transfer_params)` reads ``{"kvherd_pull": {"from": ADDR, "tokens": N?}}``.
+- `Pull.from_params(kv_transfer_params)` reads ``{"kvherd_pull": {"from": ADDR, "tokens": N?}}``
+  (vLLM's connector); between kvherd agents the proxy asks in `PULL_HEADER` (`PullAsk`) and the
+  agent answers what happened in `PULL_OUTCOME_HEADER` (`parse_outcome`).
 Frames are a 4-byte big-endian length and a JSON object (hashes in hex: vLLM's python has no
 msgpack); blocks follow as raw bytes of the layout's block size. Only the standard library is used.
 """
@@ -36,6 +38,11 @@ MAX_CONNECTIONS = 4  # concurrent pulls served; each buffers at most one block
 _LENGTH = struct.Struct(">I")
 
 
+PULL_HEADER = "x-kvherd-pull"  # "tcp://HOST:PORT blocks=N": the holder and its depth in blocks
+PULL_OUTCOME_HEADER = "x-kvherd-pull-outcome"  # "OUTCOME blocks=N bytes=B seconds=S"
+PULL_OUTCOMES = ("landed", "partial", "nothing_to_pull", "no_room", "failed")
+
+
 class PullError(Exception):
     """A pull that did not deliver what it asked for; the caller recomputes."""
 
@@ -54,6 +61,41 @@ class Pull:
             return None
         tokens = ask.get("tokens")
         return cls(ask["from"], tokens if isinstance(tokens, int) and tokens >= 0 else None)
+
+
+@dataclass(frozen=True, slots=True)
+class PullAsk:
+    """The proxy's ask to an agent: pull the prompt's leading blocks from `address` first."""
+
+    address: str
+    num_blocks: int  # leading prompt blocks the holder holds
+
+    @classmethod
+    def parse(cls, header: str) -> PullAsk:
+        """`PULL_HEADER`'s value; ValueError for anything else."""
+        address, _, rest = header.strip().partition(" ")
+        key, _, value = rest.partition("=")
+        if key != "blocks" or not value.isdigit():
+            raise ValueError(f"{PULL_HEADER} must be 'tcp://HOST:PORT blocks=N', not {header!r}")
+        try:
+            parse_address(address)
+        except PullError as exc:
+            raise ValueError(f"{PULL_HEADER}: {exc}") from None
+        return cls(address, int(value))
+
+    def header(self) -> str:
+        return f"{self.address} blocks={self.num_blocks}"
+
+
+def parse_outcome(header: str) -> tuple[str, int, float] | None:
+    """`PULL_OUTCOME_HEADER`'s value: (outcome, bytes, seconds); None when malformed."""
+    outcome, *fields = header.split() or [""]
+    values = dict(field.partition("=")[::2] for field in fields)
+    try:
+        num_bytes, seconds = int(values["bytes"]), float(values["seconds"])
+    except (KeyError, ValueError):
+        return None
+    return (outcome, num_bytes, seconds) if outcome in PULL_OUTCOMES else None
 
 
 def parse_address(address: str) -> tuple[str, int]:

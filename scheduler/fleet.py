@@ -81,6 +81,7 @@ from scheduler.core.cluster_state import ClusterState
 from scheduler.core.inflight import InflightLedger
 from scheduler.core.load_report import LoadReport
 from scheduler.core.outliers import Health
+from scheduler.core.prefix_pull import PullAction, PullSettings
 from scheduler.core.router import Router
 from scheduler.fleet_health import FleetHealth
 from scheduler.kv_subscriber import KVEventSubscriber
@@ -137,6 +138,7 @@ class InstanceSpec:
     max_model_len: int | None = None  # from its /v1/models; the proxy refuses longer requests
     role: str | None = None  # P/D role override ("prefill", "decode", "mixed"); None: as reported
     max_num_seqs: int | None = None  # batch slots, when the engine does not report them (vLLM)
+    pull_address: str | None = None  # a kvherd agent's block server (prefix pulls from it)
 
 
 @dataclass(slots=True)
@@ -169,6 +171,7 @@ class FleetSettings:
     kv_events_bind: str | None = None  # a SUB endpoint engines connect to (attributed by topic)
     kv_silence_warn_s: float = 30.0
     fleet_token: str | None = None  # sent to the agents' control routes (the state snapshot)
+    prefix_pull: PullSettings | None = None  # pull long prefixes between agents (None: off)
 
 
 class Fleet:
@@ -199,8 +202,9 @@ class Fleet:
         except PolicyLoadError as exc:
             raise FleetError(400, str(exc), "policy") from exc
         self.pd_policy_spec = pd_policy_spec
-        self.router = Router(self.cluster, policy, pd_policy)
+        self.router = Router(self.cluster, policy, pd_policy, pull=settings.prefix_pull)
         self._handoffs: dict[str, str] = {}  # routing key -> its decode instance (P/D)
+        self._pulls: dict[str, tuple[str, int]] = {}  # routing key -> (holder's address, blocks)
         self.instances: dict[str, FleetInstance] = {}
         self.inflight = InflightLedger(settings.max_inflight_per_instance)
         self._listeners: list[FleetListener] = []
@@ -309,7 +313,9 @@ class Fleet:
             return
         old = self.cluster
         self.cluster = ClusterState(block_size=block_size, approx_ttl_s=self.settings.approx_ttl_s)
-        self.router = Router(self.cluster, self.router.policy)
+        self.router = Router(
+            self.cluster, self.router.policy, self.router.pd_policy, pull=self.settings.prefix_pull
+        )
         self.subscriber.sink = self.cluster
         for inst in list(self.instances.values()):
             await self._join_core(inst.spec)
@@ -566,11 +572,23 @@ class Fleet:
         inst = self.instances[routed.instance_id]
         if routed.decode_id is not None:
             self._handoffs[key] = routed.decode_id
+        pull = routed.pull
+        if pull is not None:
+            self.metrics.pull_decided(pull.action.value)
+            if pull.action is PullAction.PULL and pull.source is not None:
+                holder = self.instances.get(pull.source)
+                if holder is not None and holder.spec.pull_address and inst.spec.kvherd_agent:
+                    self._pulls[key] = (holder.spec.pull_address, pull.first_block + pull.num_blocks)
         if len(block_hashes) > routed.matched_blocks:  # the engine will store blocks: events due
             self.subscriber.note_traffic(inst.instance_id)
         self.inflight.attach(inst.instance_id, key)
         self.metrics.set_inflight(inst.instance_id, self.inflight.count(inst.instance_id))
         return inst, routed.matched_blocks
+
+    def pull_for(self, key: str) -> tuple[str, int] | None:
+        """The prefix pull the router chose for `key`: (the holder's block server, the prompt
+        blocks it holds), once; None when it runs on what its instance holds."""
+        return self._pulls.pop(key, None)
 
     def handoff_target(self, key: str) -> FleetInstance | None:
         """The decode instance `key` is handed to after its first token (P/D), if any."""
@@ -598,6 +616,7 @@ class Fleet:
 
     def _release(self, key: str) -> None:
         self._handoffs.pop(key, None)
+        self._pulls.pop(key, None)
         self.router.on_finish(key, self.clock())
         where = self.inflight.release(key)  # differs from the dispatch's after a migration
         if where is not None:
@@ -686,6 +705,7 @@ class Fleet:
             "fleet_block_size": self.cluster.block_size,
             "block_size_mismatch": inst.block_size_mismatch,
             "registered": spec.registered,
+            "pull_address": spec.pull_address,
             "role": view.role,
             "health": str(self.health.state(instance_id, self.clock())),
             "draining": state.draining,

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from scheduler.admission_flags import add_admission_arguments, admission_settings
 
 if TYPE_CHECKING:
+    from scheduler.core.prefix_pull import PullSettings
     from scheduler.fleet import Fleet, InstanceSpec
 
 log = logging.getLogger("kvherd.serve")
@@ -158,6 +159,39 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         metavar="SECONDS",
         help="warn when an instance sends no KV event this long after traffic (default 30)",
+    )
+    pull = parser.add_argument_group(
+        "prefix pulls between kvherd agents (scheduler.core.prefix_pull; off by default)"
+    )
+    pull.add_argument(
+        "--prefix-pull",
+        action="store_true",
+        help="when an agent other than the policy's pick holds a much longer prefix, route "
+        "there, recompute, or pull its blocks first, whichever is estimated to start sooner",
+    )
+    pull.add_argument(
+        "--pull-min-tokens",
+        type=int,
+        default=2048,
+        help="prefix tokens a holder must add over the pick (default 2048, llm-d's)",
+    )
+    pull.add_argument(
+        "--pull-bandwidth-gbps",
+        type=float,
+        default=10.0,
+        help="bandwidth between two agents in Gbit/s (default 10: TCP between hosts)",
+    )
+    pull.add_argument(
+        "--pull-prefill-tokens-per-s",
+        type=float,
+        default=8000.0,
+        help="the agents' prefill rate, tokens/s, to price a recompute (default 8000)",
+    )
+    pull.add_argument(
+        "--pull-kv-bytes-per-token",
+        type=float,
+        default=131072.0,
+        help="KV bytes per token, all layers (default 131072: Llama-3-8B in 16 bits)",
     )
     parser.add_argument("--max-attempts", type=int, default=3)
     parser.add_argument(
@@ -316,6 +350,9 @@ async def probe_instance(
                 spec.block_size = body.get("block_size")
                 spec.model = body.get("model")
                 spec.instance_id = raw.get("id") or body.get("instance_id") or spec.instance_id
+                pull_address = body.get("pull_address")
+                if isinstance(pull_address, str) and pull_address.startswith("tcp://"):
+                    spec.pull_address = pull_address
                 models = (await client.get(url + "/v1/models")).json()
             else:
                 models = (await client.get(url + "/v1/models")).json()
@@ -332,6 +369,20 @@ async def probe_instance(
     if override is not None:  # the operator's word wins; a differing report is still warned of
         spec.block_size = int(override)
     return spec
+
+
+def _pull_settings(args: argparse.Namespace) -> PullSettings | None:
+    """The router's pull rule from the flags (ValueError for values it cannot price with)."""
+    from scheduler.core.prefix_pull import PullSettings
+
+    if not args.prefix_pull:
+        return None
+    return PullSettings(
+        prefill_tokens_per_s=args.pull_prefill_tokens_per_s,
+        kv_bytes_per_token=args.pull_kv_bytes_per_token,
+        bandwidth=args.pull_bandwidth_gbps * 1e9 / 8,
+        min_gain_tokens=args.pull_min_tokens,
+    )
 
 
 def _token_refused(fleet_token: str | None) -> str:
@@ -468,6 +519,11 @@ async def serve_fleet(
         return 2
     metrics = ProxyMetrics()
     admission, queue, max_inflight = admission_settings(args)
+    try:
+        prefix_pull = _pull_settings(args)
+    except ValueError as exc:
+        print(f"kvherd serve: --prefix-pull: {exc}", file=sys.stderr)
+        return 2
     settings = FleetSettings(
         block_size=args.block_size,
         max_inflight_per_instance=max_inflight,
@@ -481,6 +537,7 @@ async def serve_fleet(
         fleet_token=fleet_token,
         kv_events_bind=args.kv_events_bind,
         kv_silence_warn_s=args.kv_silence_warn,
+        prefix_pull=prefix_pull,
     )
     lag = LoopLag()  # the proxy's loop lag: no deadline or probe blames an instance for it
     try:

@@ -5,8 +5,8 @@ object; bodies are JSON; errors are ``{"error": {"message", "type", "param", "co
 - ``GET /admin/v1/instances``: every instance with its state (health, draining, in flight, load,
   KV event stream and index figures); ``GET /admin/v1/instances/{id}``: one of them (404 if unknown).
 - ``POST /admin/v1/instances`` ``{"instance_id", "url", "kv_events_endpoint", "replay_endpoint",
-  "model", "block_size"}``: register, or re-register (which resubscribes and resyncs the instance's
-  prefix view). The URL's host and the event endpoints' hosts must match the operator's
+  "pull_address", "model", "block_size"}``: register, or re-register (which resubscribes and
+  resyncs the instance's prefix view). The URL's host and the event endpoints' hosts must match the operator's
   ``--allow-register`` patterns (default: loopback only), else 403. A block size other than the
   fleet's is refused with 400 (block hashes would never match). 201 on a new instance, 200 on a
   re-registration.
@@ -107,7 +107,7 @@ def _spec_from_body(body: Any, allow: RegistrationPolicy) -> InstanceSpec:
             403, f"registration from {host!r} is not allowed (--allow-register)", "url"
         )
     endpoints: dict[str, str | None] = {}
-    for name in ("kv_events_endpoint", "replay_endpoint"):
+    for name in ("kv_events_endpoint", "replay_endpoint", "pull_address"):
         value = body.get(name)
         if value is None:
             endpoints[name] = None
@@ -138,6 +138,7 @@ def _spec_from_body(body: Any, allow: RegistrationPolicy) -> InstanceSpec:
         url=url.rstrip("/"),
         kv_events_endpoint=endpoints["kv_events_endpoint"],
         replay_endpoint=endpoints["replay_endpoint"],
+        pull_address=endpoints["pull_address"],
         model=model,
         block_size=block_size,
         registered=True,

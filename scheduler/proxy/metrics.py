@@ -33,6 +33,11 @@ Contract (what ``GET /metrics`` on the proxy exposes):
   (KV bytes sent per handoff), and
   ``kvherd_pd_handoff_blocks_total{kind}`` (``sent``, ``deduplicated``: already cached on the
   decode instance, not sent; ``kvherd_pd_handoff_skipped_bytes_total`` their bytes).
+- Prefix pulls (``--prefix-pull``): ``kvherd_prefix_pull_decisions_total{action}`` (the router's
+  ``recompute``/``route``/``pull`` where a holder was worth a look), ``kvherd_prefix_pulls_total
+  {outcome}`` (what the chosen agent reported: ``landed``, ``partial``, ``nothing_to_pull``,
+  ``no_room``, ``failed``: recomputed), ``kvherd_prefix_pull_bytes_total`` and
+  ``kvherd_prefix_pull_seconds_total``.
 
 The per-request metrics (requests, the three histograms, in-flight) are plain Python numbers that a
 collector turns into metric families at scrape time: prometheus_client's locked counters and
@@ -207,6 +212,29 @@ class ProxyMetrics:
             "KV bytes of committed P/D handoffs not sent: cached at the decode instance already",
             registry=r,
         )
+
+        self._pull_decisions = Counter(
+            "kvherd_prefix_pull_decisions", "Prefix-pull decisions by action", ["action"],
+            registry=r,
+        )  # fmt: skip
+        self._pulls = Counter(
+            "kvherd_prefix_pulls", "Prefix pulls by outcome, as the agents report them",
+            ["outcome"], registry=r,
+        )  # fmt: skip
+        self._pull_bytes = Counter(
+            "kvherd_prefix_pull_bytes", "KV bytes the agents pulled", registry=r
+        )
+        self._pull_seconds = Counter(
+            "kvherd_prefix_pull_seconds", "Seconds the agents spent pulling", registry=r
+        )
+
+    def pull_decided(self, action: str) -> None:
+        self._pull_decisions.labels(action=action).inc()
+
+    def pulled(self, outcome: str, num_bytes: int, seconds: float) -> None:
+        self._pulls.labels(outcome=outcome).inc()
+        self._pull_bytes.inc(num_bytes)
+        self._pull_seconds.inc(seconds)
 
     def request_done(self, status: int | str) -> None:
         requests = self._requests

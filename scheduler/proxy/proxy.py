@@ -30,6 +30,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvherd import wire
+from kvherd.kv_pull import PULL_HEADER, PULL_OUTCOME_HEADER, PullAsk, parse_outcome
 from kvherd.tokenizer import Tokenizer
 from kvherd.wire import OpenAIError
 from scheduler.core.admission import AdmissionSettings
@@ -48,6 +49,8 @@ from scheduler.proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from scheduler.proxy.metrics import ProxyMetrics
 from scheduler.proxy.relay import Job, Relay
 from scheduler.proxy.routed_request import RequestReader, RoutedRequest
+
+_PULL_OUTCOME = PULL_OUTCOME_HEADER.encode()
 
 log = logging.getLogger("kvherd.proxy")
 
@@ -237,6 +240,10 @@ class Proxy:
                 def watch(chunks: Any, decode_id: str = decode_id) -> Any:
                     return pd.watch(chunks, self.fleet, self.metrics, key, decode_id)
 
+            pull = self.fleet.pull_for(key)
+            if pull is not None:  # the holder's blocks go to `instance` before it prefills
+                sent = [*sent, (PULL_HEADER.encode(), PullAsk(*pull).header().encode())]
+
             payload = request.raw
             if request.streamed and not instance.spec.kvherd_agent:
                 if vllm_raw is None:
@@ -254,6 +261,8 @@ class Proxy:
                 last_error = exc
                 log.warning("request %s: %s", key, exc)
                 continue
+            if pull is not None:
+                self._note_pull(upstream.response.headers)
             if upstream.chunks is not None and upstream.response.status == 200:
                 return await self.relay.stream(exchange, job, attempt, upstream)
             if decode is not None and upstream.chunks is None:
@@ -339,6 +348,15 @@ class Proxy:
     def _first_byte_deadline(self, instance: FleetInstance) -> float:
         waiting = self.fleet.cluster.get(instance.instance_id).report.num_waiting
         return self.deadlines.first_byte(instance.instance_id, waiting or 0)
+
+    def _note_pull(self, headers: list[tuple[bytes, bytes]]) -> None:
+        """The chosen agent's `PULL_OUTCOME_HEADER`, into the proxy's metrics."""
+        for name, value in headers:
+            if name == _PULL_OUTCOME:
+                told = parse_outcome(value.decode("latin-1"))
+                if told is not None:
+                    self.metrics.pulled(*told)
+                return
 
     def _handoff_target(self, key: str, max_tokens: Any) -> FleetInstance | None:
         """The decode instance to hand `key` to after its first token (P/D), if any: none for a

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -126,3 +127,28 @@ def test_a_malformed_pull_header_is_a_400(pair: list[AgentProcess], value: str) 
     )
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "x-kvherd-pull"
+
+
+def test_a_client_gone_mid_pull_leaves_nothing_reserved(pair: list[AgentProcess]) -> None:
+    """The client gives up while the pull waits on a stalled holder: once the pull ends (its
+    timeout), the puller frees what it reserved and took."""
+    holder, puller = pair
+    prompt = [253, *PROMPT]
+    complete(holder, prompt)
+    header = pull_header(holder)
+    os.kill(holder.process.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                f"{puller.url}/v1/completions",
+                json={"prompt": prompt, "max_tokens": 4},
+                headers=header,
+                timeout=0.3,
+            )
+    finally:
+        os.kill(holder.process.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while state(puller)["block_owners"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert_clean(puller)
+    assert_clean(holder)
