@@ -577,7 +577,11 @@ class Fleet:
             self.metrics.pull_decided(pull.action.value)
             if pull.action is PullAction.PULL and pull.source is not None:
                 holder = self.instances.get(pull.source)
-                if holder is not None and holder.spec.pull_address and inst.spec.kvherd_agent:
+                if (  # blocks move only between engines of one kind (one KV layout)
+                    holder is not None
+                    and holder.spec.pull_address
+                    and holder.spec.kvherd_agent == inst.spec.kvherd_agent
+                ):
                     self._pulls[key] = (holder.spec.pull_address, pull.first_block + pull.num_blocks)
         if len(block_hashes) > routed.matched_blocks:  # the engine will store blocks: events due
             self.subscriber.note_traffic(inst.instance_id)

@@ -9,7 +9,8 @@ connects its PUB: vLLM with ``tcp://H:P``), ``topic=T`` (its events arrive on th
 what the instance reports), ``id=NAME``, ``role=prefill|decode|mixed`` (P/D disaggregation;
 overrides the role the instance reports), ``max_num_seqs=N`` (its batch slots, for an engine that
 does not report them, as vLLM does not: admission then counts what is there beyond them as
-queued), e.g.
+queued), ``pull_address=tcp://H:P`` (a vLLM's kvherd connector block server: ``--prefix-pull``
+may pull from it; a kvherd agent reports its own), e.g.
 ``--instance http://10.0.0.5:8000,kv_events=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5558``.
 Without any of the three the instance is routed with the approximate prefix index. A plain vLLM's
 block size is read from its ``vllm:cache_config_info`` at start-up; one that differs from the
@@ -270,6 +271,7 @@ def parse_instance_spec(text: str) -> dict[str, Any]:
         "block_size": "block_size",
         "role": "role",
         "max_num_seqs": "max_num_seqs",
+        "pull_address": "pull_address",
     }
     for option in options:
         key, sep, value = option.partition("=")
@@ -281,6 +283,8 @@ def parse_instance_spec(text: str) -> dict[str, Any]:
             spec[key] = int(value)
         elif key == "role" and value not in ("prefill", "decode", "mixed"):
             raise ValueError(f"--instance {text!r}: role must be prefill, decode or mixed")
+        elif key == "pull_address" and not value.startswith("tcp://"):
+            raise ValueError(f"--instance {text!r}: pull_address must be tcp://host:port")
         else:
             spec[names[key]] = value
     if "kv_events_bind" in spec and "kv_events_endpoint" in spec:
@@ -336,6 +340,7 @@ async def probe_instance(
         kv_topic=raw.get("kv_topic") if kv_events else None,
         role=raw.get("role"),
         max_num_seqs=raw.get("max_num_seqs"),
+        pull_address=raw.get("pull_address"),
     )
     override = raw.get("block_size")
     headers = auth_headers(fleet_token)
@@ -351,8 +356,8 @@ async def probe_instance(
                 spec.model = body.get("model")
                 spec.instance_id = raw.get("id") or body.get("instance_id") or spec.instance_id
                 pull_address = body.get("pull_address")
-                if isinstance(pull_address, str) and pull_address.startswith("tcp://"):
-                    spec.pull_address = pull_address
+                if spec.pull_address is None and isinstance(pull_address, str):
+                    spec.pull_address = pull_address if pull_address.startswith("tcp://") else None
                 models = (await client.get(url + "/v1/models")).json()
             else:
                 models = (await client.get(url + "/v1/models")).json()

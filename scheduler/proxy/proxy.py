@@ -240,9 +240,6 @@ class Proxy:
                 def watch(chunks: Any, decode_id: str = decode_id) -> Any:
                     return pd.watch(chunks, self.fleet, self.metrics, key, decode_id)
 
-            pull = self.fleet.pull_for(key)
-            if pull is not None:  # the holder's blocks go to `instance` before it prefills
-                sent = [*sent, (PULL_HEADER.encode(), PullAsk(*pull).header().encode())]
 
             payload = request.raw
             if request.streamed and not instance.spec.kvherd_agent:
@@ -250,6 +247,11 @@ class Proxy:
                     asked = with_token_ids(request.body)
                     vllm_raw = request.raw if asked is None else orjson.dumps(asked)
                 payload = vllm_raw
+            pull = self.fleet.pull_for(key)
+            if pull is not None and instance.spec.kvherd_agent:  # blocks land before prefill
+                sent = [*sent, (PULL_HEADER.encode(), PullAsk(*pull).header().encode())]
+            elif pull is not None:  # a vLLM with kvherd's connector: asked in the body
+                payload = _with_vllm_pull(payload, pull, self.fleet.cluster.block_size)
             try:
                 upstream = await attempt.open(
                     self.pool, request.path, sent, payload, first_byte, watch
@@ -365,6 +367,17 @@ class Proxy:
         if decode is None or (isinstance(max_tokens, int) and max_tokens <= 1):
             return None
         return decode
+
+
+def _with_vllm_pull(payload: bytes, pull: tuple[str, int], block_size: int) -> bytes:
+    """`payload` asking vLLM's kvherd connector to pull `pull`'s blocks first (whatever else the
+    client put in ``kv_transfer_params`` is kept)."""
+    body = orjson.loads(payload)
+    params = body.get("kv_transfer_params")
+    address, num_blocks = pull
+    ask = {"kvherd_pull": {"from": address, "tokens": num_blocks * block_size}}
+    body["kv_transfer_params"] = {**params, **ask} if isinstance(params, dict) else ask
+    return orjson.dumps(body)
 
 
 def _is_json_media_type(content_type: bytes) -> bool:

@@ -1,0 +1,75 @@
+"""``kvherd serve --prefix-pull`` in front of two real vLLM servers running kvherd's connector.
+
+``a`` computes a long prompt (its KV events tell the proxy's index), then runs a long
+generation; the same prompt again goes, by least requests, to idle ``b``, and the pull rule finds
+pulling ``a``'s blocks faster than recomputing at ``b`` or queueing at ``a``: the proxy asks
+``b``'s connector for them in the body (``kv_transfer_params.kvherd_pull``, from ``a``'s block
+server given as ``--instance ...,pull_address=``). ``b`` loads every full block
+(``cached_tokens``) and its greedy output is ``a``'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+from vllm_fleet import (
+    SERVED_MODEL,
+    VLLM_BLOCK_SIZE,
+    Prompts,
+    VllmServer,
+    indexed_blocks,
+    poll_until,
+)
+
+FLAGS = (
+    "--policy", "least_requests", "--prefix-pull", "--pull-min-tokens", "256",
+    "--pull-kv-bytes-per-token", "256", "--load-interval", "0.05", "--migration-policy", "none",
+)  # fmt: skip
+
+
+async def test_a_long_prefix_is_pulled_into_the_idle_vllm(
+    kvherd_fleet: Any, vllm_pair: tuple[VllmServer, VllmServer], prompts: Prompts
+) -> None:
+    a = vllm_pair[0]
+    prompt = prompts.make("prefix-pull-through-kvherd", blocks=12)
+    blocks = prompts.full_blocks(prompt)
+    with kvherd_fleet(*FLAGS, a_options={"pull_address": a.block_address}) as proxy:
+        headers = {"Authorization": f"Bearer {proxy.admin_token}"}
+        async with httpx.AsyncClient(timeout=120, trust_env=False) as client:
+
+            async def drain(name: str, draining: bool) -> None:
+                r = await client.post(
+                    f"{proxy.admin_url}/admin/v1/instances/{name}/drain",
+                    json={"draining": draining},
+                    headers=headers,
+                )
+                assert r.status_code == 200, r.text
+
+            async def complete(body: dict[str, Any]) -> httpx.Response:
+                r = await client.post(f"{proxy.url}/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                return r
+
+            greedy = {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+            await drain("b", True)  # the prompt and the long generation go to a
+            expected = (await complete(greedy)).json()
+            held = await asyncio.to_thread(
+                poll_until, lambda: (indexed_blocks(proxy, "a") or 0) >= blocks, 30
+            )
+            assert held, "the proxy's index never saw a hold the prompt"
+            long = {"model": SERVED_MODEL, "prompt": "busy", "max_tokens": 1500, "ignore_eos": True}
+            busy = asyncio.create_task(complete(long))
+            assert await asyncio.to_thread(
+                poll_until, lambda: proxy.instance("a")["inflight"] >= 1, 30
+            )
+            await drain("b", False)
+            got = await complete(greedy)
+            assert got.headers["x-kvherd-instance"] == "b"
+            assert proxy.metric("kvherd_prefix_pull_decisions_total", action="pull") == 1
+            await busy
+    answer = got.json()
+    assert answer["choices"][0]["text"] == expected["choices"][0]["text"]
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == blocks * VLLM_BLOCK_SIZE
+    assert answer["kv_transfer_params"]["kvherd_pull"]["outcome"] == "loaded"
