@@ -160,6 +160,7 @@ class ClusterConfig:
     admission: AdmissionSettings | None = None
     admission_queue: QueueSettings = field(default_factory=QueueSettings)
     max_inflight_per_instance: int = 256
+    tenant_weights: dict[str, float] = field(default_factory=dict)  # fair share (default 1)
     prefix_pull: PullConfig | None = None  # cross-instance prefix pulls (None: off)
 
     @property
@@ -329,7 +330,10 @@ class SimCluster:
         self.admission: SimAdmission[tuple[Request, TraceRequest, float]] | None = None
         if config.admission is not None:
             self.admission = SimAdmission(
-                config.admission, config.admission_queue, config.max_inflight_per_instance
+                config.admission,
+                config.admission_queue,
+                config.max_inflight_per_instance,
+                config.tenant_weights,
             )
 
     # -- run -------------------------------------------------------------------------------------
@@ -402,7 +406,7 @@ class SimCluster:
         self._deliver_events()
         admission = self.admission
         if admission is not None:
-            code = admission.check(now, self.state.view(now).instances)
+            code = admission.check(now, self.state.view(now).instances, tr.tenant, tr.priority)
             if code is not None:
                 self._refuse(rid)
                 return
@@ -437,7 +441,7 @@ class SimCluster:
             if admission is None or not admission.saturated:
                 raise
             item = (request, tr, path_draw)
-            if admission.wait(now, item):
+            if admission.wait(now, item, tr.tenant, tr.priority):
                 self.loop.call_at(admission.deadline(item), self._expire_queue)
             else:
                 self._refuse(rid)

@@ -47,7 +47,12 @@ from scheduler.proxy.loop_lag import LoopLag
 from scheduler.proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from scheduler.proxy.metrics import ProxyMetrics
 from scheduler.proxy.relay import Job, Relay
-from scheduler.proxy.routed_request import RequestReader, RoutedRequest
+from scheduler.proxy.routed_request import (
+    RequestReader,
+    RoutedRequest,
+    parse_priority_header,
+    resolve_priority,
+)
 
 log = logging.getLogger("kvherd.proxy")
 
@@ -97,7 +102,9 @@ class Proxy:
             lag=self.lag,
         )
         self.reader = RequestReader(fleet, tokenizer)
-        self.admission = AdmissionGate(fleet, config.admission, config.queue, metrics)
+        self.admission = AdmissionGate(
+            fleet, config.admission, config.queue, metrics, tenants.weight
+        )
         self.relay = Relay(
             fleet, self.pool, self.deadlines, metrics, tokenizer, self.continue_stream,
             max_continuations=config.max_continuations,
@@ -131,6 +138,7 @@ class Proxy:
     async def _generate(self, exchange: Exchange, path: bytes, chat: bool) -> None:
         request_id = b""
         auth: bytes | None = None
+        priority: bytes | None = None
         json_body = True  # no Content-Type is read as JSON, as the agent (FastAPI) reads it
         forward: list[tuple[bytes, bytes]] = [(b"content-type", b"application/json")]
         for name, value in exchange.headers:
@@ -138,6 +146,8 @@ class Proxy:
                 request_id = value[:128]
             elif name == b"authorization":
                 auth = value
+            elif name == b"x-kvherd-priority":
+                priority = value
             elif name == b"content-type":
                 json_body = _is_json_media_type(value)
             elif name in _FORWARD_HEADERS:
@@ -162,9 +172,12 @@ class Proxy:
                     param="Content-Type",
                     code="unsupported_media_type",
                 )
-            self.admission.check()
+            asked = None if priority is None else parse_priority_header(priority)
+            self.admission.check(
+                None if tenant is None else tenant.name, resolve_priority(asked, tenant)
+            )
             started = time.perf_counter()
-            request = await self.reader.read(exchange.body, path, chat, tenant)
+            request = await self.reader.read(exchange.body, path, chat, tenant, asked)
             status = await self._serve(exchange, request, request_id, forward, started)
         except OpenAIError as exc:
             status = exc.status
@@ -284,6 +297,7 @@ class Proxy:
             None if request.tenant is None else request.tenant.name,
             max_tokens,
             job.tried if exclude is None else exclude,
+            request.priority,
         )
         if chosen is None:
             return None
@@ -372,6 +386,7 @@ def _respond_error(exchange: Exchange, exc: OpenAIError, request_id: bytes) -> N
         headers.append((b"allow", b"POST"))
     elif isinstance(exc, Refused):
         headers.append((b"retry-after", b"%d" % exc.retry_after_s))
+        headers += exc.headers
     exchange.respond(exc.status, headers, _error_json(exc))
 
 
