@@ -2,9 +2,10 @@
 
 Contract:
 - `SimAdmission` drives `scheduler.core.admission.Admission` (expected wait), `AdmissionQueue` and
-  `InflightLedger` as `scheduler.proxy.admission_gate` does on the proxy's clock: `check(now,
-  views, tenant, priority)` at every arrival (the 429 code, ``queue_wait``, or None to admit; the
-  wait ahead by class and fair share, weights from `tenant_weights`); routing skips the
+  `InflightLedger` and `TenantShares` as `scheduler.proxy.admission_gate` does on the proxy's
+  clock: `check(now, views, request_id, tenant, priority)` at every arrival (the 429 code,
+  ``queue_wait``, or None to admit; the wait ahead by class and fair share, weights from
+  `tenant_weights`; `ended(request_id)` once an admitted request is done); routing skips the
   `saturated` instances; a request no unsaturated instance can take joins the queue (`wait`:
   False when it is full, ``queue_full``), leaves it when capacity frees (`freed(now)`, the next)
   or at its deadline (`expire(now)`: ``queue_timeout``); `dispatched` / `released` / `moved`
@@ -23,6 +24,7 @@ from typing import Generic, TypeVar
 from policies.views import InstanceView
 from scheduler.core.admission import Admission, AdmissionSettings, fleet_queue
 from scheduler.core.admission_queue import AdmissionQueue, QueueSettings
+from scheduler.core.fair_share import TenantShares
 from scheduler.core.inflight import InflightLedger
 
 T = TypeVar("T")
@@ -49,10 +51,14 @@ class SimAdmission(Generic[T]):
         tenant_weights: Mapping[str, float] | None = None,
     ) -> None:
         weights = dict(tenant_weights or {})
+
+        def weight(tenant: str | None) -> float:
+            return 1.0 if tenant is None else weights.get(tenant, 1.0)
+
         self.rule = Admission(settings)
-        self.queue: AdmissionQueue[T] = AdmissionQueue(
-            queue, lambda t: 1.0 if t is None else weights.get(t, 1.0)
-        )
+        self.queue: AdmissionQueue[T] = AdmissionQueue(queue, weight)
+        self.shares = TenantShares(weight)
+        self._tenant_of: dict[str, str | None] = {}  # admitted requests, until `ended`
         self.ledger = InflightLedger(max_inflight_per_instance)
         self.stats = AdmissionStats()
         self._joined: dict[T, tuple[float, str | None]] = {}  # when, and whose
@@ -65,12 +71,18 @@ class SimAdmission(Generic[T]):
         self,
         now: float,
         views: Iterable[InstanceView],
+        request_id: str,
         tenant: str | None = None,
         priority: int = 0,
     ) -> str | None:
+        views = list(views)
         queued, free = fleet_queue(views, self.ledger.saturated)
         self.rule.observe(now, self.ledger.completed, len(self.queue) + queued)
-        if self.rule.refusal(self.queue.ahead(tenant, priority) + queued, free > 0) is None:
+        ahead = self.queue.ahead(tenant, priority) + queued
+        startable = free > 0 and self.may_start(tenant, len(views))
+        if self.shares.within_share(tenant) or self.rule.refusal(ahead, startable) is None:
+            self.shares.admitted(tenant)
+            self._tenant_of[request_id] = tenant
             return None
         self.stats.refuse("queue_wait", tenant)
         return "queue_wait"
@@ -100,6 +112,16 @@ class SimAdmission(Generic[T]):
             self.stats.refuse("queue_timeout", tenant)
             self.stats.queue_waits_s.append(now - joined)
         return gone
+
+    def may_start(self, tenant: str | None, instances: int) -> bool:
+        """Whether `tenant` may take a free in-flight slot now (`TenantShares.may_start`)."""
+        slots = self.ledger.cap * instances
+        return self.shares.may_start(tenant, slots - self.ledger.total, slots)
+
+    def ended(self, request_id: str) -> None:
+        """An admitted request is done (served, or refused from the queue); else a no-op."""
+        if request_id in self._tenant_of:
+            self.shares.finished(self._tenant_of.pop(request_id))
 
     def dispatched(self, instance_id: str, request_id: str) -> None:
         self.ledger.attach(instance_id, request_id)

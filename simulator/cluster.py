@@ -406,7 +406,8 @@ class SimCluster:
         self._deliver_events()
         admission = self.admission
         if admission is not None:
-            code = admission.check(now, self.state.view(now).instances, tr.tenant, tr.priority)
+            views = self.state.view(now).instances
+            code = admission.check(now, views, rid, tr.tenant, tr.priority)
             if code is not None:
                 self._refuse(rid)
                 return
@@ -415,6 +416,8 @@ class SimCluster:
     def _refuse(self, rid: str) -> None:
         """A 429: the request never reaches an instance."""
         del self._trace_index[rid]
+        if self.admission is not None:
+            self.admission.ended(rid)
         self.metrics.on_refused(rid)
         self._done_one()
 
@@ -428,7 +431,11 @@ class SimCluster:
         now = self.loop.now
         rid = request.request_id
         admission = self.admission
+        # Only the slots kept for tenants within their share are free: it waits (fair share).
+        reserved = admission is not None and not admission.may_start(tr.tenant, len(self.instances))
         try:
+            if reserved:
+                raise NoInstanceError("only reserved slots are free")
             routed = self.router.route(
                 rid,
                 now=now,
@@ -438,7 +445,7 @@ class SimCluster:
                 exclude=() if admission is None else admission.saturated,
             )
         except NoInstanceError:
-            if admission is None or not admission.saturated:
+            if admission is None or not (reserved or admission.saturated):
                 raise
             item = (request, tr, path_draw)
             if admission.wait(now, item, tr.tenant, tr.priority):
@@ -724,6 +731,7 @@ class SimCluster:
         self.router.on_finish(rid, now)
         if self.admission is not None:
             self.admission.released(rid)
+            self.admission.ended(rid)
             queued = self.admission.freed(now)
             if queued is not None:
                 self.loop.call_later(0.0, self._route, *queued)

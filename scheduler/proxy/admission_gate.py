@@ -5,13 +5,15 @@ Contract:
   ``Retry-After``) when no dispatchable instance would start it at once and the requests queued
   ahead of it (in the admission queue, those served before it by class and fair share; plus what
   each dispatchable instance queues, `scheduler.core.admission`) would take longer than the allowed
-  wait: under overload the tenant over its share is refused, not a quiet one. It never refuses
-  while some instance has a free batch slot.
+  wait; never a tenant within its share while others have work in (`scheduler.core.fair_share`:
+  the quiet tenant is not refused, the flooder is). It never refuses while some instance has a
+  free batch slot. `finished(tenant)` once for every request `check` let in.
   The instances' figures are read at most every `_VIEW_TTL_S` (they change by load reports);
   in between, each admission spends one of the free slots they showed.
 - `dispatch(...)`: the fleet's choice of instance; while every instance that may take it is
   saturated (`scheduler.core.inflight`), the request waits in the core's `AdmissionQueue` (by
-  class and tenant: `queue_full` / `queue_timeout` 429s past its bounds), woken by `capacity_freed`. None when
+  class and tenant: `queue_full` / `queue_timeout` 429s past its bounds), woken by `capacity_freed`;
+  so does one of a tenant over its share while only the reserved slots are free (`may_start`). None when
   nothing dispatchable (and untried) is left. Retries and continuations pass `tried`; they are
   never refused by the expected wait, only by the queue's bounds.
 - The core observes the fleet at every arrival and every freed capacity; a lost instance
@@ -27,6 +29,7 @@ from collections.abc import Callable, Collection
 from kvherd.wire import OpenAIError
 from scheduler.core.admission import Admission, AdmissionSettings, fleet_queue
 from scheduler.core.admission_queue import AdmissionQueue, QueueSettings
+from scheduler.core.fair_share import TenantShares
 from scheduler.fleet import Fleet, FleetInstance, NoCapacityError
 from scheduler.proxy.metrics import ProxyMetrics
 
@@ -63,6 +66,7 @@ class AdmissionGate:
         self.metrics = metrics
         self.rule = Admission(settings)
         self.queue: AdmissionQueue[asyncio.Future[None]] = AdmissionQueue(queue, weight)
+        self.shares = TenantShares(weight)
         self._queued = 0  # requests the instances queue, as of `_seen_at`
         self._free = 0.0  # batch slots free for new requests since then (math.inf: unbounded)
         self._seen_at = -1.0
@@ -98,12 +102,15 @@ class AdmissionGate:
     def check(self, tenant: str | None = None, priority: int = 0) -> None:
         """Refuse a new request that would wait longer than the fleet allows (429)."""
         self._observe(time.monotonic())
-        startable = self._free > 0
+        inflight = self.fleet.inflight
+        slots = inflight.cap * len(self.fleet.instances)
+        startable = self._free > 0 and self.shares.may_start(tenant, slots - inflight.total, slots)
         ahead = self.queue.ahead(tenant, priority) + self._queued
-        refused = self.rule.refusal(ahead, startable)
+        refused = None if self.shares.within_share(tenant) else self.rule.refusal(ahead, startable)
         if refused is None:
             if startable:
                 self._free -= 1
+            self.shares.admitted(tenant)
             return
         self.metrics.rejected("queue_wait")
         raise Refused(
@@ -112,6 +119,10 @@ class AdmissionGate:
             "queue_wait",
             refused.retry_after_s,
         )
+
+    def finished(self, tenant: str | None) -> None:
+        """A request `check` let in has ended (served, refused later or failed)."""
+        self.shares.finished(tenant)
 
     async def dispatch(
         self,
@@ -127,16 +138,19 @@ class AdmissionGate:
         waiting in the queue while every instance is saturated; None when nothing dispatchable
         is left."""
         deadline: float | None = None
+        inflight = self.fleet.inflight
         while True:
-            try:
-                instance, matched = self.fleet.dispatch(
-                    key, num_tokens, block_hashes,
-                    tenant=tenant, max_tokens=max_tokens, exclude=tried,
-                )  # fmt: skip
-                return instance, matched, deadline is not None
-            except NoCapacityError as exc:
-                if not exc.saturated:
-                    return None  # nothing dispatchable (or everything already tried)
+            slots = inflight.cap * len(self.fleet.instances)
+            if self.shares.may_start(tenant, slots - inflight.total, slots):
+                try:
+                    instance, matched = self.fleet.dispatch(
+                        key, num_tokens, block_hashes,
+                        tenant=tenant, max_tokens=max_tokens, exclude=tried,
+                    )  # fmt: skip
+                    return instance, matched, deadline is not None
+                except NoCapacityError as exc:
+                    if not exc.saturated:
+                        return None  # nothing dispatchable (or everything already tried)
             loop = asyncio.get_running_loop()
             waiter: asyncio.Future[None] = loop.create_future()
             now = time.monotonic()

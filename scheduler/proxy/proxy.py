@@ -139,6 +139,8 @@ class Proxy:
         request_id = b""
         auth: bytes | None = None
         priority: bytes | None = None
+        tenant_name: str | None = None
+        admitted = False  # by `admission.check`: `admission.finished` when it ends
         json_body = True  # no Content-Type is read as JSON, as the agent (FastAPI) reads it
         forward: list[tuple[bytes, bytes]] = [(b"content-type", b"application/json")]
         for name, value in exchange.headers:
@@ -173,9 +175,9 @@ class Proxy:
                     code="unsupported_media_type",
                 )
             asked = None if priority is None else parse_priority_header(priority)
-            self.admission.check(
-                None if tenant is None else tenant.name, resolve_priority(asked, tenant)
-            )
+            tenant_name = None if tenant is None else tenant.name
+            self.admission.check(tenant_name, resolve_priority(asked, tenant))
+            admitted = True
             started = time.perf_counter()
             request = await self.reader.read(exchange.body, path, chat, tenant, asked)
             status = await self._serve(exchange, request, request_id, forward, started)
@@ -198,6 +200,8 @@ class Proxy:
             if not exchange.started:
                 error = OpenAIError(500, "internal proxy error", type="server_error")
                 _respond_error(exchange, error, request_id)
+        if admitted:
+            self.admission.finished(tenant_name)
         self.metrics.request_done(status)
 
     def _authenticate(self, auth: bytes | None) -> Tenant | None:
