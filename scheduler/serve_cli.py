@@ -132,7 +132,7 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-keys-file",
         default=None,
         help="file of API key specs, one a line: KEY[=TENANT] or KEY TENANT, then options "
-        "weight=W priority=P rpm=N tpm=N",
+        "weight=W priority=P",
     )
     parser.add_argument(
         "--tenant-salt-secret",

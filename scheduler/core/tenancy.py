@@ -5,10 +5,9 @@ Contract:
   ``cache_salt`` (vLLM's request field) is passed through and used for routing unchanged.
 - With keys configured (``--api-key`` specs repeated, and/or a keys file of one spec a line, ``#``
   comments), every request must carry ``Authorization: Bearer KEY`` for a known key, else 401. A spec
-  is ``KEY[=TENANT]`` or ``KEY TENANT``, then options ``weight=W`` (fair share, > 0, default 1),
-  ``priority=P`` (the default priority class, an int), ``rpm=N`` and ``tpm=N`` (rate limits, > 0);
-  a bad spec or differing options for one tenant's keys is a `ValueError`. A key without a tenant
-  name is its own tenant.
+  is ``KEY[=TENANT]`` or ``KEY TENANT``, then options ``weight=W`` (fair share, > 0, default 1)
+  and ``priority=P`` (the default priority class, an int); a bad spec, or differing options for
+  one tenant's keys, is a `ValueError`. A key without a tenant name is its own tenant.
 - Each tenant has a cache salt ``HMAC-SHA256(secret, tenant name)`` (``--tenant-salt-secret`` or
   `SALT_SECRET_ENV`; generated when not given: `TenantRegistry.salt_secret_generated`), the same in
   every proxy sharing the secret. The proxy overrides the body's ``cache_salt`` with it: tenants
@@ -32,8 +31,6 @@ SALT_SECRET_ENV = "KVHERD_TENANT_SALT_SECRET"
 class TenantOptions:
     weight: float = 1.0  # its share of the fleet under contention, relative to the others'
     priority: int | None = None  # its requests' class when they name none
-    rpm: int | None = None  # requests per minute
-    tpm: int | None = None  # prompt and output tokens per minute
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,10 +102,10 @@ class TenantRegistry:
 
 def _option(spec: str, item: str, values: dict[str, float | int]) -> None:
     name, sep, text = item.partition("=")
-    if not sep or name not in ("weight", "priority", "rpm", "tpm") or name in values:
+    if not sep or name not in ("weight", "priority") or name in values:
         raise ValueError(
-            f"bad API key spec {spec!r}: {item!r} is not one of weight=W, priority=P, rpm=N, tpm=N"
-            " (each at most once)"
+            f"bad API key spec {spec!r}: {item!r} is not one of weight=W, priority=P "
+            "(each at most once)"
         )
     try:
         value: float | int = float(text) if name == "weight" else int(text)
@@ -118,8 +115,6 @@ def _option(spec: str, item: str, values: dict[str, float | int]) -> None:
         ) from None
     if name == "weight" and not (0 < value < math.inf):
         raise ValueError(f"bad API key spec {spec!r}: weight must be > 0 and finite")
-    if name in ("rpm", "tpm") and value < 1:
-        raise ValueError(f"bad API key spec {spec!r}: {name} must be >= 1")
     values[name] = value
 
 

@@ -1,4 +1,4 @@
-"""Tenants' options in key specs (weight, priority, rpm, tpm): parsed, checked (a bad option is a
+"""Tenants' options in key specs (weight, priority): parsed, checked (a bad option is a
 clear error, and ``kvherd serve`` exits 2 on it), shared by a tenant's keys; the fair share they
 weight (`scheduler.core.fair_share`); and the priority a request names (400 when it is not an int)."""
 
@@ -16,10 +16,8 @@ from scheduler.proxy.routed_request import parse_priority_header, resolve_priori
 
 
 def test_options_follow_the_key_and_tenant() -> None:
-    full = TenantOptions(weight=2.0, priority=1, rpm=600, tpm=100_000)
-    assert parse_key_spec("k1 alice weight=2 priority=1 rpm=600 tpm=100000") == KeySpec(
-        "k1", "alice", full
-    )
+    full = TenantOptions(weight=2.0, priority=1)
+    assert parse_key_spec("k1 alice weight=2 priority=1") == KeySpec("k1", "alice", full)
     assert parse_key_spec("k1=alice priority=-3") == KeySpec(
         "k1", "alice", TenantOptions(priority=-3)
     )
@@ -28,7 +26,7 @@ def test_options_follow_the_key_and_tenant() -> None:
 
 @pytest.mark.parametrize(
     "spec",
-    ["k t weight=0", "k t weight=inf", "k t colour=red", "k t rpm=x", "k t rpm=0",
+    ["k t weight=0", "k t weight=inf", "k t colour=red", "k t priority=x", "k t rpm=600",
      "k t priority=1.5", "k t weight=1 weight=2", "k t extra"],
 )  # fmt: skip
 def test_a_bad_option_is_a_clear_error(spec: str) -> None:
@@ -49,11 +47,11 @@ def test_serve_exits_2_on_a_bad_keys_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     keys = tmp_path / "keys"
-    keys.write_text("k1 alice weight=2\nk2 bob rpm=-1\n")
+    keys.write_text("k1 alice weight=2\nk2 bob weight=-1\n")
     code = main(["serve", "--admin-token", "t", "--api-keys-file", str(keys)])
     assert code == 2
     err = capsys.readouterr().err
-    assert f"{keys}:2" in err and "rpm must be >= 1" in err
+    assert f"{keys}:2" in err and "weight must be > 0" in err
 
 
 def test_a_tenant_within_its_share_is_told_apart_from_one_over_it() -> None:
