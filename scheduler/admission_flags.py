@@ -2,8 +2,8 @@
 
 Contract:
 - `add_admission_arguments(parser)` adds ``--max-inflight-per-instance``, ``--queue-size``,
-  ``--queue-timeout``, ``--max-queue-wait`` and ``--standing-queue-wait``; a non-positive count or
-  a number of seconds that is not positive and finite is a usage error (exit 2).
+  ``--queue-timeout``, ``--priority-aging``, ``--max-queue-wait`` and ``--standing-queue-wait``; a
+  non-positive count or a number of seconds that is not positive and finite is a usage error (2).
 - `admission_settings(args)` -> (`AdmissionSettings`, `QueueSettings`, the in-flight cap).
 """
 
@@ -51,6 +51,14 @@ def add_admission_arguments(parser: argparse.ArgumentParser | argparse._Argument
         "--queue-timeout", type=_seconds, default=30.0, help="longest wait in the admission queue"
     )
     parser.add_argument(
+        "--priority-aging",
+        type=_seconds,
+        default=10.0,
+        metavar="SECONDS",
+        help="a request that waited this long in the admission queue goes before every priority "
+        "class (no class starves beyond it; default 10)",
+    )
+    parser.add_argument(
         "--max-queue-wait",
         type=_seconds,
         default=1.0,
@@ -77,6 +85,6 @@ def admission_settings(args: argparse.Namespace) -> tuple[AdmissionSettings, Que
     )
     return (
         admission,
-        QueueSettings(args.queue_size, args.queue_timeout),
+        QueueSettings(args.queue_size, args.queue_timeout, args.priority_aging),
         args.max_inflight_per_instance,
     )

@@ -126,10 +126,16 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-key",
         action="append",
         default=[],
-        metavar="KEY[=TENANT]",
-        help="accept this bearer key (tenant defaults to the key); repeatable",
+        metavar="SPEC",
+        help="accept this bearer key: KEY[=TENANT] (tenant defaults to the key), then options as "
+        "in --api-keys-file; repeatable",
     )
-    parser.add_argument("--api-keys-file", default=None, help="file of KEY[=TENANT] lines")
+    parser.add_argument(
+        "--api-keys-file",
+        default=None,
+        help="file of API key specs, one a line: KEY[=TENANT] or KEY TENANT, then options "
+        "weight=W priority=P",
+    )
     parser.add_argument(
         "--tenant-salt-secret",
         default=None,
@@ -498,11 +504,15 @@ async def serve_fleet(
         )
         return 2
     fleet_token = resolve(args.fleet_token)
-    tenants = build_registry(
-        list(config.get("api_keys") or []) + args.api_key,
-        args.api_keys_file,
-        args.tenant_salt_secret,
-    )
+    try:
+        tenants = build_registry(
+            list(config.get("api_keys") or []) + args.api_key,
+            args.api_keys_file,
+            args.tenant_salt_secret,
+        )
+    except (OSError, ValueError) as exc:
+        print(f"kvherd serve: API keys: {exc}", file=sys.stderr)
+        return 2
     if tenants.enabled and tenants.salt_secret_generated:
         log.warning(
             "tenant cache salts use a secret generated at start-up: router replicas of this "

@@ -2,26 +2,29 @@
 
 Contract:
 - `SimAdmission` drives `scheduler.core.admission.Admission` (expected wait), `AdmissionQueue` and
-  `InflightLedger` as `scheduler.proxy.admission_gate` does on the proxy's clock: `check(now,
-  views)` at every arrival (the 429 code, ``queue_wait``, or None to admit); routing skips the
+  `InflightLedger` and `TenantShares` as `scheduler.proxy.admission_gate` does on the proxy's
+  clock: `check(now, views, request_id, tenant, priority)` at every arrival (the 429 code,
+  ``queue_wait``, or None to admit; the wait ahead by class and fair share, weights from
+  `tenant_weights`; `ended(request_id)` once an admitted request is done); routing skips the
   `saturated` instances; a request no unsaturated instance can take joins the queue (`wait`:
-  False when it is full, ``queue_full``), leaves it when capacity frees (`freed(now)`, the head)
+  False when it is full, ``queue_full``), leaves it when capacity frees (`freed(now)`, the next)
   or at its deadline (`expire(now)`: ``queue_timeout``); `dispatched` / `released` / `moved`
   keep the ledger, whose completions the rule measures the service rate by.
 - Unlike the proxy it reads the views at every arrival (no reuse window): a simulation's
   decisions are exact, and the proxy's 20 ms reuse only saves CPU.
-- `stats`: refusals by code, requests queued, and their admission-queue waits (seconds).
+- `stats`: refusals by code (and by tenant), requests queued, their admission-queue waits (s).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from policies.views import InstanceView
 from scheduler.core.admission import Admission, AdmissionSettings, fleet_queue
 from scheduler.core.admission_queue import AdmissionQueue, QueueSettings
+from scheduler.core.fair_share import TenantShares
 from scheduler.core.inflight import InflightLedger
 
 T = TypeVar("T")
@@ -30,41 +33,65 @@ T = TypeVar("T")
 @dataclass(slots=True)
 class AdmissionStats:
     refused: dict[str, int] = field(default_factory=dict)  # by code: queue_wait, queue_full, ...
+    refused_by_tenant: dict[str | None, int] = field(default_factory=dict)
     queued: int = 0
     queue_waits_s: list[float] = field(default_factory=list)
 
-    def refuse(self, code: str) -> None:
+    def refuse(self, code: str, tenant: str | None = None) -> None:
         self.refused[code] = self.refused.get(code, 0) + 1
+        self.refused_by_tenant[tenant] = self.refused_by_tenant.get(tenant, 0) + 1
 
 
 class SimAdmission(Generic[T]):
     def __init__(
-        self, settings: AdmissionSettings, queue: QueueSettings, max_inflight_per_instance: int
+        self,
+        settings: AdmissionSettings,
+        queue: QueueSettings,
+        max_inflight_per_instance: int,
+        tenant_weights: Mapping[str, float] | None = None,
     ) -> None:
+        weights = dict(tenant_weights or {})
+
+        def weight(tenant: str | None) -> float:
+            return 1.0 if tenant is None else weights.get(tenant, 1.0)
+
         self.rule = Admission(settings)
-        self.queue: AdmissionQueue[T] = AdmissionQueue(queue)
+        self.queue: AdmissionQueue[T] = AdmissionQueue(queue, weight)
+        self.shares = TenantShares(weight)
+        self._tenant_of: dict[str, str | None] = {}  # admitted requests, until `ended`
         self.ledger = InflightLedger(max_inflight_per_instance)
         self.stats = AdmissionStats()
-        self._joined: dict[T, float] = {}
+        self._joined: dict[T, tuple[float, str | None]] = {}  # when, and whose
 
     @property
     def saturated(self) -> set[str]:
         return self.ledger.saturated
 
-    def check(self, now: float, views: Iterable[InstanceView]) -> str | None:
+    def check(
+        self,
+        now: float,
+        views: Iterable[InstanceView],
+        request_id: str,
+        tenant: str | None = None,
+        priority: int = 0,
+    ) -> str | None:
+        views = list(views)
         queued, free = fleet_queue(views, self.ledger.saturated)
-        ahead = len(self.queue) + queued
-        self.rule.observe(now, self.ledger.completed, ahead)
-        if self.rule.refusal(ahead, free > 0) is None:
+        self.rule.observe(now, self.ledger.completed, len(self.queue) + queued)
+        ahead = self.queue.ahead(tenant, priority) + queued
+        startable = free > 0 and self.may_start(tenant, len(views))
+        if self.shares.within_share(tenant) or self.rule.refusal(ahead, startable) is None:
+            self.shares.admitted(tenant)
+            self._tenant_of[request_id] = tenant
             return None
-        self.stats.refuse("queue_wait")
+        self.stats.refuse("queue_wait", tenant)
         return "queue_wait"
 
-    def wait(self, now: float, item: T) -> bool:
-        if not self.queue.join(now, item):
-            self.stats.refuse("queue_full")
+    def wait(self, now: float, item: T, tenant: str | None = None, priority: int = 0) -> bool:
+        if not self.queue.join(now, item, tenant, priority):
+            self.stats.refuse("queue_full", tenant)
             return False
-        self._joined[item] = now
+        self._joined[item] = (now, tenant)
         self.stats.queued += 1
         return True
 
@@ -72,18 +99,29 @@ class SimAdmission(Generic[T]):
         return self.queue.deadline(item)
 
     def freed(self, now: float) -> T | None:
-        """The queue's head, when a request finished and its room came free."""
-        item = self.queue.wake()
+        """The next to go (`AdmissionQueue.wake`), when a request finished and its room came free."""
+        item = self.queue.wake(now)
         if item is not None:
-            self.stats.queue_waits_s.append(now - self._joined.pop(item))
+            self.stats.queue_waits_s.append(now - self._joined.pop(item)[0])
         return item
 
     def expire(self, now: float) -> list[T]:
         gone = self.queue.expire(now)
         for item in gone:
-            self.stats.refuse("queue_timeout")
-            self.stats.queue_waits_s.append(now - self._joined.pop(item))
+            joined, tenant = self._joined.pop(item)
+            self.stats.refuse("queue_timeout", tenant)
+            self.stats.queue_waits_s.append(now - joined)
         return gone
+
+    def may_start(self, tenant: str | None, instances: int) -> bool:
+        """Whether `tenant` may take a free in-flight slot now (`TenantShares.may_start`)."""
+        slots = self.ledger.cap * instances
+        return self.shares.may_start(tenant, slots - self.ledger.total, slots)
+
+    def ended(self, request_id: str) -> None:
+        """An admitted request is done (served, or refused from the queue); else a no-op."""
+        if request_id in self._tenant_of:
+            self.shares.finished(self._tenant_of.pop(request_id))
 
     def dispatched(self, instance_id: str, request_id: str) -> None:
         self.ledger.attach(instance_id, request_id)

@@ -164,6 +164,7 @@ class ClusterConfig:
     admission: AdmissionSettings | None = None
     admission_queue: QueueSettings = field(default_factory=QueueSettings)
     max_inflight_per_instance: int = 256
+    tenant_weights: dict[str, float] = field(default_factory=dict)  # fair share (default 1)
     prefix_pull: PullConfig | None = None  # cross-instance prefix pulls (None: off)
 
     @property
@@ -333,7 +334,10 @@ class SimCluster:
         self.admission: SimAdmission[tuple[Request, TraceRequest, float]] | None = None
         if config.admission is not None:
             self.admission = SimAdmission(
-                config.admission, config.admission_queue, config.max_inflight_per_instance
+                config.admission,
+                config.admission_queue,
+                config.max_inflight_per_instance,
+                config.tenant_weights,
             )
 
     # -- run -------------------------------------------------------------------------------------
@@ -406,7 +410,8 @@ class SimCluster:
         self._deliver_events()
         admission = self.admission
         if admission is not None:
-            code = admission.check(now, self.state.view(now).instances)
+            views = self.state.view(now).instances
+            code = admission.check(now, views, rid, tr.tenant, tr.priority)
             if code is not None:
                 self._refuse(rid)
                 return
@@ -415,6 +420,8 @@ class SimCluster:
     def _refuse(self, rid: str) -> None:
         """A 429: the request never reaches an instance."""
         del self._trace_index[rid]
+        if self.admission is not None:
+            self.admission.ended(rid)
         self.metrics.on_refused(rid)
         self._done_one()
 
@@ -428,7 +435,11 @@ class SimCluster:
         now = self.loop.now
         rid = request.request_id
         admission = self.admission
+        # Only the slots kept for tenants within their share are free: it waits (fair share).
+        reserved = admission is not None and not admission.may_start(tr.tenant, len(self.instances))
         try:
+            if reserved:
+                raise NoInstanceError("only reserved slots are free")
             routed = self.router.route(
                 rid,
                 now=now,
@@ -438,10 +449,10 @@ class SimCluster:
                 exclude=() if admission is None else admission.saturated,
             )
         except NoInstanceError:
-            if admission is None or not admission.saturated:
+            if admission is None or not (reserved or admission.saturated):
                 raise
             item = (request, tr, path_draw)
-            if admission.wait(now, item):
+            if admission.wait(now, item, tr.tenant, tr.priority):
                 self.loop.call_at(admission.deadline(item), self._expire_queue)
             else:
                 self._refuse(rid)
@@ -724,6 +735,7 @@ class SimCluster:
         self.router.on_finish(rid, now)
         if self.admission is not None:
             self.admission.released(rid)
+            self.admission.ended(rid)
             queued = self.admission.freed(now)
             if queued is not None:
                 self.loop.call_later(0.0, self._route, *queued)

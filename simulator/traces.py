@@ -52,6 +52,8 @@ class TraceRequest:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    tenant: str | None = None  # whose request (the proxy's API-key tenant), for fair share
+    priority: int = 0  # its class in the admission queue (lower first)
 
     @property
     def request_id(self) -> str:

@@ -8,7 +8,8 @@ Contract:
   every change); the dispatcher skips it and requests wait in the admission queue instead.
 - An instance that leaves the fleet keeps its entries until its requests fail over (each is
   released then); one re-added under the same id finds them still counted.
-- `count(instance_id)`: its requests in flight; `instance_of(key)`: where `key` runs, if in flight.
+- `count(instance_id)`: its requests in flight (`total`: on all); `instance_of(key)`: where `key`
+  runs, if in flight.
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ class InflightLedger:
     def count(self, instance_id: str) -> int:
         keys = self._keys.get(instance_id)
         return 0 if keys is None else len(keys)
+
+    @property
+    def total(self) -> int:
+        """Requests in flight, on every instance."""
+        return len(self._where)
 
     def instance_of(self, key: str) -> str | None:
         return self._where.get(key)

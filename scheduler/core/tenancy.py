@@ -1,37 +1,50 @@
-"""API keys, tenants and cache salts.
+"""API keys, tenants, their cache salts and their service options.
 
 Contract:
 - With no keys configured the proxy is open: every request belongs to no tenant, and a client's own
   ``cache_salt`` (vLLM's request field) is passed through and used for routing unchanged.
-- With keys configured (``--api-key KEY[=TENANT]`` repeated, and/or a keys file of ``KEY[=TENANT]``
-  or ``KEY TENANT`` lines, ``#`` comments), every request must carry ``Authorization: Bearer KEY`` for a
-  known key, else 401. A key without a tenant name is its own tenant.
-- Each tenant has a cache salt ``HMAC-SHA256(secret, tenant name)``: unguessable without the
-  fleet's salt secret (``--tenant-salt-secret`` or `SALT_SECRET_ENV`), and identical in every proxy
-  that shares the secret (so router replicas route a tenant's requests to the same cached blocks).
-  With no secret given, a random one is generated (`TenantRegistry.salt_secret_generated`): salts
-  are then private to this process, and change when it restarts (tenants' cached prefixes are
-  computed again). The proxy overrides the request body's ``cache_salt`` with the tenant's salt, so
-  a client can neither choose another tenant's salt nor opt out of its own: tenants never share
-  prefix blocks and never observe each other's cache hits.
+- With keys configured (``--api-key`` specs repeated, and/or a keys file of one spec a line, ``#``
+  comments), every request must carry ``Authorization: Bearer KEY`` for a known key, else 401. A spec
+  is ``KEY[=TENANT]`` or ``KEY TENANT``, then options ``weight=W`` (fair share, > 0, default 1)
+  and ``priority=P`` (the default priority class, an int); a bad spec, or differing options for
+  one tenant's keys, is a `ValueError`. A key without a tenant name is its own tenant.
+- Each tenant has a cache salt ``HMAC-SHA256(secret, tenant name)`` (``--tenant-salt-secret`` or
+  `SALT_SECRET_ENV`; generated when not given: `TenantRegistry.salt_secret_generated`), the same in
+  every proxy sharing the secret. The proxy overrides the body's ``cache_salt`` with it: tenants
+  never share prefix blocks and never observe each other's cache hits.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import os
 import secrets
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 SALT_SECRET_ENV = "KVHERD_TENANT_SALT_SECRET"
+
+
+@dataclass(frozen=True, slots=True)
+class TenantOptions:
+    weight: float = 1.0  # its share of the fleet under contention, relative to the others'
+    priority: int | None = None  # its requests' class when they name none
 
 
 @dataclass(frozen=True, slots=True)
 class Tenant:
     name: str
     cache_salt: str
+    options: TenantOptions = TenantOptions()
+
+
+@dataclass(frozen=True, slots=True)
+class KeySpec:
+    key: str
+    tenant: str | None = None
+    options: TenantOptions | None = None  # None: none given (the tenant's from its other keys)
 
 
 class TenantRegistry:
@@ -41,6 +54,7 @@ class TenantRegistry:
         self.salt_secret_generated = not salt_secret
         self._salt_secret = (salt_secret or secrets.token_hex(32)).encode()
         self._by_key: dict[bytes, Tenant] = {}
+        self._tenants: dict[str, Tenant] = {}
         for key, tenant in (keys or {}).items():
             self.add_key(key, tenant)
 
@@ -48,15 +62,36 @@ class TenantRegistry:
     def enabled(self) -> bool:
         return bool(self._by_key)
 
+    @property
+    def tenants(self) -> dict[str, Tenant]:
+        return self._tenants
+
     def salt_for(self, tenant: str) -> str:
         digest = hmac.new(self._salt_secret, tenant.encode(), hashlib.sha256)
         return "kvherd-tenant-" + digest.hexdigest()[:32]
 
-    def add_key(self, key: str, tenant: str | None = None) -> None:
+    def add_key(
+        self, key: str, tenant: str | None = None, options: TenantOptions | None = None
+    ) -> None:
         if not key or any(c.isspace() for c in key):
             raise ValueError("an API key must be non-empty and contain no whitespace")
         name = tenant or key
-        self._by_key[key.encode()] = Tenant(name, self.salt_for(name))
+        known = self._tenants.get(name)
+        if known is None:
+            known = Tenant(name, self.salt_for(name), options or TenantOptions())
+        elif options is not None and options != known.options:
+            if known.options != TenantOptions():
+                raise ValueError(f"tenant {name!r}: its keys give different options")
+            known = replace(known, options=options)
+        self._tenants[name] = known
+        self._by_key[key.encode()] = known
+        for k, t in self._by_key.items():  # its other keys see the options too
+            if t.name == name:
+                self._by_key[k] = known
+
+    def weight(self, tenant: str | None) -> float:
+        known = None if tenant is None else self._tenants.get(tenant)
+        return 1.0 if known is None else known.options.weight
 
     def authenticate(self, authorization: bytes | None) -> Tenant | None:
         """The tenant of an ``Authorization`` header value, or None when it names no known key."""
@@ -65,26 +100,49 @@ class TenantRegistry:
         return self._by_key.get(authorization[7:].strip())
 
 
-def parse_key_spec(spec: str) -> tuple[str, str | None]:
-    """``KEY=TENANT`` or ``KEY`` -> (key, tenant or None)."""
-    key, sep, tenant = spec.partition("=")
-    key = key.strip()
+def _option(spec: str, item: str, values: dict[str, float | int]) -> None:
+    name, sep, text = item.partition("=")
+    if not sep or name not in ("weight", "priority") or name in values:
+        raise ValueError(
+            f"bad API key spec {spec!r}: {item!r} is not one of weight=W, priority=P "
+            "(each at most once)"
+        )
+    try:
+        value: float | int = float(text) if name == "weight" else int(text)
+    except ValueError:
+        raise ValueError(
+            f"bad API key spec {spec!r}: {name} must be a number, got {text!r}"
+        ) from None
+    if name == "weight" and not (0 < value < math.inf):
+        raise ValueError(f"bad API key spec {spec!r}: weight must be > 0 and finite")
+    values[name] = value
+
+
+def parse_key_spec(spec: str) -> KeySpec:
+    """``KEY[=TENANT]`` or ``KEY TENANT``, then ``name=value`` options (module contract)."""
+    words = spec.split()
+    if not words:
+        raise ValueError(f"bad API key spec {spec!r}: expected KEY or KEY=TENANT")
+    key, sep, tenant = words[0].partition("=")
+    rest = words[1:]
+    if not sep and rest and "=" not in rest[0]:
+        tenant, sep, rest = rest[0], " ", rest[1:]
     if not key:
         raise ValueError(f"bad API key spec {spec!r}: expected KEY or KEY=TENANT")
-    return key, (tenant.strip() or None) if sep else None
+    values: dict[str, float | int] = {}
+    for item in rest:
+        _option(spec, item, values)
+    options = TenantOptions(**values) if values else None  # type: ignore[arg-type]
+    return KeySpec(key, (tenant.strip() or None) if sep else None, options)
 
 
-def read_keys_file(path: str) -> list[tuple[str, str | None]]:
-    """Key specs from a file: one ``KEY[=TENANT]`` or ``KEY TENANT`` per line, ``#`` comments."""
-    specs: list[tuple[str, str | None]] = []
+def read_keys_file(path: str) -> list[KeySpec]:
+    """Key specs from a file, one a line (module contract), ``#`` comments."""
+    specs: list[KeySpec] = []
     with open(path, encoding="utf-8") as handle:
         for number, raw in enumerate(handle, 1):
             line = raw.split("#", 1)[0].strip()
             if not line:
-                continue
-            if "=" not in line and len(line.split()) == 2:
-                key, tenant = line.split()
-                specs.append((key, tenant))
                 continue
             try:
                 specs.append(parse_key_spec(line))
@@ -102,6 +160,6 @@ def build_registry(
     if keys_file:
         specs += read_keys_file(keys_file)
     registry = TenantRegistry(salt_secret=salt_secret or os.environ.get(SALT_SECRET_ENV))
-    for key, tenant in specs:
-        registry.add_key(key, tenant)
+    for spec in specs:
+        registry.add_key(spec.key, spec.tenant, spec.options)
     return registry

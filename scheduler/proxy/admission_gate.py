@@ -1,15 +1,19 @@
 """Admission on the proxy's clock: the core's expected-wait rule and queue, answered as 429s.
 
 Contract:
-- `check()` refuses a new request (`Refused`: 429, ``code: queue_wait``, ``Retry-After``) when no
-  dispatchable instance would start it at once and the requests queued ahead of it (the
-  admission queue plus what each dispatchable instance queues, `scheduler.core.admission`) would
-  take longer than the allowed wait; it never refuses while some instance has a free batch slot.
+- `check(tenant, priority)` refuses a new request (`Refused`: 429, ``code: queue_wait``,
+  ``Retry-After``) when no dispatchable instance would start it at once and the requests queued
+  ahead of it (in the admission queue, those served before it by class and fair share; plus what
+  each dispatchable instance queues, `scheduler.core.admission`) would take longer than the allowed
+  wait; never a tenant within its share while others have work in (`scheduler.core.fair_share`:
+  the quiet tenant is not refused, the flooder is). It never refuses while some instance has a
+  free batch slot. `finished(tenant)` once for every request `check` let in.
   The instances' figures are read at most every `_VIEW_TTL_S` (they change by load reports);
   in between, each admission spends one of the free slots they showed.
 - `dispatch(...)`: the fleet's choice of instance; while every instance that may take it is
-  saturated (`scheduler.core.inflight`), the request waits in the core's `AdmissionQueue`
-  (`queue_full` / `queue_timeout` 429s past its bounds), woken by `capacity_freed`. None when
+  saturated (`scheduler.core.inflight`), the request waits in the core's `AdmissionQueue` (by
+  class and tenant: `queue_full` / `queue_timeout` 429s past its bounds), woken by `capacity_freed`;
+  so does one of a tenant over its share while only the reserved slots are free (`may_start`). None when
   nothing dispatchable (and untried) is left. Retries and continuations pass `tried`; they are
   never refused by the expected wait, only by the queue's bounds.
 - The core observes the fleet at every arrival and every freed capacity; a lost instance
@@ -20,11 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from kvherd.wire import OpenAIError
 from scheduler.core.admission import Admission, AdmissionSettings, fleet_queue
 from scheduler.core.admission_queue import AdmissionQueue, QueueSettings
+from scheduler.core.fair_share import TenantShares
 from scheduler.fleet import Fleet, FleetInstance, NoCapacityError
 from scheduler.proxy.metrics import ProxyMetrics
 
@@ -36,9 +41,16 @@ _VIEW_TTL_S = 0.02
 class Refused(OpenAIError):
     """A 429 from admission: the error object plus when to come back (``Retry-After``)."""
 
-    def __init__(self, message: str, code: str, retry_after_s: int) -> None:
+    def __init__(
+        self,
+        message: str,
+        code: str,
+        retry_after_s: int,
+        headers: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
         super().__init__(429, message, type="rate_limit_error", code=code)
         self.retry_after_s = retry_after_s
+        self.headers = headers or []  # more to send (a rate limit's ``x-ratelimit-*``)
 
 
 class AdmissionGate:
@@ -48,21 +60,24 @@ class AdmissionGate:
         settings: AdmissionSettings,
         queue: QueueSettings,
         metrics: ProxyMetrics,
+        weight: Callable[[str | None], float] | None = None,
     ) -> None:
         self.fleet = fleet
         self.metrics = metrics
         self.rule = Admission(settings)
-        self.queue: AdmissionQueue[asyncio.Future[None]] = AdmissionQueue(queue)
+        self.queue: AdmissionQueue[asyncio.Future[None]] = AdmissionQueue(queue, weight)
+        self.shares = TenantShares(weight)
         self._queued = 0  # requests the instances queue, as of `_seen_at`
         self._free = 0.0  # batch slots free for new requests since then (math.inf: unbounded)
         self._seen_at = -1.0
 
     def capacity_freed(self) -> None:
-        while (waiter := self.queue.wake()) is not None:
+        now = time.monotonic()
+        while (waiter := self.queue.wake(now)) is not None:
             if not waiter.done():
                 waiter.set_result(None)
                 break
-        self._observe(time.monotonic())
+        self._observe(now)
 
     def instance_lost(self) -> None:
         """Its requests fail over onto the others: a burst, allowed the full wait."""
@@ -84,14 +99,18 @@ class AdmissionGate:
         self.rule.observe(now, self.fleet.inflight.completed, ahead)
         return ahead
 
-    def check(self) -> None:
+    def check(self, tenant: str | None = None, priority: int = 0) -> None:
         """Refuse a new request that would wait longer than the fleet allows (429)."""
-        ahead = self._observe(time.monotonic())
-        startable = self._free > 0
-        refused = self.rule.refusal(ahead, startable)
+        self._observe(time.monotonic())
+        inflight = self.fleet.inflight
+        slots = inflight.cap * len(self.fleet.instances)
+        startable = self._free > 0 and self.shares.may_start(tenant, slots - inflight.total, slots)
+        ahead = self.queue.ahead(tenant, priority) + self._queued
+        refused = None if self.shares.within_share(tenant) else self.rule.refusal(ahead, startable)
         if refused is None:
             if startable:
                 self._free -= 1
+            self.shares.admitted(tenant)
             return
         self.metrics.rejected("queue_wait")
         raise Refused(
@@ -101,6 +120,10 @@ class AdmissionGate:
             refused.retry_after_s,
         )
 
+    def finished(self, tenant: str | None) -> None:
+        """A request `check` let in has ended (served, refused later or failed)."""
+        self.shares.finished(tenant)
+
     async def dispatch(
         self,
         key: str,
@@ -109,25 +132,30 @@ class AdmissionGate:
         tenant: str | None,
         max_tokens: int | None,
         tried: Collection[str],
+        priority: int = 0,
     ) -> tuple[FleetInstance, int, bool] | None:
         """The instance chosen for `key`, its matched blocks and whether it queued first,
         waiting in the queue while every instance is saturated; None when nothing dispatchable
         is left."""
         deadline: float | None = None
+        inflight = self.fleet.inflight
         while True:
-            try:
-                instance, matched = self.fleet.dispatch(
-                    key, num_tokens, block_hashes,
-                    tenant=tenant, max_tokens=max_tokens, exclude=tried,
-                )  # fmt: skip
-                return instance, matched, deadline is not None
-            except NoCapacityError as exc:
-                if not exc.saturated:
-                    return None  # nothing dispatchable (or everything already tried)
+            slots = inflight.cap * len(self.fleet.instances)
+            if self.shares.may_start(tenant, slots - inflight.total, slots):
+                try:
+                    instance, matched = self.fleet.dispatch(
+                        key, num_tokens, block_hashes,
+                        tenant=tenant, max_tokens=max_tokens, exclude=tried,
+                    )  # fmt: skip
+                    return instance, matched, deadline is not None
+                except NoCapacityError as exc:
+                    if not exc.saturated:
+                        return None  # nothing dispatchable (or everything already tried)
             loop = asyncio.get_running_loop()
             waiter: asyncio.Future[None] = loop.create_future()
             now = time.monotonic()
-            if not self.queue.join(now, waiter):
+            since = None if deadline is None else deadline - self.queue.settings.timeout_s
+            if not self.queue.join(now, waiter, tenant, priority, since):
                 self.metrics.rejected("queue_full")
                 raise Refused(
                     "every instance is saturated and the admission queue is full",

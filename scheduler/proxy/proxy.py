@@ -48,7 +48,12 @@ from scheduler.proxy.loop_lag import LoopLag
 from scheduler.proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from scheduler.proxy.metrics import ProxyMetrics
 from scheduler.proxy.relay import Job, Relay
-from scheduler.proxy.routed_request import RequestReader, RoutedRequest
+from scheduler.proxy.routed_request import (
+    RequestReader,
+    RoutedRequest,
+    parse_priority_header,
+    resolve_priority,
+)
 
 _PULL_OUTCOME = PULL_OUTCOME_HEADER.encode()
 
@@ -100,7 +105,9 @@ class Proxy:
             lag=self.lag,
         )
         self.reader = RequestReader(fleet, tokenizer)
-        self.admission = AdmissionGate(fleet, config.admission, config.queue, metrics)
+        self.admission = AdmissionGate(
+            fleet, config.admission, config.queue, metrics, tenants.weight
+        )
         self.relay = Relay(
             fleet, self.pool, self.deadlines, metrics, tokenizer, self.continue_stream,
             max_continuations=config.max_continuations,
@@ -134,6 +141,9 @@ class Proxy:
     async def _generate(self, exchange: Exchange, path: bytes, chat: bool) -> None:
         request_id = b""
         auth: bytes | None = None
+        priority: bytes | None = None
+        tenant_name: str | None = None
+        admitted = False  # by `admission.check`: `admission.finished` when it ends
         json_body = True  # no Content-Type is read as JSON, as the agent (FastAPI) reads it
         forward: list[tuple[bytes, bytes]] = [(b"content-type", b"application/json")]
         for name, value in exchange.headers:
@@ -141,6 +151,8 @@ class Proxy:
                 request_id = value[:128]
             elif name == b"authorization":
                 auth = value
+            elif name == b"x-kvherd-priority":
+                priority = value
             elif name == b"content-type":
                 json_body = _is_json_media_type(value)
             elif name in _FORWARD_HEADERS:
@@ -165,9 +177,12 @@ class Proxy:
                     param="Content-Type",
                     code="unsupported_media_type",
                 )
-            self.admission.check()
+            asked = None if priority is None else parse_priority_header(priority)
+            tenant_name = None if tenant is None else tenant.name
+            self.admission.check(tenant_name, resolve_priority(asked, tenant))
+            admitted = True
             started = time.perf_counter()
-            request = await self.reader.read(exchange.body, path, chat, tenant)
+            request = await self.reader.read(exchange.body, path, chat, tenant, asked)
             status = await self._serve(exchange, request, request_id, forward, started)
         except OpenAIError as exc:
             status = exc.status
@@ -188,6 +203,8 @@ class Proxy:
             if not exchange.started:
                 error = OpenAIError(500, "internal proxy error", type="server_error")
                 _respond_error(exchange, error, request_id)
+        if admitted:
+            self.admission.finished(tenant_name)
         self.metrics.request_done(status)
 
     def _authenticate(self, auth: bytes | None) -> Tenant | None:
@@ -295,6 +312,7 @@ class Proxy:
             None if request.tenant is None else request.tenant.name,
             max_tokens,
             job.tried if exclude is None else exclude,
+            request.priority,
         )
         if chosen is None:
             return None
@@ -403,6 +421,7 @@ def _respond_error(exchange: Exchange, exc: OpenAIError, request_id: bytes) -> N
         headers.append((b"allow", b"POST"))
     elif isinstance(exc, Refused):
         headers.append((b"retry-after", b"%d" % exc.retry_after_s))
+        headers += exc.headers
     exchange.respond(exc.status, headers, _error_json(exc))
 
 

@@ -5,9 +5,11 @@ Contract:
   `OpenAIError` (400): the body as a JSON object; its prompt's token ids as the engine computes
   them (`scheduler.proxy.routing_tokens`); the cache salt (the tenant's, written into the body and
   ``raw`` re-encoded, when tenancy is on; else the client's own ``cache_salt``, which must be a
-  string); the context check (vLLM's 400 ``context_length_exceeded`` for a prompt no instance can
-  hold, unchecked while some instance did not state its ``max_model_len``); the block hashes,
-  chained with the salt at the fleet's block size.
+  string); the priority class (`resolve_priority`: the body's ``priority``, else the
+  ``X-Kvherd-Priority`` header's, else the tenant's default, else 0; written into the body when it
+  named none, for the engines); the context check (vLLM's 400 ``context_length_exceeded`` for a
+  prompt no instance can hold, unchecked while some instance did not state its ``max_model_len``);
+  the block hashes, chained with the salt at the fleet's block size.
 - Bodies over `OFF_LOOP_BODY_BYTES` are parsed and tokenized, and prompts over `OFF_LOOP_TOKENS`
   hashed, in worker threads (`OFF_LOOP_WORKERS` at a time), so a few huge prompts cannot stall
   every other request on the event loop.
@@ -48,6 +50,7 @@ class RoutedRequest:
     tenant: Tenant | None
     max_tokens: Any  # as the client gave it (``max_completion_tokens`` or ``max_tokens``)
     streamed: bool
+    priority: int = 0  # its class in the admission queue and at the engines (lower first)
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -61,23 +64,41 @@ class RequestReader:
         self._off_loop = asyncio.Semaphore(OFF_LOOP_WORKERS)
 
     async def read(
-        self, raw: bytes, path: bytes, chat: bool, tenant: Tenant | None
+        self,
+        raw: bytes,
+        path: bytes,
+        chat: bool,
+        tenant: Tenant | None,
+        priority: int | None = None,
     ) -> RoutedRequest:
         if len(raw) > OFF_LOOP_BODY_BYTES:
             async with self._off_loop:
                 body, token_ids = await asyncio.to_thread(self._parse, raw, chat)
         else:
             body, token_ids = self._parse(raw, chat)
+        changed = False
+        given = body.get("priority")
+        if given is None:
+            resolved = resolve_priority(priority, tenant)
+            if resolved:
+                body["priority"] = resolved
+                changed = True
+        elif type(given) is int:
+            resolved = given
+        else:
+            raise OpenAIError(400, "'priority' must be an integer", param="priority")
         if tenant is not None:
             salt: str | None = tenant.cache_salt
             if body.get("cache_salt") != salt:
                 body["cache_salt"] = salt
-                raw = orjson.dumps(body)
+                changed = True
         else:
             client_salt = body.get("cache_salt")
             if client_salt is not None and not isinstance(client_salt, str):
                 raise OpenAIError(400, "'cache_salt' must be a string", param="cache_salt")
             salt = client_salt or None
+        if changed:
+            raw = orjson.dumps(body)
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         self._check_context(len(token_ids), max_tokens, chat)
         block_size = self.fleet.block_size
@@ -88,7 +109,7 @@ class RequestReader:
             hashes = block_hash_chain(token_ids, block_size, salt)
         streamed = body.get("stream") is True
         return RoutedRequest(
-            path, chat, body, raw, len(token_ids), hashes, tenant, max_tokens, streamed
+            path, chat, body, raw, len(token_ids), hashes, tenant, max_tokens, streamed, resolved
         )
 
     def _parse(self, raw: bytes, chat: bool) -> tuple[dict[str, Any], list[int]]:
@@ -128,3 +149,20 @@ class RequestReader:
             param=where,
             code="context_length_exceeded",
         )
+
+
+def resolve_priority(header: int | None, tenant: Tenant | None) -> int:
+    """The class of a request whose body names none: the header's, else its tenant's default."""
+    if header is not None:
+        return header
+    if tenant is not None and tenant.options.priority is not None:
+        return tenant.options.priority
+    return 0
+
+
+def parse_priority_header(value: bytes) -> int:
+    """``X-Kvherd-Priority``: an integer (`OpenAIError` 400 otherwise)."""
+    text = value.strip()
+    if not text.removeprefix(b"-").isdigit() or len(text) > 18:
+        raise OpenAIError(400, "X-Kvherd-Priority must be an integer", param="X-Kvherd-Priority")
+    return int(text)

@@ -87,9 +87,10 @@ class RawClient:
     test's own loop little (an HTTP client library's per-request CPU would make it the bottleneck
     and its backlog would show up as latency)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, api_key: str | None = None) -> None:
         host, port = url.removeprefix("http://").split(":")
         self.host, self.port = host, int(port)
+        self.auth = b"" if api_key is None else b"authorization: Bearer %s\r\n" % api_key.encode()
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     async def post(self, path: str, body: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
@@ -97,8 +98,9 @@ class RawClient:
             self.idle.pop() if self.idle else await asyncio.open_connection(self.host, self.port)
         )
         writer.write(
-            b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\n\r\n%s" % (path.encode(), self.host.encode(), len(body), body)
+            b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n%s"
+            b"content-length: %d\r\n\r\n%s"
+            % (path.encode(), self.host.encode(), self.auth, len(body), body)
         )
         head = await reader.readuntil(b"\r\n\r\n")
         lines = head.split(b"\r\n")

@@ -19,7 +19,7 @@ from kvherd.tokenizer import ByteTokenizer
 from kvherd.wire import OpenAIError
 from scheduler.core.cluster_state import ClusterState
 from scheduler.core.outliers import Health, OutlierDetector
-from scheduler.core.tenancy import build_registry, parse_key_spec, read_keys_file
+from scheduler.core.tenancy import KeySpec, build_registry, parse_key_spec, read_keys_file
 from scheduler.kv_subscriber import KVEventSubscriber
 from scheduler.proxy.admin import RegistrationPolicy
 from scheduler.proxy.forwarding import UpstreamConnectError, UpstreamPool, UpstreamTimeout
@@ -260,13 +260,17 @@ def test_outlier_ejection_backoff_and_half_open() -> None:
 
 # -- tenancy and registration ------------------------------------------------------------------------
 def test_tenancy_keys_and_salts(tmp_path: Path) -> None:
-    assert parse_key_spec("k1=alice") == ("k1", "alice")
-    assert parse_key_spec("k2") == ("k2", None)
+    assert parse_key_spec("k1=alice") == KeySpec("k1", "alice")
+    assert parse_key_spec("k2") == KeySpec("k2", None)
     with pytest.raises(ValueError):
         parse_key_spec("=alice")
     keys = tmp_path / "keys"
     keys.write_text("# team keys\nk3 carol\nk4=dave  # comment\n\nk5\n")
-    assert read_keys_file(str(keys)) == [("k3", "carol"), ("k4", "dave"), ("k5", None)]
+    assert read_keys_file(str(keys)) == [
+        KeySpec("k3", "carol"),
+        KeySpec("k4", "dave"),
+        KeySpec("k5"),
+    ]
     registry = build_registry(["k1=alice", "k2"], str(keys), salt_secret="fleet secret")
     assert registry.enabled and not build_registry([], None).enabled
     alice = registry.authenticate(b"Bearer k1")
