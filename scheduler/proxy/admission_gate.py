@@ -109,6 +109,8 @@ class AdmissionGate:
         tenant: str | None,
         max_tokens: int | None,
         tried: Collection[str],
+        only: frozenset[str] | None = None,
+        adapter: str | None = None,
     ) -> tuple[FleetInstance, int, bool] | None:
         """The instance chosen for `key`, its matched blocks and whether it queued first,
         waiting in the queue while every instance is saturated; None when nothing dispatchable
@@ -119,6 +121,7 @@ class AdmissionGate:
                 instance, matched = self.fleet.dispatch(
                     key, num_tokens, block_hashes,
                     tenant=tenant, max_tokens=max_tokens, exclude=tried,
+                    only=only, adapter=adapter,
                 )  # fmt: skip
                 return instance, matched, deadline is not None
             except NoCapacityError as exc:
