@@ -40,7 +40,7 @@ class OpenAIError(Exception):
         *,
         type: str = "invalid_request_error",
         param: str | None = None,
-        code: str | None = None,
+        code: str | int | None = None,  # vLLM's errors carry the HTTP status here
     ) -> None:
         super().__init__(message)
         self.status = status

@@ -19,6 +19,10 @@ prefill-token equivalents:
                 + `memory_penalty` * block_size * max(0, uncached blocks - (free blocks - blocks
                   the head-of-line waiting request needs))     (only when capacity is known;
                   loaded blocks need GPU blocks too)
+                + for a LoRA request (`policies.lora_affinity`): 0 where the adapter is held,
+                  `lora_load_tokens` (256: ~20 ms to load an adapter into a free slot) where a
+                  slot is free, `lora_evict_tokens` (2048: vLLM defers the request until a slot
+                  frees) where every slot is taken
     -> lowest wins
 
 `uncached_weight` > 1 because uncached prefill is not only this request's wait: every request
@@ -52,6 +56,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from policies.lora_affinity import FREE_SLOT, LOADED, affinity
 from policies.views import ClusterView, Decision, InstanceView, NoInstanceError, RequestView
 
 SMALL_FLEET = 16
@@ -77,6 +82,8 @@ class KvherdDispatch:
         seed: int = 0,
         cpu_load_ratio: float = 0.05,
         storage_load_ratio: float = 0.4,
+        lora_load_tokens: float = 256.0,
+        lora_evict_tokens: float = 2048.0,
     ) -> None:
         self.decode_token_cost = decode_token_cost
         self.uncached_weight = uncached_weight
@@ -86,6 +93,8 @@ class KvherdDispatch:
         self.explain_top = explain_top
         self.cpu_load_ratio = cpu_load_ratio
         self.storage_load_ratio = storage_load_ratio
+        self.lora_load_tokens = lora_load_tokens
+        self.lora_evict_tokens = lora_evict_tokens
         self._rng = random.Random(seed)
 
     def ttft_cost(
@@ -118,6 +127,13 @@ class KvherdDispatch:
         short = maximum(shortfall - matched + request.num_blocks, 0.0)
         return cost + self.memory_penalty * bs * short * capacity_known
 
+    def lora_tokens(self, adapter: str | None, inst: InstanceView) -> float:
+        """The adapter term of the cost: what getting `adapter` into a slot of `inst` costs."""
+        score = affinity(adapter, inst)
+        if score == LOADED:
+            return 0.0
+        return self.lora_load_tokens if score == FREE_SLOT else self.lora_evict_tokens
+
     def load_tokens(
         self,
         request: RequestView,
@@ -149,7 +165,8 @@ class KvherdDispatch:
             load = self.load_tokens(
                 request, cpu_blocks, storage_blocks, inst.cpu_load_ratio, inst.storage_load_ratio
             )
-        return self.ttft_cost(
+        lora = 0.0 if request.adapter is None else self.lora_tokens(request.adapter, inst)
+        return lora + self.ttft_cost(
             request,
             max(inst.waiting_prefill_tokens, inst.pending_prefill_tokens),
             matched_blocks,
@@ -197,6 +214,8 @@ class KvherdDispatch:
             lower,
             load,
         )
+        if request.adapter is not None:
+            cost = cost + [self.lora_tokens(request.adapter, inst) for inst in cluster.instances]
         dispatchable = column("dispatchable")
         inflight = column("inflight")
         if dispatchable.all():  # the usual case: only the hot-spot guard can exclude

@@ -33,6 +33,7 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from policies.lora_affinity import LoraAffinityScorer
 from policies.plugins.filters import (
     DecodeFilter,
     HealthyFilter,
@@ -83,6 +84,7 @@ PLUGIN_TYPES: dict[str, type] = {
         KVCacheUtilizationScorer,
         ActiveRequestScorer,
         FreenessScorer,
+        LoraAffinityScorer,
         MaxScorePicker,
         RandomPicker,
         WeightedRandomPicker,

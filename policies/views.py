@@ -18,7 +18,8 @@ Contract:
 - `Decision` names the chosen instance and can explain itself (per-instance scores, a reason);
   `PDDecision` names a prefill and a decode instance (equal: no handoff); `MigrationOrder` asks for
   one running request to move from `src` to `dst`.
-- An instance's `role` (``prefill``, ``decode``, ``mixed``) says which phases it serves.
+- An instance's `role` (``prefill``, ``decode``, ``mixed``) says which phases it serves;
+  `active_adapters` / `lora_slots` which LoRA adapters it holds and may hold (`RequestView.adapter`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class RequestView:
     tenant: str | None = None
     priority: int = 0
     max_tokens: int | None = None  # decode budget if the client gave one
+    adapter: str | None = None  # the LoRA adapter the request runs with (None: a base model)
 
     @property
     def num_blocks(self) -> int:
@@ -105,6 +107,10 @@ class InstanceView:
     # model or `kvherd profile`); 0: unknown, the policy's default.
     cpu_load_ratio: float = 0.0
     storage_load_ratio: float = 0.0
+    # LoRA: the adapters the engine holds in its batch slots (reported running or waiting, plus
+    # the router's own dispatches since) and how many it may hold at once (0: unknown).
+    active_adapters: frozenset[str] = frozenset()
+    lora_slots: int = 0
 
     @property
     def num_requests(self) -> int:

@@ -48,6 +48,11 @@ Contract:
   ``kvherd``): it returns the prefill instance, and `handoff_target(key)` the decode instance the
   prefill instance hands the request to after its first token (None: no handoff). The handoff's
   commit moves the request's accounting like any live migration (`request_migrated`).
+- Models (`scheduler.core.model_index.ModelIndex`, `models`): each instance's model cards come
+  from its spec (what ``/v1/models`` said when it was probed, or its registration's ``model``),
+  then from `ModelPoller` every ``models_interval_s``, unless the operator pinned them
+  (`set_models`, the admin API). `dispatch(..., only=)` routes among the instances serving the
+  request's model; `served_adapter` records an adapter the proxy loaded on an instance.
 - Policies: `set_policy(spec, params)` switches the dispatch policy at run time, loading only what
   the operator's `PolicyAllowList` admits (built-in names, entry points, allow-listed modules, the
   policy directory); a spec that is refused or does not load raises `FleetError(400)` and the old
@@ -76,16 +81,18 @@ from policies.registry import (
     load_dispatch_policy,
     load_pd_policy,
 )
-from policies.views import NoInstanceError
+from policies.views import NoInstanceError, RequestView
 from scheduler.core.cluster_state import ClusterState
 from scheduler.core.inflight import InflightLedger
 from scheduler.core.load_report import LoadReport
+from scheduler.core.model_index import ModelCard, ModelIndex
 from scheduler.core.outliers import Health
 from scheduler.core.prefix_pull import PullAction, PullSettings
 from scheduler.core.router import Router
 from scheduler.fleet_health import FleetHealth
 from scheduler.kv_subscriber import KVEventSubscriber
 from scheduler.load_poller import LoadPoller
+from scheduler.model_poller import ModelPoller
 from scheduler.proxy.metrics import ProxyMetrics
 
 if TYPE_CHECKING:
@@ -139,6 +146,8 @@ class InstanceSpec:
     role: str | None = None  # P/D role override ("prefill", "decode", "mixed"); None: as reported
     max_num_seqs: int | None = None  # batch slots, when the engine does not report them (vLLM)
     pull_address: str | None = None  # a kvherd agent's block server (prefix pulls from it)
+    models: list[ModelCard] | None = None  # its /v1/models cards (None: only `model`, if known)
+    models_pinned: bool = False  # the operator's list: not polled
 
 
 @dataclass(slots=True)
@@ -172,6 +181,7 @@ class FleetSettings:
     kv_silence_warn_s: float = 30.0
     fleet_token: str | None = None  # sent to the agents' control routes (the state snapshot)
     prefix_pull: PullSettings | None = None  # pull long prefixes between agents (None: off)
+    models_interval_s: float = 2.0  # how often each instance's /v1/models is read again
 
 
 class Fleet:
@@ -223,6 +233,13 @@ class Fleet:
             headers=auth_headers(settings.fleet_token),
             on_failure=metrics.load_poll_failed,
         )
+        self.models = ModelIndex()
+        self.model_poller = ModelPoller(
+            self._model_targets,
+            self._on_models,
+            settings.models_interval_s,
+            headers=auth_headers(settings.fleet_token),
+        )
         self.health = FleetHealth(
             lambda: self.cluster,
             self._urls,
@@ -260,6 +277,7 @@ class Fleet:
             log.info("KV events from connecting engines on %s (attributed by topic)", bound)
         self.subscriber.start()
         self.poller.start()
+        self.model_poller.start()
         self.health.prober.start()
         self._reaper = asyncio.create_task(self._reap(), name="kvherd-heartbeat-reaper")
 
@@ -269,6 +287,7 @@ class Fleet:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
         await self.poller.stop()
+        await self.model_poller.stop()
         await self.health.prober.stop()
         await self.subscriber.close()
 
@@ -375,6 +394,7 @@ class Fleet:
         if existing is not None:
             inst.served, inst.failures = existing.served, existing.failures
         self.instances[spec.instance_id] = inst
+        self.models.set_models(spec.instance_id, _cards(spec))
         self.health.add(spec.instance_id)
         try:
             has_events = await self._join_core(spec)
@@ -397,6 +417,7 @@ class Fleet:
         if inst is None:
             return False
         await self.subscriber.remove(instance_id)
+        self.models.remove_instance(instance_id)
         self.router.forget_instance(instance_id)
         self.health.remove(instance_id)
         self.poller.forget(instance_id)
@@ -429,6 +450,41 @@ class Fleet:
         self.router.set_policy(policy)
         self.policy_spec, self.policy_params = spec, dict(params)
         log.info("dispatch policy switched to %s", spec)
+
+    # -- models ------------------------------------------------------------------------------
+    def _model_targets(self) -> dict[str, str]:
+        return {i: inst.url for i, inst in self.instances.items() if not inst.spec.models_pinned}
+
+    def _on_models(self, instance_id: str, cards: list[ModelCard]) -> None:
+        inst = self.instances.get(instance_id)
+        if inst is None or inst.spec.models_pinned:
+            return
+        inst.spec.models = cards
+        if self.models.set_models(instance_id, cards):
+            log.info("instance %s serves %s", instance_id, [card["id"] for card in cards])
+
+    def set_models(self, instance_id: str, cards: list[ModelCard] | None) -> None:
+        """The operator's model list for an instance (None: learn it from the instance again)."""
+        inst = self.instances.get(instance_id)
+        if inst is None:
+            raise FleetError(404, f"unknown instance {instance_id!r}")
+        inst.spec.models_pinned = cards is not None
+        if cards is not None:
+            inst.spec.models = cards
+            self.models.set_models(instance_id, cards)
+
+    def served_adapter(self, instance_id: str, adapter: str, path: str, parent: str | None) -> None:
+        """`instance_id` loaded `adapter` (from `path`) at the proxy's request: route it there."""
+        inst = self.instances.get(instance_id)
+        if inst is None:
+            return
+        known = list(_cards(inst.spec) or [])
+        if parent is None:  # the instance's base model
+            parent = next((card["id"] for card in known if not card.get("parent")), None)
+        if all(card["id"] != adapter for card in known):
+            known.append({"id": adapter, "object": "model", "root": path, "parent": parent})
+        inst.spec.models = known
+        self.models.set_models(instance_id, known)
 
     # -- load and health inputs --------------------------------------------------------------
     def _on_report(self, instance_id: str, report: LoadReport) -> None:
@@ -544,6 +600,8 @@ class Fleet:
         tenant: str | None = None,
         max_tokens: int | None = None,
         exclude: Collection[str] = (),
+        only: frozenset[str] | None = None,
+        adapter: str | None = None,
     ) -> tuple[FleetInstance, int]:
         saturated = self.inflight.saturated
         if saturated:
@@ -559,11 +617,14 @@ class Fleet:
                 tenant=tenant,
                 max_tokens=max_tokens,
                 exclude=skip,
+                only=only,
+                adapter=adapter,
             )
         except NoInstanceError:
             # Worth waiting only if an instance that may still be tried is merely full.
             busy = any(
                 i not in exclude
+                and (only is None or i in only)
                 and self.cluster.get(i).healthy
                 and not self.cluster.get(i).draining
                 for i in saturated
@@ -593,6 +654,20 @@ class Fleet:
         """The prefix pull the router chose for `key`: (the holder's block server, the prompt
         blocks it holds), once; None when it runs on what its instance holds."""
         return self._pulls.pop(key, None)
+
+    def choose_instance(
+        self, num_tokens: int, block_hashes: Sequence[int], only: frozenset[str], adapter: str
+    ) -> FleetInstance:
+        """The instance the dispatch policy would pick among `only` for such a request, with
+        nothing charged (`NoCapacityError` when none of them is dispatchable)."""
+        request = RequestView(
+            "", num_tokens, tuple(block_hashes), self.cluster.block_size, adapter=adapter
+        )
+        try:
+            decision = self.router.choose(request, self.clock(), only)
+        except NoInstanceError:
+            raise NoCapacityError(saturated=False) from None
+        return self.instances[decision.instance_id]
 
     def handoff_target(self, key: str) -> FleetInstance | None:
         """The decode instance `key` is handed to after its first token (P/D), if any."""
@@ -655,9 +730,9 @@ class Fleet:
             longest = max(longest, limit)
         return longest or None
 
-    def models(self) -> list[str]:
-        names = {inst.spec.model for inst in self.instances.values() if inst.spec.model}
-        return sorted(names)
+    def model_cards(self) -> list[ModelCard]:
+        """Every model and adapter the fleet serves, as vLLM's ``/v1/models`` lists them."""
+        return self.models.cards()
 
     def num_dispatchable(self) -> int:
         return sum(
@@ -705,6 +780,8 @@ class Fleet:
             "instance_id": instance_id,
             "url": inst.url,
             "model": spec.model,
+            "models": self.models.models_of(instance_id),
+            "models_pinned": spec.models_pinned,
             "block_size": inst.block_size,
             "fleet_block_size": self.cluster.block_size,
             "block_size_mismatch": inst.block_size_mismatch,
@@ -750,3 +827,12 @@ class Fleet:
                 "rejected": stats.rejected,
             }
         return info
+
+
+def _cards(spec: InstanceSpec) -> list[ModelCard] | None:
+    """What `spec` is known to serve (None: nothing known, it may be sent any model)."""
+    if spec.models is not None:
+        return spec.models
+    if spec.model is None:
+        return None
+    return [{"id": spec.model, "object": "model", "owned_by": "kvherd", "parent": None}]

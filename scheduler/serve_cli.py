@@ -152,6 +152,23 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         "needs the 'tokenizer' extra. Required in front of engines that are not kvherd agents",
     )
     parser.add_argument("--block-size", type=int, default=None, help="default: the agents' own")
+    parser.add_argument(
+        "--lora-modules",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a LoRA adapter the proxy may load on demand (repeatable; PATH as the instances see "
+        'it, or vLLM\'s JSON {"name", "path", "base_model_name"})',
+    )
+    parser.add_argument(
+        "--lora-load-on-demand",
+        action="store_true",
+        help="load a --lora-modules adapter no instance serves on the instance the policy picks "
+        "(vLLM started with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
+    )
+    parser.add_argument(
+        "--models-interval", type=float, default=2.0, help="seconds between /v1/models polls"
+    )
     parser.add_argument("--no-kv-events", action="store_true", help="use the approximate index")
     parser.add_argument(
         "--kv-events-bind",
@@ -333,6 +350,7 @@ async def probe_instance(
     from kvherd.fleet_token import auth_headers
     from scheduler.core.load_report import parse_prometheus
     from scheduler.fleet import FleetError, InstanceSpec
+    from scheduler.model_poller import parse_models
 
     url = raw["url"]
     bind = raw.get("kv_events_bind")
@@ -365,9 +383,11 @@ async def probe_instance(
                 if spec.pull_address is None and isinstance(pull_address, str):
                     spec.pull_address = pull_address if pull_address.startswith("tcp://") else None
                 models = (await client.get(url + "/v1/models")).json()
+                spec.models = parse_models(models)
             else:
                 models = (await client.get(url + "/v1/models")).json()
                 spec.model = models["data"][0]["id"]
+                spec.models = parse_models(models)  # base models and LoRA adapters
                 # vLLM: vllm:cache_config_info{block_size=...} names the engine's block size.
                 metrics = await client.get(url + "/metrics")
                 if metrics.status_code == 200:
@@ -474,7 +494,7 @@ async def serve_fleet(
     both still serve (``kvherd up`` stops its agents there, so they can deregister).
     """
     from kvherd.fd_limit import connection_cap, raise_fd_limit
-    from kvherd.fleet_token import resolve
+    from kvherd.fleet_token import auth_headers, resolve
     from kvherd.tokenizer import load_tokenizer
     from policies.registry import PolicyAllowList
     from scheduler.core.deadlines import DeadlineSettings
@@ -482,6 +502,7 @@ async def serve_fleet(
     from scheduler.fleet import Fleet, FleetError, FleetSettings
     from scheduler.proxy.admin import LOOPBACK_PATTERNS, RegistrationPolicy, build_admin_app
     from scheduler.proxy.loop_lag import LoopLag
+    from scheduler.proxy.lora_loader import LoraLoader, parse_lora_module
     from scheduler.proxy.metrics import ProxyMetrics
     from scheduler.proxy.proxy import Proxy, ProxyConfig, build_front
 
@@ -553,6 +574,7 @@ async def serve_fleet(
         kv_events_bind=args.kv_events_bind,
         kv_silence_warn_s=args.kv_silence_warn,
         prefix_pull=prefix_pull,
+        models_interval_s=args.models_interval,
     )
     lag = LoopLag()  # the proxy's loop lag: no deadline or probe blames an instance for it
     try:
@@ -581,6 +603,16 @@ async def serve_fleet(
         fleet, migration_policy, args.migration_interval, fleet_token=fleet_token
     )
     fleet.migration_spec = args.migration_policy
+    try:
+        lora_modules = {m.name: m for m in map(parse_lora_module, args.lora_modules)}
+    except ValueError as exc:
+        print(f"kvherd serve: {exc}", file=sys.stderr)
+        return 2
+    if lora_modules and not args.lora_load_on_demand:
+        log.warning("--lora-modules without --lora-load-on-demand: the adapters are not loaded")
+    lora = None
+    if args.lora_load_on_demand:
+        lora = LoraLoader(fleet, lora_modules, metrics, auth_headers(fleet_token))
     proxy = Proxy(
         fleet,
         tokenizer,
@@ -605,6 +637,7 @@ async def serve_fleet(
         ),
         metrics,
         lag,
+        lora,
     )
     level = args.log_level.lower()
     front = build_front(proxy)
@@ -683,6 +716,8 @@ async def serve_fleet(
         await fleet.stop()
         await proxy.lag.stop()
         await proxy.pool.close()
+        if lora is not None:
+            await lora.close()
 
 
 def configure_logging(level: str) -> None:

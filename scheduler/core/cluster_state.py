@@ -21,7 +21,8 @@ Contract:
   counts total time rather than the slowest decision (the simulator). Answers are the same.
 - `view(now)` returns the `ClusterView` for one decision. Instance views and numpy columns are
   kept up to date incrementally (only instances that changed are re-rendered), so building a view
-  of 1,024 instances costs microseconds.
+  of 1,024 instances costs microseconds. `view(now, only=ids)` shows just those instances (the
+  ones serving the request's model): its positions are cached per set until membership changes.
 - `disaggregated`: some instance's role is ``prefill`` or ``decode`` (the router then pairs each
   request with a P/D policy).
 Pure: every time is an argument; no I/O, no threads.
@@ -97,6 +98,7 @@ class ClusterState:
         self._dirty: set[str] = set()
         self._phase_only: set[str] = set()  # instances whose role is not "mixed" (`_refresh`)
         self._slot_pos: np.ndarray | None = None
+        self._subsets: dict[frozenset[str], tuple[np.ndarray, dict[str, int]]] = {}
 
     # -- registry ----------------------------------------------------------------------------
     def add_instance(
@@ -140,6 +142,7 @@ class ClusterState:
             self._views.append(state.view())
             self._table = np.append(self._table, np.zeros((len(COLUMNS), 1)), axis=1)
             self._columns = self._bind_columns()
+            self._subsets.clear()
         self._dirty.add(instance_id)
         self._slot_pos = None
         self._replay.pop(instance_id, None)
@@ -165,6 +168,7 @@ class ClusterState:
         del self._views[position]
         self._table = np.delete(self._table, position, axis=1)
         self._columns = self._bind_columns()
+        self._subsets.clear()
         for later in self._order[position:]:
             self._position[later] -= 1
         self._phase_only.discard(instance_id)
@@ -275,9 +279,14 @@ class ClusterState:
                 self._phase_only.add(instance_id)
         self._dirty.clear()
 
-    def view(self, now: float, exclude: Collection[str] = ()) -> ClusterView:
-        """The `ClusterView` for one decision; `exclude`d instances are shown as not healthy."""
+    def view(
+        self, now: float, exclude: Collection[str] = (), only: frozenset[str] | None = None
+    ) -> ClusterView:
+        """The `ClusterView` for one decision; `exclude`d instances are shown as not healthy;
+        `only` (None: all) the instances the view shows."""
         self._refresh()
+        if only is not None:
+            return self._subset_view(now, exclude, only)
         views: Sequence[InstanceView] = self._views
         columns = self._columns
         if exclude:
@@ -300,6 +309,41 @@ class ClusterState:
         # that ask for one. Lower tiers are matched only while some instance holds a block there.
         tiers = tier_matcher if self.prefix_index.has_lower_tiers() else None
         return ClusterView(views, now, None, columns, self._position, array_matcher, tiers)
+
+    def _subset_view(
+        self, now: float, exclude: Collection[str], only: frozenset[str]
+    ) -> ClusterView:
+        """`view` over the instances in `only` (in registration order)."""
+        cached = self._subsets.get(only)
+        if cached is None:
+            if len(self._subsets) > 256:  # sets of a model index no longer current
+                self._subsets.clear()
+            kept = sorted(self._position[i] for i in only if i in self._position)
+            positions = np.array(kept, dtype=np.intp)
+            cached = positions, {self._order[p]: k for k, p in enumerate(kept)}
+            self._subsets[only] = cached
+        positions, index = cached
+        views = [self._views[p] for p in positions.tolist()]
+        columns = {name: column[positions] for name, column in self._columns.items()}
+        for instance_id in exclude:
+            k = index.get(instance_id)
+            if k is not None:
+                views[k] = self.instances[instance_id].view(healthy_override=False)
+                columns["dispatchable"][k] = 0.0
+        full: dict[str, np.ndarray] = {}  # the whole fleet's GPU match, for the lower tiers
+
+        def array_matcher(request: RequestView) -> np.ndarray:
+            depths = full[request.request_id] = self.match_array(request.block_hashes, now)
+            return depths[positions]
+
+        def tier_matcher(request: RequestView, gpu: np.ndarray) -> np.ndarray:
+            depths = full.get(request.request_id)
+            if depths is None:
+                depths = self.match_array(request.block_hashes, now)
+            return self.match_lower_array(request.block_hashes, depths)[:, positions]
+
+        tiers = tier_matcher if self.prefix_index.has_lower_tiers() else None
+        return ClusterView(views, now, None, columns, index, array_matcher, tiers)
 
     def _slot_position(self) -> np.ndarray:
         """Slot -> position in view order (-1 for a free slot), rebuilt after membership changes."""

@@ -22,6 +22,8 @@ Contract:
 - Role (P/D disaggregation): the operator's `role` when given (``--instance URL,role=...``), else
   the role the instance reports, else ``mixed``. Batch slots likewise: the operator's
   ``max_num_seqs=``, else the reported ``max_num_seqs``, else unknown (0).
+- LoRA: the view's `active_adapters` are the reported ones plus those of the router's dispatches
+  in flight here (a burst for one adapter sees it held before the next scrape).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class Dispatch:
     uncached_tokens: int  # prompt tokens not covered by the prefix hit at dispatch
     blocks: int  # KV blocks the request occupies (prompt blocks, grown by decode estimates)
     started: bool = False  # first token seen
+    adapter: str | None = None  # the LoRA adapter it runs with
 
 
 def _plus(reported: int | None, delta: int, own: int) -> int:
@@ -80,6 +83,7 @@ class InstanceState:
         self.report: LoadReport = LoadReport()
         self.report_time: float | None = None
         self.inflight: dict[str, Dispatch] = {}
+        self._adapters: dict[str, int] = {}  # LoRA adapter -> its dispatches in flight here
         # Router totals over all in-flight dispatches.
         self.pending_prefill = 0
         self.pending_prefill_tokens = 0
@@ -142,14 +146,20 @@ class InstanceState:
 
     # -- optimistic accounting ---------------------------------------------------------------
     def dispatch(
-        self, request_id: str, prompt_tokens: int, uncached_tokens: int, now: float
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        uncached_tokens: int,
+        now: float,
+        adapter: str | None = None,
     ) -> None:
         if request_id in self.inflight:
             raise ValueError(f"request {request_id!r} is already in flight on {self.instance_id}")
         blocks = -(-prompt_tokens // self.block_size)
         self.inflight[request_id] = Dispatch(
-            request_id, now, prompt_tokens, uncached_tokens, blocks
+            request_id, now, prompt_tokens, uncached_tokens, blocks, adapter=adapter
         )
+        self._count_adapter(adapter, 1)
         self.pending_prefill += 1
         self.pending_prefill_tokens += uncached_tokens
         self.inflight_blocks += blocks
@@ -171,6 +181,7 @@ class InstanceState:
         dispatch = self.inflight.pop(request_id, None)
         if dispatch is None:
             return None
+        self._count_adapter(dispatch.adapter, -1)
         self.inflight_blocks -= dispatch.blocks
         if dispatch.started:
             self._change(now, 0, -1, -dispatch.blocks, 0)
@@ -183,6 +194,7 @@ class InstanceState:
     def adopt(self, dispatch: Dispatch, now: float) -> None:
         """Take over a request migrated in (or kept across a re-join)."""
         self.inflight[dispatch.request_id] = dispatch
+        self._count_adapter(dispatch.adapter, 1)
         self.inflight_blocks += dispatch.blocks
         if dispatch.started:
             self._change(now, 0, 1, dispatch.blocks, 0)
@@ -190,6 +202,15 @@ class InstanceState:
             self.pending_prefill += 1
             self.pending_prefill_tokens += dispatch.uncached_tokens
             self._change(now, 1, 0, dispatch.blocks, dispatch.uncached_tokens)
+
+    def _count_adapter(self, adapter: str | None, change: int) -> None:
+        if adapter is None:
+            return
+        left = self._adapters.get(adapter, 0) + change
+        if left > 0:
+            self._adapters[adapter] = left
+        else:
+            self._adapters.pop(adapter, None)
 
     # -- view --------------------------------------------------------------------------------
     def view(self, healthy_override: bool | None = None) -> InstanceView:
@@ -217,6 +238,9 @@ class InstanceState:
             head = 0
         requests = num_running + num_waiting
         freeness = math.inf if requests == 0 else (free - head) / requests
+        adapters = frozenset(rep.active_adapters or ())
+        if self._adapters:
+            adapters = adapters.union(self._adapters)
         return InstanceView(
             instance_id=self.instance_id,
             capacity=capacity,
@@ -242,4 +266,6 @@ class InstanceState:
             role=self.role or rep.role or "mixed",
             cpu_load_ratio=self.tier_load_ratio[0],
             storage_load_ratio=self.tier_load_ratio[1],
+            active_adapters=adapters,
+            lora_slots=rep.lora_slots or 0,
         )

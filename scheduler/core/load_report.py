@@ -23,7 +23,10 @@ Contract:
   ``vllm:cache_config_info{num_gpu_blocks=...,block_size=...}`` (the engine's block size becomes
   the report's ``block_size``); ``sglang:num_running_reqs``,
   ``sglang:num_queue_reqs``, ``sglang:token_usage``, ``sglang:max_total_num_tokens``. Samples of
-  one metric with several label sets (models, engines) are summed (usage: averaged).
+  one metric with several label sets (models, engines) are summed (usage: averaged). vLLM's LoRA
+  gauge ``vllm:lora_requests_info{max_lora, running_lora_adapters, waiting_lora_adapters}`` keeps
+  one sample per label set ever seen, valued with the time it was set: the newest is the current
+  one (adapters comma-separated; none until the first LoRA request, without ``--enable-lora``).
 - Malformed input raises `LoadReportError` (a ValueError) with a message naming the field.
 """
 
@@ -60,6 +63,8 @@ class LoadReport:
     last_kv_event_seq: int | None = None
     role: str | None = None  # "prefill", "decode" or "mixed" (P/D disaggregation)
     max_num_seqs: int | None = None  # the engine's batch slots
+    active_adapters: tuple[str, ...] | None = None  # LoRA adapters running or waiting
+    lora_slots: int | None = None  # LoRA adapters the engine holds at once (vLLM's max_loras)
 
 
 ROLES = ("prefill", "decode", "mixed")
@@ -191,11 +196,16 @@ def parse_prometheus(text: str, block_size: int = 16) -> LoadReport:
     counts: dict[str, int] = {}
     total_blocks: int | None = None
     fields: dict[str, Any] = {}
+    lora_at = -math.inf
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 name = sample.name
-                if name == "vllm:cache_config_info":
+                if name == "vllm:lora_requests_info":
+                    if sample.value > lora_at:
+                        lora_at = sample.value
+                        _lora_fields(sample.labels, fields)
+                elif name == "vllm:cache_config_info":
                     gpu_blocks = sample.labels.get("num_gpu_blocks", "")
                     if gpu_blocks.isdigit():
                         total_blocks = int(gpu_blocks)
@@ -222,3 +232,14 @@ def parse_prometheus(text: str, block_size: int = 16) -> LoadReport:
         if "kv_usage" in fields:
             fields["num_free_blocks"] = int(total_blocks * (1.0 - fields["kv_usage"]))
     return LoadReport(**fields)
+
+
+def _lora_fields(labels: Mapping[str, str], fields: dict[str, Any]) -> None:
+    """The LoRA fields of one ``vllm:lora_requests_info`` sample."""
+    names: dict[str, None] = {}
+    for key in ("running_lora_adapters", "waiting_lora_adapters"):
+        names.update(dict.fromkeys(n for n in labels.get(key, "").split(",") if n))
+    fields["active_adapters"] = tuple(names)
+    slots = labels.get("max_lora", "")
+    if slots.isdigit():
+        fields["lora_slots"] = int(slots)

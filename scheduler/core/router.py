@@ -24,6 +24,10 @@ Contract:
   (`choose_pull`): ROUTE sends the request to the holder, PULL keeps it where the policy chose and
   charges it as cached up to the holder's depth; `Routed.pull` keeps the choice whenever a
   holder was worth a look, and the driver moves a PULL's blocks before the prefill.
+- Models: `only` (a `scheduler.core.model_index.ModelIndex` answer) limits the view, and so every
+  policy, to the instances that serve the request's model; `adapter` names its LoRA adapter
+  (`RequestView.adapter`, counted on the chosen instance while in flight).
+- `choose(request, now, only)` asks the dispatch policy without routing (no charge, no record).
 - `NoInstanceError` when nothing is dispatchable. Pure: times are arguments, no I/O or threads;
   the proxy and the simulator drive the same object.
 
@@ -106,6 +110,8 @@ class Router:
         priority: int = 0,
         max_tokens: int | None = None,
         exclude: Collection[str] = (),
+        only: frozenset[str] | None = None,
+        adapter: str | None = None,
     ) -> Routed:
         if request_id in self._where:
             raise ValueError(f"request {request_id!r} is already routed; finish it first")
@@ -127,8 +133,9 @@ class Router:
             tenant,
             priority,
             max_tokens,
+            adapter,
         )
-        view = self.cluster.view(now, exclude)
+        view = self.cluster.view(now, exclude, only)
         pair = self._pair(request, view, exclude)
         pull = None
         if pair is None:
@@ -143,7 +150,11 @@ class Router:
         else:
             decision = Decision(pair.prefill, reason=pair.reason)
             decode_id = pair.decode if pair.disaggregated else None
-        if decision.instance_id not in self.cluster or decision.instance_id in exclude:
+        if (
+            decision.instance_id not in self.cluster
+            or decision.instance_id in exclude
+            or (only is not None and decision.instance_id not in only)
+        ):
             raise ValueError(
                 f"policy {self.policy.name!r} chose {decision.instance_id!r}, not a candidate"
             )
@@ -157,7 +168,7 @@ class Router:
             cached = pull.first_block + pull.num_blocks
         cached_tokens = min(num_tokens, cached * self.cluster.block_size)
         state = self.cluster.get(decision.instance_id)
-        state.dispatch(request_id, num_tokens, num_tokens - cached_tokens, now)
+        state.dispatch(request_id, num_tokens, num_tokens - cached_tokens, now, adapter)
         self.cluster.touch(decision.instance_id)
         self.cluster.note_routed(decision.instance_id, request.block_hashes, now, matched)
         self._where[request_id] = decision.instance_id
@@ -166,6 +177,11 @@ class Router:
             self.cluster.get(decode_id).incoming.add(request_id)
             self.cluster.touch(decode_id)
         return Routed(decision, request, matched, decode_id, pull)
+
+    def choose(self, request: RequestView, now: float, only: frozenset[str] | None) -> Decision:
+        """The dispatch policy's pick among `only`, charging nothing (where to load an adapter
+        before the request is routed there)."""
+        return self.policy.choose(request, self.cluster.view(now, (), only))
 
     def _pair(
         self, request: RequestView, view: ClusterView, exclude: Collection[str]

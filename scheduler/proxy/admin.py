@@ -20,6 +20,9 @@ object; bodies are JSON; errors are ``{"error": {"message", "type", "param", "co
   resume) routing new requests there; its running requests are live-migrated to other instances
   (the `drain` migration policy, whatever ``--migration-policy`` says); those that fit nowhere
   finish where they are.
+- ``PUT /admin/v1/instances/{id}/models`` ``{"models": [{"id", "parent"}, ...] | null}``: pin
+  what the instance serves (routing by model uses it, polling stops); null learns it again from
+  the instance's ``/v1/models``.
 - ``POST /admin/v1/migrate`` ``{"request_id", "to"}`` (the fleet's id of the request, or the
   client's ``X-Request-Id`` of it, see `Fleet.request_key`): live-migrate a request in flight to
   instance ``to`` and return the source agent's outcome (200 whether it committed or aborted; the
@@ -49,6 +52,7 @@ from fastapi.responses import Response
 from kvherd.wire import OpenAIError
 from scheduler.core.load_report import ROLES
 from scheduler.fleet import Fleet, FleetError, InstanceSpec
+from scheduler.model_poller import ModelListError, parse_models
 
 LOOPBACK_PATTERNS: tuple[str, ...] = ("127.0.0.0/8", "::1", "localhost")
 
@@ -222,6 +226,17 @@ def build_admin_app(fleet: Fleet, token: str, allow: RegistrationPolicy) -> Fast
         if not isinstance(draining, bool):
             raise FleetError(400, "'draining' must be true or false", "draining")
         fleet.set_draining(instance_id, draining)
+        return _json(fleet.describe_one(instance_id))
+
+    @app.put("/admin/v1/instances/{instance_id}/models")
+    async def set_models(instance_id: str, request: Request) -> Response:
+        body = await _json_body(request)
+        models = body.get("models", ()) if isinstance(body, dict) else ()
+        try:
+            cards = None if models is None else parse_models({"data": models})
+        except ModelListError as exc:
+            raise FleetError(400, f"'models': {exc}", "models") from None
+        fleet.set_models(instance_id, cards)
         return _json(fleet.describe_one(instance_id))
 
     @app.post("/admin/v1/migrate")

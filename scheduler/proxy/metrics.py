@@ -16,6 +16,8 @@ Contract (what ``GET /metrics`` on the proxy exposes):
   (``continued`` on another instance, ``finished`` locally: only the end was missing, ``failed``
   attempts, ``unsupported``: not continuable exactly, ``gave_up``: the client got an error frame).
 - ``kvherd_instances{state}``: instance counts per health state.
+- ``kvherd_lora_loads_total{outcome}``: LoRA adapters the proxy asked an instance to load
+  (``--lora-load-on-demand``): ``loaded``, ``failed``.
 - ``kvherd_load_poll_failures_total{instance}``: load polls that failed or timed out.
 - ``kvherd_block_size_mismatch{instance}``: the block size of an instance whose block size differs
   from the fleet's (set once, when found).
@@ -154,6 +156,9 @@ class ProxyMetrics:
         self._instances = Gauge(
             "kvherd_instances", "Registered instances by health state", ["state"], registry=r
         )
+        self._lora_loads = Counter(
+            "kvherd_lora_loads", "LoRA adapter loads the proxy asked for", ["outcome"], registry=r
+        )
         self._load_poll_failures = Counter(
             "kvherd_load_poll_failures", "Failed or timed-out load polls", ["instance"], registry=r
         )
@@ -263,6 +268,9 @@ class ProxyMetrics:
 
     def rejected(self, reason: str) -> None:
         self._rejected.labels(reason=reason).inc()
+
+    def lora_load(self, outcome: str) -> None:
+        self._lora_loads.labels(outcome=outcome).inc()
 
     def continuation(self, outcome: str) -> None:
         self._continuations.labels(outcome=outcome).inc()

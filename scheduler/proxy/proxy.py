@@ -10,6 +10,10 @@ Contract (the whole story, with every failure path: `scheduler/proxy/README.md`)
   another instance while nothing reached the client (``max_attempts`` in all; then 502/504, or 503
   with no instance at all), the one that answers relayed by `relay` (JSON, or SSE following
   migrations and continuing a lost stream through `Proxy.continue_stream`).
+- Models: a request goes only to the instances serving its ``model`` (`routed_request`: 404 as
+  vLLM for a model nobody serves); an adapter nobody serves yet is loaded first where
+  ``--lora-load-on-demand`` allows it (`lora_loader`). ``GET /v1/models`` lists the fleet's models
+  and adapters as vLLM does (base models, then adapters with their ``parent``).
 - The proxy is the fleet's listener: freed capacity wakes the admission queue; a lost instance
   fails over every request in flight there at once. A bug costs one request (a 500 error object).
 """
@@ -45,6 +49,7 @@ from scheduler.proxy.continuation import Continued, with_token_ids
 from scheduler.proxy.forwarding import UpstreamError, UpstreamPool, UpstreamTimeout
 from scheduler.proxy.http_front import Exchange, FrontServer
 from scheduler.proxy.loop_lag import LoopLag
+from scheduler.proxy.lora_loader import LoraLoader
 from scheduler.proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from scheduler.proxy.metrics import ProxyMetrics
 from scheduler.proxy.relay import Job, Relay
@@ -90,8 +95,10 @@ class Proxy:
         config: ProxyConfig,
         metrics: ProxyMetrics,
         lag: LoopLag | None = None,
+        lora: LoraLoader | None = None,
     ) -> None:
         self.fleet = fleet
+        self.lora = lora
         self.tokenizer = tokenizer
         self.tenants = tenants
         self.config = config
@@ -104,7 +111,7 @@ class Proxy:
             read_timeout=config.stream_idle_timeout_s,
             lag=self.lag,
         )
-        self.reader = RequestReader(fleet, tokenizer)
+        self.reader = RequestReader(fleet, tokenizer, () if lora is None else lora.modules)
         self.admission = AdmissionGate(
             fleet, config.admission, config.queue, metrics, tenants.weight
         )
@@ -183,6 +190,8 @@ class Proxy:
             admitted = True
             started = time.perf_counter()
             request = await self.reader.read(exchange.body, path, chat, tenant, asked)
+            if request.lora_load is not None and self.lora is not None:
+                request = await self.lora.ensure(request)
             status = await self._serve(exchange, request, request_id, forward, started)
         except OpenAIError as exc:
             status = exc.status
@@ -313,6 +322,8 @@ class Proxy:
             max_tokens,
             job.tried if exclude is None else exclude,
             request.priority,
+            request.only,
+            request.adapter,
         )
         if chosen is None:
             return None
@@ -456,8 +467,8 @@ def build_app(proxy: Proxy) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> Response:
         data = [
-            {"id": name, "object": "model", "created": 0, "owned_by": "kvherd"}
-            for name in proxy.fleet.models()
+            {"object": "model", "created": 0, "owned_by": "kvherd", "parent": None, **card}
+            for card in proxy.fleet.model_cards()
         ]
         return Response(
             orjson.dumps({"object": "list", "data": data}), media_type="application/json"

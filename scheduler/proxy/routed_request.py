@@ -9,7 +9,14 @@ Contract:
   ``X-Kvherd-Priority`` header's, else the tenant's default, else 0; written into the body when it
   named none, for the engines); the context check (vLLM's 400 ``context_length_exceeded`` for a
   prompt no instance can hold, unchecked while some instance did not state its ``max_model_len``);
-  the block hashes, chained with the salt at the fleet's block size.
+  the block hashes, chained with the salt (and a LoRA adapter's name, on every block, as vLLM
+  hashes) at the fleet's block size.
+- The model (``model``; absent or empty: any instance, as vLLM takes its default model): the
+  instances that serve it (`Fleet.models`, one lookup) become the request's `only`; a LoRA
+  adapter's name its `adapter`. A model nobody serves is vLLM's 404 (``The model `X` does not
+  exist. Valid aliases: ...``, type ``NotFoundError``, param ``model``, code 404), unless
+  `loadable` says the proxy may load it as an adapter (`lora_load` then names it); a model that
+  is not a string a 400.
 - Bodies over `OFF_LOOP_BODY_BYTES` are parsed and tokenized, and prompts over `OFF_LOOP_TOKENS`
   hashed, in worker threads (`OFF_LOOP_WORKERS` at a time), so a few huge prompts cannot stall
   every other request on the event loop.
@@ -18,6 +25,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +34,7 @@ import orjson
 from kvherd.block_hash import block_hash_chain
 from kvherd.tokenizer import Tokenizer
 from kvherd.wire import OpenAIError
+from scheduler.core.model_index import UnknownModelError
 from scheduler.core.tenancy import Tenant
 from scheduler.proxy.routing_tokens import prompt_token_ids
 
@@ -51,6 +60,9 @@ class RoutedRequest:
     max_tokens: Any  # as the client gave it (``max_completion_tokens`` or ``max_tokens``)
     streamed: bool
     priority: int = 0  # its class in the admission queue and at the engines (lower first)
+    only: frozenset[str] | None = None  # the instances serving its model (None: any)
+    adapter: str | None = None  # its LoRA adapter
+    lora_load: str | None = None  # an adapter no instance serves yet, for the proxy to load
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -58,9 +70,10 @@ class RoutedRequest:
 
 
 class RequestReader:
-    def __init__(self, fleet: Fleet, tokenizer: Tokenizer) -> None:
+    def __init__(self, fleet: Fleet, tokenizer: Tokenizer, loadable: Collection[str] = ()) -> None:
         self.fleet = fleet
         self.tokenizer = tokenizer
+        self.loadable = loadable  # adapters the proxy may load on demand
         self._off_loop = asyncio.Semaphore(OFF_LOOP_WORKERS)
 
     async def read(
@@ -99,18 +112,44 @@ class RequestReader:
             salt = client_salt or None
         if changed:
             raw = orjson.dumps(body)
+        only, adapter, lora_load = self._model(body.get("model"))
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         self._check_context(len(token_ids), max_tokens, chat)
         block_size = self.fleet.block_size
         if len(token_ids) > OFF_LOOP_TOKENS:
             async with self._off_loop:
-                hashes = await asyncio.to_thread(block_hash_chain, token_ids, block_size, salt)
+                hashes = await asyncio.to_thread(
+                    block_hash_chain, token_ids, block_size, salt, lora_name=adapter
+                )
         else:
-            hashes = block_hash_chain(token_ids, block_size, salt)
+            hashes = block_hash_chain(token_ids, block_size, salt, lora_name=adapter)
         streamed = body.get("stream") is True
         return RoutedRequest(
-            path, chat, body, raw, len(token_ids), hashes, tenant, max_tokens, streamed, resolved
-        )
+            path, chat, body, raw, len(token_ids), hashes, tenant, max_tokens, streamed,
+            resolved, only, adapter, lora_load,
+        )  # fmt: skip
+
+    def _model(self, model: Any) -> tuple[frozenset[str] | None, str | None, str | None]:
+        """(only, adapter, lora_load) for the request's `model` (see the module contract)."""
+        if model is None or model == "":
+            return None, None, None
+        if not isinstance(model, str):
+            raise OpenAIError(400, "'model' must be a string", param="model")
+        index = self.fleet.models
+        try:
+            only = index.route(model)
+        except UnknownModelError:
+            if model in self.loadable:
+                return None, model, model
+            bases = ", ".join(c["id"] for c in index.cards() if not c.get("parent"))
+            raise OpenAIError(
+                404,
+                f"The model `{model}` does not exist. Valid aliases: {bases}.",
+                type="NotFoundError",
+                param="model",
+                code=404,
+            ) from None
+        return only, model if index.parent(model) else None, None
 
     def _parse(self, raw: bytes, chat: bool) -> tuple[dict[str, Any], list[int]]:
         """The body as JSON and the token ids it routes by (`OpenAIError` when it cannot be)."""

@@ -115,6 +115,7 @@ class VllmSpec:
     block_size: int | None = None
     extra_args: tuple[str, ...] = ()
     connector: bool = False  # load kvherd's KV connector, serving its blocks on a port of its own
+    env: tuple[tuple[str, str], ...] = ()  # more environment (VLLM_ALLOW_RUNTIME_LORA_UPDATING)
 
 
 @dataclass
@@ -289,6 +290,7 @@ def start_vllm(
     # fixed seed of vLLM's block-hash chain.
     for name in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME", "PYTHONHASHSEED"):
         env.pop(name, None)
+    env.update(spec.env)
     if spec.connector:
         env["PYTHONPATH"] = str(REPO_ROOT)  # this tree's kvherd, whatever vLLM's venv holds
         env["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache: the host tier's test
