@@ -34,6 +34,7 @@ from vllm_fleet import (
     assert_index_matches,
     instance_arg,
     kvherd_serve,
+    poll_until,
     vllm_servers,
 )
 
@@ -174,7 +175,8 @@ def read_stream_cut(
     def fault_while_running(name: str) -> None:
         server = next((s for s in servers if s.spec.name == name), None)
         assert server is not None, f"the stream is on {name}, not on a server this test may cut"
-        if running_requests(server) >= 1:
+        # vLLM's gauge trails its engine (more so on a loaded machine): give it a moment.
+        if poll_until(lambda: running_requests(server) >= 1, timeout_s=2.0, interval_s=0.05):
             cut.append(signal_group(servers, name, sig))
 
     for _ in range(CUT_ATTEMPTS):
