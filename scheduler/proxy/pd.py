@@ -21,6 +21,10 @@ Contract:
   the decode instance stops counting it as incoming (`Fleet.handoff_failed`).
 - `take_outcome(response, ...)` does the same for a non-streamed response from the
   ``X-Kvherd-Handoff`` response header, which it removes from the headers relayed.
+- Between two vLLM servers running kvherd's connector the proxy runs the handoff itself: the
+  prefill instance computes the prompt for one token (`prefill_only`, never relayed), then the
+  request itself goes to the decode instance, which pulls every full prompt block from the
+  prefill instance's block server (`kvherd.vllm_connector`) and decodes from there.
 """
 
 from __future__ import annotations
@@ -136,3 +140,16 @@ def take_outcome(
     except orjson.JSONDecodeError:
         report = None
     _record(report, fleet, metrics, key, decode_id)
+
+
+def prefill_only(body: dict[str, Any]) -> bytes:
+    """`body` asking for its first token alone, not streamed: the prefill of a vLLM handoff."""
+    asked = {k: v for k, v in body.items() if k not in _DECODE_ONLY}
+    asked["max_tokens"] = 1
+    return orjson.dumps(asked)
+
+
+# Fields of a request that shape its decode or its stream, not its prefill.
+_DECODE_ONLY = frozenset(
+    {"stream", "stream_options", "max_completion_tokens", "min_tokens", "kv_transfer_params"}
+)

@@ -259,7 +259,10 @@ class Proxy:
             decode = self._handoff_target(key, request.max_tokens)
             sent = headers
             watch = None
-            if decode is not None:
+            vllm_decode = None  # a vLLM decode instance this vLLM prefill hands the request to
+            if decode is not None and not instance.spec.kvherd_agent:
+                vllm_decode, decode = decode, None
+            elif decode is not None:
                 sent = [*headers, *pd.handoff_headers(decode.url, self.config.fleet_token)]
                 decode_id = decode.instance_id
 
@@ -277,8 +280,15 @@ class Proxy:
             if pull is not None and instance.spec.kvherd_agent:  # blocks land before prefill
                 sent = [*sent, (PULL_HEADER.encode(), PullAsk(*pull).header().encode())]
             elif pull is not None:  # a vLLM with kvherd's connector: asked in the body
-                payload = _with_vllm_pull(payload, pull, self.fleet.cluster.block_size)
+                address, num_blocks = pull
+                payload = _with_vllm_pull(payload, address, num_blocks * self.fleet.block_size)
             try:
+                if vllm_decode is not None:
+                    handoff = await self._prefill_on_vllm(job, attempt, vllm_decode)
+                    if handoff is not None:
+                        payload = _with_vllm_pull(payload, handoff, None)
+                        if request.streamed:
+                            first_byte = self._first_byte_deadline(attempt.instance)
                 upstream = await attempt.open(
                     self.pool, request.path, sent, payload, first_byte, watch
                 )
@@ -380,6 +390,35 @@ class Proxy:
         waiting = self.fleet.cluster.get(instance.instance_id).report.num_waiting
         return self.deadlines.first_byte(instance.instance_id, waiting or 0)
 
+    async def _prefill_on_vllm(
+        self, job: Job, attempt: Attempt, decode: FleetInstance
+    ) -> str | None:
+        """P/D between two vLLM servers running kvherd's connector (`scheduler.proxy.pd`): the
+        prefill here, then the attempt follows the request to `decode`; the prefill instance's
+        block server to pull from, or None (it decodes here: no block server, or the prefill was
+        refused). Raises `UpstreamError` when the prefill instance failed (the caller retries)."""
+        prefill = attempt.instance
+        address = prefill.spec.pull_address
+        if address is None or decode.spec.kvherd_agent:
+            self.fleet.handoff_failed(job.key)
+            self.metrics.handoff("fallback")
+            return None
+        started = time.perf_counter()
+        body = pd.prefill_only(job.request.body)
+        upstream = await attempt.open(self.pool, job.request.path, job.headers, body)
+        upstream.response.close()
+        if upstream.response.status != 200:  # the request itself is refused: say so from here
+            self.fleet.handoff_failed(job.key)
+            self.metrics.handoff("fallback")
+            return None
+        self.fleet.request_migrated(job.key, decode.instance_id)
+        attempt.follow(decode)
+        job.tried.add(decode.instance_id)
+        self.metrics.handoff("ok")
+        log.debug("request %s prefilled on %s in %.3fs", job.key, prefill.instance_id,
+                  time.perf_counter() - started)  # fmt: skip
+        return address
+
     def _note_pull(self, headers: list[tuple[bytes, bytes]]) -> None:
         """The chosen agent's `PULL_OUTCOME_HEADER`, into the proxy's metrics."""
         for name, value in headers:
@@ -398,13 +437,16 @@ class Proxy:
         return decode
 
 
-def _with_vllm_pull(payload: bytes, pull: tuple[str, int], block_size: int) -> bytes:
-    """`payload` asking vLLM's kvherd connector to pull `pull`'s blocks first (whatever else the
-    client put in ``kv_transfer_params`` is kept)."""
+def _with_vllm_pull(payload: bytes, address: str, tokens: int | None) -> bytes:
+    """`payload` asking vLLM's kvherd connector to pull the prompt's first `tokens` (None: every
+    full block) from `address` first (whatever else the client put in ``kv_transfer_params`` is
+    kept)."""
     body = orjson.loads(payload)
     params = body.get("kv_transfer_params")
-    address, num_blocks = pull
-    ask = {"kvherd_pull": {"from": address, "tokens": num_blocks * block_size}}
+    pull: dict[str, Any] = {"from": address}
+    if tokens is not None:
+        pull["tokens"] = tokens
+    ask = {"kvherd_pull": pull}
     body["kv_transfer_params"] = {**params, **ask} if isinstance(params, dict) else ask
     return orjson.dumps(body)
 

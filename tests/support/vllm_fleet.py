@@ -561,11 +561,12 @@ def fleet_args(
     tokenizer_dir: Path,
     shared_bind: bool = True,
     a_options: dict[str, object] | None = None,
+    b_options: dict[str, object] | None = None,
 ) -> list[str]:
     """``kvherd serve`` arguments for the pair: ``a``'s PUB binds (kvherd connects), ``b``'s
     connects to a SUB kvherd binds (the shared ``--kv-events-bind`` one, or its own)."""
     args = ["--instance", instance_arg(a, a_options)]
-    args += ["--instance", instance_arg(b, shared_bind=shared_bind)]
+    args += ["--instance", instance_arg(b, b_options, shared_bind=shared_bind)]
     if shared_bind:
         args += ["--kv-events-bind", b.kv_endpoint]
     return [*args, "--tokenizer", str(tokenizer_dir), "--expose-instance"]

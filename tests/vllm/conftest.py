@@ -100,7 +100,8 @@ def prompts(tokenizer: Any) -> Prompts:
 
 @pytest.fixture
 def kvherd_fleet(vllm_pair: tuple[VllmServer, VllmServer], tiny_model: Path) -> KvherdFactory:
-    """``with kvherd_fleet(*more_args, shared_bind=, a_options={...}) as proxy``: kvherd serve in
+    """``with kvherd_fleet(*more_args, shared_bind=, a_options={...}, b_options={...}) as proxy``:
+    kvherd serve in
     front of the pair, handed over once its index agrees with what both servers' events say they
     hold (unless ``check_index=False``)."""
     a, b = vllm_pair
@@ -110,9 +111,10 @@ def kvherd_fleet(vllm_pair: tuple[VllmServer, VllmServer], tiny_model: Path) -> 
         *more: str,
         shared_bind: bool = True,
         a_options: dict[str, object] | None = None,
+        b_options: dict[str, object] | None = None,
         check_index: bool = True,
     ) -> Iterator[KvherdServe]:
-        args = fleet_args(a, b, tiny_model, shared_bind, a_options)
+        args = fleet_args(a, b, tiny_model, shared_bind, a_options, b_options)
         with kvherd_serve(*args, *more) as proxy:
             if check_index:
                 assert_index_matches(proxy, a, b)

@@ -11,6 +11,7 @@ server given as ``--instance ...,pull_address=``). ``b`` loads every full block
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import httpx
@@ -73,3 +74,43 @@ async def test_a_long_prefix_is_pulled_into_the_idle_vllm(
     assert answer["choices"][0]["text"] == expected["choices"][0]["text"]
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == blocks * VLLM_BLOCK_SIZE
     assert answer["kv_transfer_params"]["kvherd_pull"]["outcome"] == "loaded"
+
+
+async def test_pd_between_two_vllm_servers_through_their_connectors(
+    kvherd_fleet: Any, vllm_pair: tuple[VllmServer, VllmServer], prompts: Prompts
+) -> None:
+    """``a`` as the prefill instance, ``b`` as the decode one: the proxy has ``a`` compute the
+    prompt for one token, then sends the request to ``b``, which pulls every full block from
+    ``a`` and decodes; streamed and not, the greedy output is vLLM's own (``b`` computing it
+    alone, with a salt of its own)."""
+    a, b = vllm_pair
+    roles = {"a_options": {"role": "prefill", "pull_address": a.block_address}}
+    with kvherd_fleet(*FLAGS, **roles, b_options={"role": "decode"}) as proxy:
+        async with httpx.AsyncClient(timeout=120, trust_env=False) as client:
+            for streamed in (False, True):
+                prompt = prompts.make(f"pd-through-connectors-{streamed}", blocks=6)
+                body = {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+                own = await client.post(
+                    f"{b.url}/v1/completions", json={**body, "cache_salt": f"own-{streamed}"}
+                )
+                expected = own.json()["choices"][0]["text"]
+                if not streamed:
+                    got = await client.post(f"{proxy.url}/v1/completions", json=body)
+                    assert got.status_code == 200, got.text
+                    answer = got.json()
+                    assert answer["choices"][0]["text"] == expected
+                    assert answer["kv_transfer_params"]["kvherd_pull"]["outcome"] == "loaded"
+                    full = prompts.full_blocks(prompt) * VLLM_BLOCK_SIZE
+                    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= full
+                else:
+                    text = []
+                    async with client.stream(
+                        "POST", f"{proxy.url}/v1/completions", json={**body, "stream": True}
+                    ) as got:
+                        assert got.status_code == 200
+                        async for line in got.aiter_lines():
+                            if line.startswith("data: {"):
+                                text.append(json.loads(line[6:])["choices"][0]["text"])
+                    assert "".join(text) == expected
+                assert got.headers["x-kvherd-instance"] == "b"
+        assert proxy.metric("kvherd_pd_handoffs_total", outcome="ok") == 2
