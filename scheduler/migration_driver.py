@@ -15,6 +15,9 @@ Contract:
   the agents' and the proxy's business: a streamed request's source ends its stream with a
   migration notice and the proxy reattaches at the destination; a non-streamed one is relayed by
   its source.
+- An order whose source is not a kvherd agent (vLLM) is the proxy's own stop-and-copy
+  (`scheduler.proxy.stream_cuts`, set as `cuts` by ``kvherd serve``): the stream is cut and
+  continued at the destination, whose dispatch places the request there.
 - Request ids in orders are the agents' own, which are the ``X-Request-Id`` the proxy forwarded
   (the router's key for the request). Orders carry the fleet token when there is one.
 - Metrics on the proxy's registry: ``kvherd_migrations_started_total``,
@@ -26,6 +29,7 @@ Contract:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -46,8 +50,20 @@ from scheduler.periodic import PeriodicTask
 log = logging.getLogger("kvherd.migration")
 
 
+class _Spec(Protocol):
+    @property
+    def kvherd_agent(self) -> bool: ...
+
+
 class _Instance(Protocol):
-    url: str
+    @property
+    def url(self) -> str: ...
+    @property
+    def spec(self) -> _Spec: ...
+
+
+class _Cuts(Protocol):
+    async def migrate(self, key: str, dst: str) -> MigrationOutcome: ...
 
 
 class _Router(Protocol):
@@ -153,6 +169,8 @@ class MigrationDriver:
             timeout=order_timeout_s, trust_env=False, headers=auth_headers(fleet_token)
         )
         self.executor = MigrationExecutor(self._client, self._url_of, self._on_done)
+        self.cuts: _Cuts | None = None  # the proxy's migrations of vLLM streams
+        self._cutting: set[asyncio.Task[MigrationOutcome]] = set()
         self.loop = MigrationLoop(
             WithDrain(policy),
             self._execute,
@@ -171,16 +189,32 @@ class MigrationDriver:
         inst = self.fleet.instances.get(instance_id)
         return None if inst is None else inst.url
 
+    def _cut_by_proxy(self, order: MigrationOrder) -> bool:
+        source = self.fleet.instances.get(order.src)
+        return self.cuts is not None and source is not None and not source.spec.kvherd_agent
+
     def _execute(self, order: MigrationOrder) -> None:
         self.metrics.started.inc()
-        self.executor.execute(order)
+        if not self._cut_by_proxy(order):
+            self.executor.execute(order)
+            return
+        task = asyncio.get_running_loop().create_task(self._cut(order))
+        self._cutting.add(task)
+        task.add_done_callback(self._cutting.discard)
 
-    def _on_done(self, order: Any, outcome: MigrationOutcome | None) -> None:
+    async def _cut(self, order: MigrationOrder) -> MigrationOutcome:
+        assert self.cuts is not None
+        outcome = await self.cuts.migrate(order.request_id, order.dst)
+        self._on_done(order, outcome, placed=True)
+        return outcome
+
+    def _on_done(self, order: Any, outcome: MigrationOutcome | None, placed: bool = False) -> None:
+        """`placed`: the request's dispatch at the destination already moved its accounting."""
         now = self.fleet.clock()
         self.metrics.record(outcome)
         committed = outcome is not None and outcome.status is MigrationStatus.COMMITTED
         self.loop.on_done(order.request_id, committed, now)
-        if committed:
+        if committed and not placed:
             self.fleet.request_migrated(order.request_id, order.dst)
             log.info("migrated %s from %s to %s", order.request_id, order.src, order.dst)
         elif outcome is not None:
@@ -206,6 +240,9 @@ class MigrationDriver:
         order = MigrationOrder(request_id, src, dst, "operator")
         # In flight for the loop too, so the policy does not move the request meanwhile.
         self.loop.in_flight[request_id] = InFlightMigration(order, self.fleet.clock())
+        if self._cut_by_proxy(order):
+            self.metrics.started.inc()
+            return await self._cut(order)
         self.metrics.started.inc()
         outcome = await self.executor.migrate(order)
         self._on_done(order, outcome)
@@ -223,5 +260,7 @@ class MigrationDriver:
 
     async def stop(self) -> None:
         await self._task.stop()
+        for task in list(self._cutting):
+            task.cancel()
         await self.executor.close()
         await self._client.aclose()

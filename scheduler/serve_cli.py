@@ -639,6 +639,7 @@ async def serve_fleet(
         lag,
         lora,
     )
+    fleet.migration.cuts = proxy.relay.cuts  # vLLM streams migrate by the proxy's own cuts
     level = args.log_level.lower()
     front = build_front(proxy)
     admin_server = _QuietServer.make(

@@ -236,6 +236,21 @@ def _null_token_ids(events: bytes) -> bytes:
     return b"".join(parts)
 
 
+def continuable_on_vllm(body: dict[str, Any]) -> bool:
+    """Whether a vLLM stream of this request could be continued at all (module contract: not
+    with a seed and random sampling, penalties, ``n`` > 1, logprobs, echo, structured output or
+    tool calls), whatever it has streamed."""
+    if any(body.get(name) for name in _NOT_CONTINUABLE):
+        return False
+    if body.get("n") not in (None, 1):
+        return False
+    if body.get("tools") and body.get("tool_choice") != "none":
+        return False
+    temperature = body.get("temperature")
+    greedy = isinstance(temperature, (int, float)) and temperature < 1e-5  # vLLM's test
+    return greedy or body.get("seed") is None  # vLLM's seeded generator cannot be resumed
+
+
 def error_frame(message: str) -> bytes:
     error = wire.OpenAIError(502, message, type="server_error")
     return wire.sse(error.body()) + wire.SSE_DONE
@@ -347,16 +362,10 @@ class _VllmStream:
         ones) and only their text relayed; sampled, they are replaced (the client saw no text
         of them), which a client that has their ids would notice: not continued."""
         body = self.body
-        if any(body.get(name) for name in _NOT_CONTINUABLE):
-            return None
-        if body.get("n") not in (None, 1) or relayed.prompt_ids is None:
-            return None
-        if body.get("tools") and body.get("tool_choice") != "none":
+        if not continuable_on_vllm(body) or relayed.prompt_ids is None:
             return None
         temperature = body.get("temperature")
         greedy = isinstance(temperature, (int, float)) and temperature < 1e-5  # vLLM's test
-        if not greedy and body.get("seed") is not None:
-            return None  # vLLM's seeded generator cannot be resumed at an output position
         ids = relayed.token_ids
         done = relayed.emitted
         while done > 0 and self.decode(ids[max(0, done - 4) : done]).endswith("\ufffd"):

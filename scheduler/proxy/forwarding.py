@@ -426,6 +426,13 @@ class UpstreamResponse:
         if conn is not None:
             conn.close()
 
+    def cut(self, reason: str) -> None:
+        """Break the body now: a read in flight raises `UpstreamError` (`reason`), and the
+        connection closes (the instance aborts the request)."""
+        conn = self._conn
+        if conn is not None:
+            conn.abort(reason)
+
 
 class UpstreamPool:
     """Keep-alive HTTP/1.1 connections to every instance origin."""

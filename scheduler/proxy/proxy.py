@@ -319,10 +319,16 @@ class Proxy:
         raise OpenAIError(503, "no instance is available", type="server_error")
 
     async def _dispatch(
-        self, job: Job, num_tokens: int, max_tokens: int | None, exclude: set[str] | None = None
+        self,
+        job: Job,
+        num_tokens: int,
+        max_tokens: int | None,
+        exclude: set[str] | None = None,
+        only: frozenset[str] | None = None,
     ) -> Attempt | None:
-        """An attempt on the instance the fleet chooses (waiting for room in the admission
-        queue), or None when no instance is left to try."""
+        """An attempt on the instance the fleet chooses (among `only`, when given, else those
+        serving the request's model; waiting for room in the admission queue), or None when no
+        instance is left to try."""
         request = job.request
         chosen = await self.admission.dispatch(
             job.key,
@@ -332,7 +338,7 @@ class Proxy:
             max_tokens,
             job.tried if exclude is None else exclude,
             request.priority,
-            request.only,
+            request.only if only is None else only,
             request.adapter,
         )
         if chosen is None:
@@ -346,20 +352,28 @@ class Proxy:
         return Attempt(self.fleet, self.lag, job.key, instance)
 
     async def continue_stream(
-        self, job: Job, continued: Continued
+        self, job: Job, continued: Continued, on: str | None = None, pull_from: str | None = None
     ) -> tuple[Attempt, Upstream] | None:
         """One attempt to open the rest of the stream (`continued`) on another instance of its
-        kind (a kvherd agent for an agent's stream, vLLM for vLLM's)."""
+        kind (a kvherd agent for an agent's stream, vLLM for vLLM's), or on instance `on` (a
+        migration: `scheduler.proxy.stream_cuts`), whose kvherd connector pulls the stream's
+        full blocks from `pull_from` first."""
         done = continued.done
-        exclude = job.tried | {
+        exclude = {
             i
             for i, inst in self.fleet.instances.items()
             if inst.spec.kvherd_agent != continued.on_agent
         }
+        only = None
+        if on is None:
+            exclude |= job.tried
+        else:
+            allowed = job.request.only
+            only = frozenset({on}) if allowed is None or on in allowed else frozenset()
         max_tokens = job.request.max_tokens
         left = max_tokens - done if isinstance(max_tokens, int) else None
         try:
-            attempt = await self._dispatch(job, job.request.num_tokens + done, left, exclude)
+            attempt = await self._dispatch(job, job.request.num_tokens + done, left, exclude, only)
         except OpenAIError:
             attempt = None
         if attempt is None:
@@ -368,6 +382,8 @@ class Proxy:
         instance = attempt.instance
         first_byte = self._first_byte_deadline(instance)
         body = orjson.dumps(continued.body)
+        if pull_from is not None:
+            body = _with_vllm_pull(body, pull_from, None)
         path = continued.path or job.request.path
         try:
             upstream = await attempt.open(self.pool, path, job.headers, body, first_byte)

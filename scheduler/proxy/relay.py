@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 from urllib.parse import quote
 
 import orjson
@@ -32,11 +32,17 @@ import orjson
 from kvherd import wire
 from scheduler.core.deadlines import Deadlines
 from scheduler.proxy.attempt import Attempt, Upstream
-from scheduler.proxy.continuation import Continued, StreamLedger, error_frame
+from scheduler.proxy.continuation import (
+    Continued,
+    StreamLedger,
+    continuable_on_vllm,
+    error_frame,
+)
 from scheduler.proxy.forwarding import UpstreamError, UpstreamPool, UpstreamResponse
 from scheduler.proxy.http_front import Exchange
 from scheduler.proxy.metrics import ProxyMetrics
 from scheduler.proxy.routed_request import RoutedRequest
+from scheduler.proxy.stream_cuts import StreamCuts
 
 if TYPE_CHECKING:
     from kvherd.tokenizer import Tokenizer
@@ -59,8 +65,13 @@ class Job:
     started: float  # perf_counter when its body began to be read (decision time)
 
 
-# Opens the rest of a lost stream on another instance: (its attempt, its upstream), or None.
-Continue = Callable[[Job, Continued], Awaitable[tuple[Attempt, Upstream] | None]]
+class Continue(Protocol):
+    """Opens the rest of a stream on another instance (or on instance `on`, pulling its full
+    blocks from the block server `pull_from`): (its attempt, its upstream), or None."""
+
+    def __call__(
+        self, job: Job, continued: Continued, on: str | None = None, pull_from: str | None = None
+    ) -> Awaitable[tuple[Attempt, Upstream] | None]: ...
 
 
 def _split(data: bytes) -> tuple[bytes, bytes, bytes]:
@@ -106,6 +117,7 @@ class Relay:
         self.max_continuations = max_continuations
         self.expose_instance = expose_instance
         self.fleet_token = fleet_token
+        self.cuts = StreamCuts()  # vLLM streams, for the proxy's own migrations
 
     def _headers(self, response: UpstreamResponse, job: Job, instance: FleetInstance) -> list:
         headers = [h for h in response.headers if h[0] != b"x-request-id"]
@@ -161,32 +173,53 @@ class Relay:
             )
         continuations = 0
         while True:
+            cut = None  # the proxy's own migration of this (vLLM) stream, when one broke it
             with attempt:
                 moved_to: list[str] = []  # the destinations this stream followed (migrations)
                 stream = self._follow_migrations(upstream.first, upstream.chunks, job, moved_to)
+                cuttable = not attempt.instance.spec.kvherd_agent and continuable_on_vllm(
+                    job.request.body
+                )
+                if cuttable:
+                    self.cuts.register(job.key, upstream.response)
                 try:
                     await self._pump(stream, ledger, exchange, upstream.response, attempt)
                 except UpstreamError as exc:
-                    self._lost(job, attempt, moved_to)
-                    log.warning(
-                        "request %s: stream from %s broke: %s",
-                        job.key, attempt.instance.instance_id, exc,
-                    )  # fmt: skip
-                    attempt.fail(exc)
+                    cut = self.cuts.taken(job.key) if cuttable else None
+                    if cut is None:
+                        self._lost(job, attempt, moved_to)
+                        log.warning(
+                            "request %s: stream from %s broke: %s",
+                            job.key, attempt.instance.instance_id, exc,
+                        )  # fmt: skip
+                        attempt.fail(exc)
                 else:
                     attempt.finish()
                     exchange.end_stream()
                     return status
                 finally:
+                    if cuttable:
+                        self.cuts.unregister(job.key)
                     upstream.response.close()
                     await stream.aclose()  # closes a resumed upstream too: the instance aborts
             if ledger.finished:  # only the end was lost
+                if cut is not None:
+                    self.cuts.settle(cut, job.key, opened=False, finished=True)
                 self.metrics.continuation("finished")
                 await exchange.write_chunk(ledger.closing_frames())
                 exchange.end_stream()
                 return status
             opened = None
             continued = ledger.continuation(job.request.body)
+            if cut is not None and cut.dst is not None:
+                source = attempt.instance.spec.pull_address
+                if continued is not None:
+                    opened = await self.continue_stream(job, continued, cut.dst, source)
+                self.cuts.settle(cut, job.key, opened is not None)
+                if opened is not None:
+                    self.metrics.continuation("migrated")
+                    attempt, upstream = opened
+                    continue
             if continued is None:  # not continuable exactly: no attempt would change that
                 self.metrics.continuation("unsupported")
             while (
