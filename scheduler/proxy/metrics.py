@@ -13,7 +13,8 @@ Contract (what ``GET /metrics`` on the proxy exposes):
   ``kvherd_rejected_total{reason}``: requests refused by admission (``queue_wait``: the
   expected wait was too long, ``queue_full``, ``queue_timeout``).
   ``kvherd_continuations_total{outcome}``: streams whose instance was lost after their first byte
-  (``continued`` on another instance, ``finished`` locally: only the end was missing, ``failed``
+  (``continued`` on another instance, ``migrated``: cut by the proxy's own migration of a vLLM
+  stream and continued at its destination, ``finished`` locally: only the end was missing, ``failed``
   attempts, ``unsupported``: not continuable exactly, ``gave_up``: the client got an error frame).
 - ``kvherd_instances{state}``: instance counts per health state.
 - ``kvherd_lora_loads_total{outcome}``: LoRA adapters the proxy asked an instance to load
