@@ -643,7 +643,10 @@ class Fleet:
                     and holder.spec.pull_address
                     and holder.spec.kvherd_agent == inst.spec.kvherd_agent
                 ):
-                    self._pulls[key] = (holder.spec.pull_address, pull.first_block + pull.num_blocks)
+                    self._pulls[key] = (
+                        holder.spec.pull_address,
+                        pull.first_block + pull.num_blocks,
+                    )
         if len(block_hashes) > routed.matched_blocks:  # the engine will store blocks: events due
             self.subscriber.note_traffic(inst.instance_id)
         self.inflight.attach(inst.instance_id, key)
@@ -802,6 +805,14 @@ class Fleet:
                 "freeness": None if view.freeness == float("inf") else view.freeness,
                 "reported": state.report_time is not None,
             },
+            "tiers": [  # what the instance reports holding per KV tier (kvherd agents)
+                {
+                    "medium": t.medium,
+                    "num_blocks": t.num_blocks,
+                    "capacity_blocks": t.capacity_blocks,
+                }
+                for t in state.report.tiers or ()
+            ],
             "kv_events": kv,
         }
 

@@ -65,6 +65,14 @@ class LoadReport:
     max_num_seqs: int | None = None  # the engine's batch slots
     active_adapters: tuple[str, ...] | None = None  # LoRA adapters running or waiting
     lora_slots: int | None = None  # LoRA adapters the engine holds at once (vLLM's max_loras)
+    tiers: tuple[TierUse, ...] | None = None  # KV blocks held and capacity per tier, GPU first
+
+
+@dataclass(frozen=True, slots=True)
+class TierUse:
+    medium: str  # vLLM's name: "GPU", "CPU", "STORAGE"
+    num_blocks: int
+    capacity_blocks: int
 
 
 ROLES = ("prefill", "decode", "mixed")
@@ -102,6 +110,24 @@ def _last_seq(value: Any) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise LoadReportError(f"'last_kv_event_seq' must be an integer >= -1, got {value!r:.40}")
     return value
+
+
+def _tiers(listed: Any) -> tuple[TierUse, ...] | None:
+    if listed is None:
+        return None
+    if not isinstance(listed, list) or not all(isinstance(t, Mapping) for t in listed):
+        raise LoadReportError("'tiers' must be a list of objects")
+    tiers = []
+    for tier in listed:
+        medium, held, capacity = (
+            tier.get("medium"),
+            _int(tier, "num_blocks"),
+            _int(tier, "capacity_blocks"),
+        )
+        if not isinstance(medium, str) or held is None or capacity is None:
+            raise LoadReportError("each tier needs 'medium', 'num_blocks' and 'capacity_blocks'")
+        tiers.append(TierUse(medium, held, capacity))
+    return tuple(tiers)
 
 
 def parse_agent_state(obj: Any) -> LoadReport:
@@ -159,6 +185,7 @@ def parse_agent_state(obj: Any) -> LoadReport:
     if role is not None and role not in ROLES:
         raise LoadReportError(f"'role' must be one of {', '.join(ROLES)}, got {role!r:.40}")
     return LoadReport(
+        tiers=_tiers(obj.get("tiers")),
         num_running=len(running) if running is not None else _int(obj, "num_running"),
         num_waiting=len(waiting_list) if waiting_list is not None else _int(obj, "num_waiting"),
         kv_usage=None if usage is None else float(usage),

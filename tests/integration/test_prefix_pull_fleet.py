@@ -87,3 +87,7 @@ async def test_the_proxy_pulls_a_long_prefix_to_the_idle_agent() -> None:
         for agent in (a, b):
             state = (await client.get(f"{agent.url}/kvherd/v1/state?check_integrity=true")).json()
             assert state["integrity"] == "ok" and state["block_owners"] == []
+        # The admin API shows each instance's KV tiers as it reports them (here the GPU pool).
+        tiers = (await admin(served, client))[b.url]["tiers"]
+        assert [t["medium"] for t in tiers] == ["GPU"], tiers
+        assert tiers[0]["capacity_blocks"] > 0 and tiers[0]["num_blocks"] >= 40
