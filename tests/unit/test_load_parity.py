@@ -38,7 +38,7 @@ def _instance(num_blocks: int = 400, budget: int = 1024, max_seqs: int = 8) -> S
 
 
 # What the agent reports beyond its engine's state (its event stream, its configured role).
-_AGENT_ONLY = {"last_kv_event_seq", "role"}
+_AGENT_ONLY = {"last_kv_event_seq", "role", "tiers"}  # tiers: shown by the admin API only
 
 
 def _engine_fields(report: LoadReport) -> dict[str, object]:
