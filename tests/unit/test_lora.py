@@ -103,7 +103,9 @@ def test_greedy_parity_with_peft_single_and_mixed_batch(peft_adapters) -> None:
         return LLMEngine(config)
 
     cases = [("base", _prompt(9, 1), None), ("a", _prompt(21, 2), "A"), ("b", _prompt(14, 3), "B")]
-    reference = {rid: _hf_greedy(base, paths[lora] if lora else None, ids) for rid, ids, lora in cases}
+    reference = {
+        rid: _hf_greedy(base, paths[lora] if lora else None, ids) for rid, ids, lora in cases
+    }
     assert len({tuple(r) for r in reference.values()}) == 3
     solo = {}
     for case in cases:
