@@ -184,6 +184,19 @@ def test_migration_state_carries_the_adapter(tiny_adapters: dict[str, str]) -> N
         assert outputs[0].output_token_ids == expected.output_token_ids
 
 
+def test_continuation_keeps_the_adapter(tiny_adapters: dict[str, str]) -> None:
+    ids = _prompt(18, 5)
+    (full,) = _run(_tiny(tiny_adapters), [("r", ids, "A")]).values()
+    engine = _tiny(tiny_adapters)
+    head = full.output_token_ids[:5]
+    engine.continue_request(
+        "r", ids, head, GREEDY, sampling_seed=None, emitted_text="", lora_name="A"
+    )
+    while engine.has_unfinished():
+        outputs = [out for out in engine.step() if out.finished]
+    assert outputs[0].output_token_ids == full.output_token_ids
+
+
 def test_unknown_adapter_is_refused_before_any_block(tiny_adapters: dict[str, str]) -> None:
     engine = _tiny(tiny_adapters)
     with pytest.raises(InvalidRequestError, match="unknown LoRA adapter 'C'"):
