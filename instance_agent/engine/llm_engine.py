@@ -206,7 +206,6 @@ class LLMEngine:
             self.block_manager,
         )
         self.lora_adapters = self._load_adapters(loaded)
-        self.max_loras = cfg.max_loras if cfg.max_loras is not None else len(self.lora_adapters)
         self.runner = ModelRunner(loaded, num_blocks, cfg.block_size, self.lora_adapters)
         self.tier_buffers = (
             TierBuffers(
