@@ -26,6 +26,10 @@ Contract:
   ``--disk-kv-dir DIR --num-disk-blocks N`` below that in one preallocated, memory-mapped file per
   agent (``DIR/kvherd-kv-<instance id>.bin``); a prompt whose prefix sits on a lower tier loads it
   back instead of recomputing it. The KV events name each block's tier (``medium``).
+- LoRA: ``--lora-modules NAME=DIR [NAME=DIR ...]`` (repeatable, vLLM's syntax) serves PEFT adapters
+  of the model; a request whose ``model`` is NAME runs with it, and ``/v1/models`` lists them with
+  ``parent`` (the served model name) as vLLM does. ``--max-loras N``: adapter slots (default one
+  per adapter). A malformed flag or a bad adapter directory refuses to start, naming it.
 - Warm restart: the disk tier survives the agent. Its manifest (``DIR/kvherd-kv-<instance
   id>.json``, see `kv_manifest`) lists the file's blocks; an agent started on the same folder
   with the same instance id (the default, HOSTNAME:PORT, needs the same port), model, dtype, block
@@ -112,6 +116,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--num-disk-blocks", type=int, default=0, help="disk KV tier, in blocks (0: none)"
     )
+    engine.add_argument(
+        "--lora-modules",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="NAME=DIR",
+        help="a PEFT LoRA adapter to serve as model NAME (repeatable)",
+    )
+    engine.add_argument(
+        "--max-loras", type=int, default=None, help="LoRA adapter slots (default: one per adapter)"
+    )
     engine.add_argument("--device", default=None)
     engine.add_argument("--dtype", default="auto")
     engine.add_argument(
@@ -133,6 +148,19 @@ def _advertised(endpoint: str | None, host: str) -> str | None:
     if endpoint is None:
         return None
     return re.sub(r"^tcp://(\*|0\.0\.0\.0|\[::\]|::)(?=:)", f"tcp://{host}", endpoint)
+
+
+def parse_lora_modules(specs: list[str], served_name: str) -> dict[str, str]:
+    """``NAME=DIR`` flags as {name: directory}; `ValueError` naming a malformed or clashing one."""
+    modules: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules {spec!r}: expected NAME=DIR")
+        if name in modules or name == served_name:
+            raise ValueError(f"--lora-modules {spec!r}: the name {name!r} is already served")
+        modules[name] = path
+    return modules
 
 
 def _is_loopback(host: str) -> bool:
@@ -188,6 +216,11 @@ def run(args: argparse.Namespace) -> int:
     if min(args.num_cpu_blocks, args.num_disk_blocks) < 0:
         log.error("--num-cpu-blocks and --num-disk-blocks must be >= 0")
         return 2
+    try:
+        lora_modules = parse_lora_modules(args.lora_modules, served_name)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
     disk_kv_file = (
         os.path.join(
             args.disk_kv_dir, f"kvherd-kv-{re.sub(r'[^A-Za-z0-9_.-]', '_', instance_id)}.bin"
@@ -211,6 +244,8 @@ def run(args: argparse.Namespace) -> int:
         num_cpu_blocks=args.num_cpu_blocks,
         disk_kv_file=disk_kv_file,
         num_disk_blocks=args.num_disk_blocks,
+        lora_modules=lora_modules,
+        max_loras=args.max_loras,
     )
     if args.torch_threads is not None:
         import torch

@@ -27,7 +27,8 @@ Contract (`create_compat_router(served)`):
 - The token ids are `protocol.prompt_token_ids`: the very ids ``/v1/completions`` and
   ``/v1/chat/completions`` submit to the engine (chat template included, BOS once), and so the ids
   the agent's KV events carry.
-- Errors are the OpenAI error object: 400 for an invalid body, 404 for another model's name.
+- Errors are the OpenAI error object: 400 for an invalid body, 404 for a name that is neither the
+  model nor one of its LoRA adapters (`resolve_model`, the generation routes' check too).
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def create_compat_router(served: ServedModel) -> APIRouter:
         router.add_api_route(path, model_info, methods=["GET"])
 
     def token_ids(body: CompletionRequest | ChatCompletionRequest) -> list[int]:
-        _check_model(served, body.model)
+        resolve_model(served, body.model)
         engine = served.engine
         return protocol.prompt_token_ids(body, engine.tokenizer, engine.model_config.vocab_size)
 
@@ -137,7 +138,7 @@ def create_compat_router(served: ServedModel) -> APIRouter:
     @router.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, str]:
         body = _validate(DetokenizeRequest, await _json_object(request))
-        _check_model(served, body.model)
+        resolve_model(served, body.model)
         engine = served.engine
         vocab_size = engine.model_config.vocab_size
         for token_id in body.tokens:
@@ -182,11 +183,16 @@ def create_compat_router(served: ServedModel) -> APIRouter:
     return router
 
 
-def _check_model(served: ServedModel, model: str | None) -> None:
-    if model is not None and model != served.served_model_name:
-        raise OpenAIError(
-            404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
-        )
+def resolve_model(served: ServedModel, model: str | None) -> str | None:
+    """The LoRA adapter a request's `model` names (None: the base model, or no name); any other
+    name is the 404 of an unknown model."""
+    if model is None or model == served.served_model_name:
+        return None
+    if model in served.engine.lora_adapters:
+        return model
+    raise OpenAIError(
+        404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
+    )
 
 
 async def _json_object(request: Request) -> dict[str, Any]:

@@ -133,11 +133,17 @@ class PrefixPulls:
 
     # -- the destination ----------------------------------------------------------------------
     async def pull(
-        self, request_id: str, prompt_ids: Sequence[int], cache_salt: str | None, ask: PullAsk
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        cache_salt: str | None,
+        ask: PullAsk,
+        lora_name: str | None = None,
     ) -> Pulled:
-        """Pull `ask`'s blocks for the prompt (module contract). Cancelled, it lets the pull
-        run to its end and then frees what it holds."""
-        task = asyncio.ensure_future(self._pull(request_id, prompt_ids, cache_salt, ask))
+        """Pull `ask`'s blocks for the prompt (module contract), run with LoRA adapter
+        `lora_name` (its blocks hash with it). Cancelled, it lets the pull run to its end and
+        then frees what it holds."""
+        task = asyncio.ensure_future(self._pull(request_id, prompt_ids, cache_salt, ask, lora_name))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -151,7 +157,12 @@ class PrefixPulls:
             release.add_done_callback(self._releases.discard)
 
     async def _pull(
-        self, request_id: str, prompt_ids: Sequence[int], cache_salt: str | None, ask: PullAsk
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        cache_salt: str | None,
+        ask: PullAsk,
+        lora_name: str | None,
     ) -> Pulled:
         started = time.perf_counter()
         loop = self.engine_loop
@@ -169,6 +180,7 @@ class PrefixPulls:
                 engine.config.block_size,
                 cache_salt=cache_salt,
                 hash_algo=engine.config.hash_algo,
+                lora_name=lora_name,
             )
             owner = pull_carrier(request, 0).request_id
             upto = min(ask.num_blocks, (len(prompt_ids) - 1) // request.block_size)

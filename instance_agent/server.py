@@ -2,10 +2,12 @@
 
 Contract (`create_app(agent)` returns the FastAPI app):
 - ``POST /v1/completions`` (prompt as text or token ids), ``POST /v1/chat/completions``,
-  ``GET /v1/models``: OpenAI/vLLM JSON and SSE (``data: {json}\\n\\n`` frames ending with
-  ``data: [DONE]\\n\\n``; ``stream_options.include_usage`` adds a final usage chunk). As in
-  vLLM, a streamed output that carries tokens is a chunk even while its text is empty (tokens that
-  do not complete a character yet), so clients time the first token, not the first character.
+  ``GET /v1/models`` (the model, then its LoRA adapters with vLLM's ``parent`` and ``root``; a
+  request whose ``model`` names an adapter runs with it): OpenAI/vLLM JSON and SSE
+  (``data: {json}\\n\\n`` frames ending with ``data: [DONE]\\n\\n``;
+  ``stream_options.include_usage`` adds a final usage chunk). As in vLLM, a streamed output that
+  carries tokens is a chunk even while its text is empty (tokens that do not complete a character
+  yet), so clients time the first token, not the first character.
 - ``X-Request-Id`` is the engine request id when given (else a fresh one) and is echoed on every
   response. A client that disconnects, streamed or not, aborts its request, freeing its blocks.
 - Every error is the OpenAI error object: 400 for any invalid body (FastAPI's 422 is replaced, in
@@ -71,7 +73,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from instance_agent import pd_handoff, protocol
-from instance_agent.compat_routes import create_compat_router
+from instance_agent.compat_routes import create_compat_router, resolve_model
 from instance_agent.control_auth import FleetTokenMiddleware
 from instance_agent.engine.core.request import (
     REQUEST_ID_IN_USE,
@@ -340,19 +342,21 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": agent.served_model_name,
-                    "object": "model",
-                    "created": agent.created,
-                    "owned_by": "kvherd",
-                    "root": agent.model_root,
-                    "max_model_len": agent.engine.max_model_len,
-                }
-            ],
-        }
+        def card(name: str, root: str, parent: str | None) -> dict[str, Any]:
+            return {
+                "id": name,
+                "object": "model",
+                "created": agent.created,
+                "owned_by": "kvherd",
+                "root": root,
+                "parent": parent,
+                "max_model_len": agent.engine.max_model_len,
+            }
+
+        base = agent.served_model_name
+        adapters = agent.engine.lora_adapters.values()
+        cards = [card(base, agent.model_root, None)]
+        return {"object": "list", "data": cards + [card(a.name, a.path, base) for a in adapters]}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -539,13 +543,7 @@ async def _submit(
         raise OpenAIError(
             503, "the instance is draining and accepts no new requests", type="server_error"
         )
-    if body.model is not None and body.model != agent.served_model_name:
-        raise OpenAIError(
-            404,
-            f"The model `{body.model}` does not exist.",
-            param="model",
-            code="model_not_found",
-        )
+    lora_name = resolve_model(agent, body.model)
     protocol.check_supported(body)
     engine = agent.engine
     tokenizer = engine.tokenizer
@@ -566,7 +564,7 @@ async def _submit(
             try:
                 request = engine.add_request(
                     request_id, prompt_ids, params, priority=body.priority,
-                    cache_salt=body.cache_salt,
+                    cache_salt=body.cache_salt, lora_name=lora_name,
                 )  # fmt: skip
             finally:  # it holds its hits now (or was refused): the pull's carrier lets go
                 if pulled is not None:
@@ -581,15 +579,17 @@ async def _submit(
                 emitted_text=continuation.emitted_text,
                 priority=body.priority,
                 cache_salt=body.cache_salt,
+                lora_name=lora_name,
             )
         seeds.append(request.sampling_seed)
         admitted.append((request.num_tokens, tuple(request.block_hashes)))
         if hold:
             engine.scheduler.hold_at_first_token(request_id)
 
+    model = lora_name or agent.served_model_name  # what the responses name
     if continuation is None:
         prefix = "chatcmpl-" if chat else "cmpl-"
-        meta = _Meta(prefix + request_id, protocol.now(), agent.served_model_name, chat,
+        meta = _Meta(prefix + request_id, protocol.now(), model, chat,
                      len(prompt_ids), prompt_ids)  # fmt: skip
     else:
         meta, _ = _resumed(continuation.resume, False)
@@ -598,9 +598,11 @@ async def _submit(
                 "resume.from must count output_token_ids and resume.chat match the route",
                 "kvherd_continuation",
             )
-        meta.prompt_len, meta.model = len(prompt_ids), agent.served_model_name
+        meta.prompt_len, meta.model = len(prompt_ids), model
     if pull is not None and agent.pulls is not None and continuation is None:
-        pulled = meta.pulled = await agent.pulls.pull(request_id, prompt_ids, body.cache_salt, pull)
+        pulled = meta.pulled = await agent.pulls.pull(
+            request_id, prompt_ids, body.cache_salt, pull, lora_name
+        )
         agent.metrics.pulled(pulled.outcome, pulled.num_bytes, pulled.seconds)
     stream = await agent.engine_loop.open(request_id, start)
     meta.sampling_seed, meta.admitted = seeds[0], admitted[0]

@@ -25,6 +25,11 @@ Contract:
   on the load thread; a step with nothing to run waits briefly for a load instead of spinning.
   Migration's `reserve_blocks` runs the offloads it queued before the blocks are written. Tokens
   loaded from any tier count as cached (``num_cached_tokens``), as GPU hits do.
+- LoRA: ``lora_modules`` (name -> PEFT adapter directory, `lora.load_adapter`) are loaded at
+  start into ``max_loras`` slots (default: one per adapter; fewer slots than adapters, or a bad
+  adapter, is a `ValueError`). A request naming one (``lora_name``) runs with it, batched with
+  requests for other adapters and the base model; an unknown name is an `InvalidRequestError`, and
+  `adopt_request` refuses (`ValueError`) a request whose adapter this engine does not serve.
 - Warm restart: the disk tier's manifest (`kv_manifest`) is read at start; when it was written
   under the same header, the slots whose bytes pass their checksums fill the disk tier again
   (`BlockManager.restore_tier`: their stores are the first KV event batch). While the disk tier
@@ -62,6 +67,7 @@ from instance_agent.engine.kv_manifest import (
 )
 from instance_agent.engine.kv_tiers import TierBuffers
 from instance_agent.engine.loader import LoadedModel, load_model
+from instance_agent.engine.lora import LoraAdapter, load_adapter
 from instance_agent.engine.model import kv_bytes_per_block
 from instance_agent.engine.model_runner import ModelRunner
 from kvherd.block_hash import HashAlgo
@@ -93,6 +99,8 @@ class EngineConfig:
     num_cpu_blocks: int = 0  # host-memory KV tier, in blocks (0: none)
     disk_kv_file: str | None = None  # the disk KV tier's file (with num_disk_blocks)
     num_disk_blocks: int = 0
+    lora_modules: dict[str, str] = field(default_factory=dict)  # LoRA adapter name -> directory
+    max_loras: int | None = None  # adapter slots (None: one per adapter in lora_modules)
 
 
 @dataclass(slots=True)
@@ -197,7 +205,8 @@ class LLMEngine:
             ),
             self.block_manager,
         )
-        self.runner = ModelRunner(loaded, num_blocks, cfg.block_size)
+        self.lora_adapters = self._load_adapters(loaded)
+        self.runner = ModelRunner(loaded, num_blocks, cfg.block_size, self.lora_adapters)
         self.tier_buffers = (
             TierBuffers(
                 self.runner.kv_cache, cfg.num_cpu_blocks, cfg.disk_kv_file, cfg.num_disk_blocks
@@ -221,6 +230,17 @@ class LLMEngine:
         self._event_seq = 0
         self._pending_events: list[KVEvent] = []
         self._auto_ids = itertools.count()
+
+    def _load_adapters(self, loaded: LoadedModel) -> dict[str, LoraAdapter]:
+        modules, slots = self.config.lora_modules, self.config.max_loras
+        if slots is not None and slots < max(1, len(modules)):
+            raise ValueError(
+                f"max_loras {slots} leaves no slot for every LoRA adapter given ({len(modules)})"
+            )
+        return {
+            name: load_adapter(name, path, loaded.config, loaded.dtype, loaded.device)
+            for name, path in modules.items()
+        }
 
     # -- requests ----------------------------------------------------------------------------
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
@@ -251,8 +271,11 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora_name: str | None = None,
     ) -> Request:
-        request = self._new_request(request_id, prompt, params, priority, cache_salt, arrival_time)
+        request = self._new_request(
+            request_id, prompt, params, priority, cache_salt, arrival_time, lora_name
+        )
         self.scheduler.add_request(request)
         self._texts[request_id] = self._new_text_state(request.sampling_params)
         return request
@@ -268,6 +291,7 @@ class LLMEngine:
         emitted_text: str,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> Request:
         """Continue a request that produced `output_token_ids` on an instance that was lost.
 
@@ -282,7 +306,9 @@ class LLMEngine:
             raise InvalidRequestError(
                 "output token ids must be in the vocabulary", "kvherd_continuation"
             )
-        request = self._new_request(request_id, prompt, params, priority, cache_salt, None)
+        request = self._new_request(
+            request_id, prompt, params, priority, cache_salt, None, lora_name
+        )
         if len(outputs) >= request.sampling_params.max_tokens:
             raise InvalidRequestError("the request has no token budget left", "kvherd_continuation")
         text = self._new_text_state(request.sampling_params)
@@ -308,8 +334,11 @@ class LLMEngine:
         priority: int,
         cache_salt: str | None,
         arrival_time: float | None,
+        lora_name: str | None,
     ) -> Request:
         """A validated `Request` (not yet queued)."""
+        if lora_name is not None and lora_name not in self.lora_adapters:
+            raise InvalidRequestError(f"unknown LoRA adapter {lora_name!r}", "model")
         params = params if params is not None else SamplingParams()
         params.validate()
         ids = self._prompt_ids(prompt)
@@ -332,6 +361,7 @@ class LLMEngine:
             cache_salt=cache_salt,
             eos_token_id=self.eos_token_id,
             hash_algo=self.config.hash_algo,
+            lora_name=lora_name,
         )
         return request
 
@@ -615,6 +645,9 @@ class LLMEngine:
         rid = state["request_id"]
         if rid in self.scheduler.requests:
             raise ValueError(f"request id {rid!r} is already in use")
+        lora = state.get("lora_name")
+        if lora is not None and lora not in self.lora_adapters:
+            raise ValueError(f"this instance does not serve the request's LoRA adapter {lora!r}")
         request = Request.from_state(state, self.config.block_size, self.config.hash_algo)
         params = request.sampling_params
         bm = self.block_manager

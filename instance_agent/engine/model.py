@@ -3,10 +3,12 @@
 Contract:
 - `LlamaModel(config)` holds the weights under HF-like names, with q/k/v and gate/up fused
   (``qkv_proj``, ``gate_up_proj``); `load_hf_weights` takes HF tensor names and fills the fused slices.
-- `forward(input_ids, positions, kv_cache, meta)` runs one flattened mixed batch (decodes then
+- `forward(input_ids, positions, kv_cache, meta, lora)` runs one flattened mixed batch (decodes then
   prefill chunks, see `attention.AttentionMetadata`) and returns the final hidden states
-  ``[num_tokens, hidden]``; it writes every token's KV into its slot. `compute_logits` maps the hidden
-  states of the positions that sample to vocabulary logits (float32).
+  ``[num_tokens, hidden]``; it writes every token's KV into its slot. `lora` (a `lora.LoraBatch`,
+  None when no row has an adapter) adds each adapter's update to its rows' projections.
+  `compute_logits` maps the hidden states of the positions that sample to vocabulary logits
+  (float32).
 - The KV cache is one tensor ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``, allocated
   by `allocate_kv_cache`.
 - Numerics follow HF transformers (RMSNorm in float32, rotate-half RoPE, SiLU-gated MLP), so logits
@@ -23,6 +25,7 @@ from torch import nn
 
 from instance_agent.engine.attention import AttentionMetadata, paged_attention
 from instance_agent.engine.config import ModelConfig
+from instance_agent.engine.lora import LoraBatch
 
 
 class RMSNorm(nn.Module):
@@ -70,8 +73,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
+        self.layer = layer
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -90,33 +94,45 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        lora: LoraBatch | None,
     ) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if lora is not None:
+            lora.apply(self.layer, "qkv_proj", x, qkv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(n, self.q_size))
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale).reshape(n, self.q_size)
+        if lora is None:
+            return self.o_proj(out)
+        return lora.apply(self.layer, "o_proj", out, self.o_proj(out))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
+        self.layer = layer
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
+        if lora is None:
+            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
+        gate_up = lora.apply(self.layer, "gate_up_proj", x, self.gate_up_proj(x))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        act = F.silu(gate) * up
+        return lora.apply(self.layer, "down_proj", act, self.down_proj(act))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.self_attn = Attention(config)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, layer)
+        self.mlp = MLP(config, layer)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -127,16 +143,19 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        lora: LoraBatch | None,
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta, lora)
+        return h + self.mlp(self.post_attention_layernorm(h), lora)
 
 
 class DecoderStack(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -158,11 +177,12 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, h.dtype)
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, kv_cache[i], meta)
+            h = layer(h, cos, sin, kv_cache[i], meta, lora)
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,9 @@ Contract:
   tables and context lengths; runs the model; computes logits only at the positions that sample; and
   returns ``{request_id: token_id}`` for every scheduled chunk with ``samples`` set. The output index
   of a draw is the request's current output length, which keeps sampling counter-based.
+- LoRA: `adapters` (name -> `lora.LoraAdapter`) are the ones requests may name (``lora_name``);
+  a step whose chunks name some runs the model with a `lora.LoraBatch` grouping their rows by
+  adapter (base-model rows take no update); a step without any passes none.
 - `read_kv` / `write_kv` copy whole blocks out of / into the cache (migration).
 - Runs on CPU (torch attention) and on CUDA (Triton decode kernel).
 """
@@ -19,13 +22,20 @@ import torch
 from instance_agent.engine.attention import build_metadata
 from instance_agent.engine.core.batch_scheduler import ScheduledRequest, SchedulerOutput
 from instance_agent.engine.loader import LoadedModel
+from instance_agent.engine.lora import LoraAdapter, LoraBatch, fused_slices
 from instance_agent.engine.model import allocate_kv_cache
 from instance_agent.engine.sampler import SamplingRow, sample
 from instance_agent.engine.triton_attention import supports
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        num_blocks: int,
+        block_size: int,
+        adapters: dict[str, LoraAdapter] | None = None,
+    ) -> None:
         self.model = loaded.model
         self.config = loaded.config
         self.device = loaded.device
@@ -38,6 +48,8 @@ class ModelRunner:
         # Triton decode kernel on CUDA (lazy import); the torch path elsewhere.
         self.use_triton = self.device.type == "cuda" and supports(block_size)
         self._workspace: torch.Tensor | None = None
+        self.adapters = adapters or {}
+        self._fused = fused_slices(self.config)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
@@ -55,6 +67,7 @@ class ModelRunner:
         prefills: list[tuple[int, list[int], int, int]] = []
         sample_index: list[int] = []
         rows: list[SamplingRow] = []
+        lora_rows: dict[str, list[torch.Tensor]] = {}
         for item in order:
             req = item.request
             start, n = item.num_computed_before, item.num_new_tokens
@@ -63,6 +76,10 @@ class ModelRunner:
             pos = torch.arange(start, start + n)
             table = torch.tensor(item.block_ids, dtype=torch.long)
             positions.append(pos)
+            if req.lora_name is not None:
+                lora_rows.setdefault(req.lora_name, []).append(
+                    torch.arange(query_start, query_start + n)
+                )
             slots.append(table[pos // bs] * bs + pos % bs)
             if n == 1:
                 decodes.append((item.block_ids, start + 1))
@@ -79,11 +96,18 @@ class ModelRunner:
         )
         if decodes and not self.use_triton:
             meta.workspace = self._decode_workspace(len(decodes) * max(len(b) for b, _ in decodes))
+        lora = None
+        if lora_rows:
+            groups = [
+                (self.adapters[name], torch.cat(parts).to(dev)) for name, parts in lora_rows.items()
+            ]
+            lora = LoraBatch(groups, self._fused)
         hidden = self.model(
             torch.tensor(token_ids, dtype=torch.long, device=dev),
             torch.cat(positions).to(dev),
             self.kv_cache,
             meta,
+            lora,
         )
         if not rows:
             return {}

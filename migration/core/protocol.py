@@ -72,6 +72,7 @@ class RequestState:
     num_preemptions: int = 0  # accounting: recomputes the request went through so far
     priority: int = 0
     cache_salt: str | None = None
+    lora_name: str | None = None  # the LoRA adapter it runs with; a destination without it refuses
     arrival_time: float = 0.0
     eos_token_id: int | None = None
     emitted_text: str = ""  # text already streamed (stop-string progress)

@@ -21,7 +21,8 @@ Contract:
   without immediate preemption.
 - Allocation is all-or-nothing: a failed `allocate_slots` or `reserve_blocks` changes nothing.
 - Every event this pool emits about its own blocks says ``medium="GPU"`` (vLLM's name for the
-  engine's pool, whatever the device).
+  engine's pool, whatever the device), and a store names the request's LoRA adapter (vLLM's
+  ``lora_name``).
 - Tiers (optional `TierStore`, prefix caching only): an evicted block moves down to the lower tiers
   instead of vanishing (`tiers` module: events, LRU per tier); the copies that move it are queued
   until `take_offloads`, and the driver must run them, in order, before it writes any block it got
@@ -259,6 +260,7 @@ class BlockManager:
                 token_ids=block_tokens,
                 block_size=bs,
                 medium=MEDIUM_GPU,
+                lora_name=request.lora_name,
             )
         )
         if self.tiers is not None:
@@ -344,6 +346,7 @@ class BlockManager:
                 token_ids=request.token_ids[start * bs : (start + len(hashes)) * bs],
                 block_size=bs,
                 medium=MEDIUM_GPU,
+                lora_name=request.lora_name,
             )
         )
 

@@ -6,7 +6,9 @@ Contract:
 - A `Request` owns its token ids (prompt then output, a uint32 `array`: 4 bytes a token, the
   form the block hash and the prefix cache's verification read), how many of them have KV computed
   (`num_computed_tokens`), its status, and the hashes of its full blocks, extended incrementally as it
-  grows (`update_block_hashes`). Block ids live in the block manager, keyed by request id.
+  grows (`update_block_hashes`). Block ids live in the block manager, keyed by request id. A
+  request run with a LoRA adapter (`lora_name`) folds its name into every block hash, as the
+  proxy hashes it (`kvherd.block_hash`), so its KV never serves another adapter or the base model.
 - Sampling randomness is counter-based: the draw for output token i depends only on (`sampling_seed`, i),
   never on a mutable RNG. A request's sampling state is therefore its seed and its output length, so it
   survives preemption, batching and migration bit-identically.
@@ -137,6 +139,7 @@ class Request:
         "cache_salt",
         "eos_token_id",
         "finish_reason",
+        "lora_name",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_preemptions",
@@ -161,6 +164,7 @@ class Request:
         cache_salt: str | None = None,
         eos_token_id: int | None = None,
         hash_algo: HashAlgo = "xxh3_64",
+        lora_name: str | None = None,
     ) -> None:
         self.request_id = request_id
         # Prompt then output: the sequence whose KV the engine computes. The prompt is its
@@ -188,6 +192,7 @@ class Request:
         self.arrival_time = arrival_time
         self.priority = priority  # lower value is served first (vLLM's convention)
         self.cache_salt = cache_salt
+        self.lora_name = lora_name  # the LoRA adapter it runs with (None: the base model)
         self.eos_token_id = eos_token_id
         self._hash_algo: HashAlgo = hash_algo
         self.status = RequestStatus.WAITING
@@ -230,7 +235,9 @@ class Request:
         tokens = self.token_ids
         if (have + 1) * bs > len(tokens):
             return
-        if have and (have + 2) * bs > len(tokens):  # one more block (a decode step filled it)
+        lora = self.lora_name
+        # One more block (a decode step filled it): the cheap hash, which folds in no extra key.
+        if have and lora is None and (have + 2) * bs > len(tokens):
             hashes.append(
                 next_block_hash(hashes[-1], tokens[have * bs : (have + 1) * bs], self._hash_algo)
             )
@@ -244,6 +251,7 @@ class Request:
                 self._hash_algo,
                 start=have,
                 parent_hash=parent,
+                lora_name=lora,
             )
         )
 
@@ -287,6 +295,7 @@ class Request:
             "num_preemptions": self.num_preemptions,
             "priority": self.priority,
             "cache_salt": self.cache_salt,
+            "lora_name": self.lora_name,
             "arrival_time": self.arrival_time,
             "eos_token_id": self.eos_token_id,
         }
@@ -311,6 +320,7 @@ class Request:
             cache_salt=state["cache_salt"],
             eos_token_id=state["eos_token_id"],
             hash_algo=hash_algo,
+            lora_name=state.get("lora_name"),
         )
         request.sampling_seed = state["sampling_seed"]
         outputs = state["output_token_ids"]
@@ -365,4 +375,5 @@ def pull_carrier(request: Request, num_blocks: int) -> Request:
         bs,
         cache_salt=request.cache_salt,
         hash_algo=request._hash_algo,
+        lora_name=request.lora_name,
     )
