@@ -3,7 +3,8 @@
 Contract (every route requires ``Authorization: Bearer TOKEN``, else 401 with an OpenAI error
 object; bodies are JSON; errors are ``{"error": {"message", "type", "param", "code"}}``):
 - ``GET /admin/v1/instances``: every instance with its state (health, draining, in flight, load,
-  KV tiers as it reports them, KV event stream and index figures); ``GET /admin/v1/instances/{id}``: one of them (404 if unknown).
+  KV tiers as it reports them, KV event stream and index figures);
+  ``GET /admin/v1/instances/{id}``: one of them (404 if unknown).
 - ``POST /admin/v1/instances`` ``{"instance_id", "url", "kv_events_endpoint", "replay_endpoint",
   "pull_address", "model", "block_size"}``: register, or re-register (which resubscribes and
   resyncs the instance's prefix view). The URL's host and the event endpoints' hosts must match the operator's
