@@ -45,7 +45,7 @@ from instance_agent import protocol
 from instance_agent.protocol import ChatCompletionRequest, CompletionRequest
 from kvherd import __version__
 from kvherd.tokenizer import has_tokenizer_files
-from kvherd.wire import OpenAIError, bad_request
+from kvherd.wire import bad_request, model_not_found
 
 if TYPE_CHECKING:
     from instance_agent.engine.llm_engine import LLMEngine
@@ -190,9 +190,7 @@ def resolve_model(served: ServedModel, model: str | None) -> str | None:
         return None
     if model in served.engine.lora_adapters:
         return model
-    raise OpenAIError(
-        404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
-    )
+    raise model_not_found(model, [served.served_model_name])
 
 
 async def _json_object(request: Request) -> dict[str, Any]:

@@ -64,6 +64,18 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return OpenAIError(400, message, param=param, code=code)
 
 
+def model_not_found(model: str, aliases: list[str]) -> OpenAIError:
+    """vLLM 0.32's answer to a `model` it does not serve, byte for byte (`aliases`: the base
+    models served; adapters are not named)."""
+    return OpenAIError(
+        404,
+        f"The model `{model}` does not exist. Valid aliases: {', '.join(aliases)}.",
+        type="NotFoundError",
+        param="model",
+        code=404,
+    )
+
+
 def sse(payload: dict[str, Any]) -> bytes:
     """One server-sent event frame, as OpenAI and vLLM write them."""
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"

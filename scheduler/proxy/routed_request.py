@@ -33,7 +33,7 @@ import orjson
 
 from kvherd.block_hash import block_hash_chain
 from kvherd.tokenizer import Tokenizer
-from kvherd.wire import OpenAIError
+from kvherd.wire import OpenAIError, model_not_found
 from scheduler.core.model_index import UnknownModelError
 from scheduler.core.tenancy import Tenant
 from scheduler.proxy.routing_tokens import prompt_token_ids
@@ -141,14 +141,8 @@ class RequestReader:
         except UnknownModelError:
             if model in self.loadable:
                 return None, model, model
-            bases = ", ".join(c["id"] for c in index.cards() if not c.get("parent"))
-            raise OpenAIError(
-                404,
-                f"The model `{model}` does not exist. Valid aliases: {bases}.",
-                type="NotFoundError",
-                param="model",
-                code=404,
-            ) from None
+            bases = [c["id"] for c in index.cards() if not c.get("parent")]
+            raise model_not_found(model, bases) from None
         return only, model if index.parent(model) else None, None
 
     def _parse(self, raw: bytes, chat: bool) -> tuple[dict[str, Any], list[int]]:
