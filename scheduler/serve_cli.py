@@ -642,7 +642,7 @@ async def serve_fleet(
     level = args.log_level.lower()
     front = build_front(proxy)
     admin_server = _QuietServer.make(
-        build_admin_app(fleet, token, allow), args.admin_host, args.admin_port, level
+        build_admin_app(fleet, token, allow, proxy.limits), args.admin_host, args.admin_port, level
     )
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()

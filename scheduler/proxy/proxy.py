@@ -52,6 +52,7 @@ from scheduler.proxy.loop_lag import LoopLag
 from scheduler.proxy.lora_loader import LoraLoader
 from scheduler.proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from scheduler.proxy.metrics import ProxyMetrics
+from scheduler.proxy.rate_gate import Lease, RateGate
 from scheduler.proxy.relay import Job, Relay
 from scheduler.proxy.routed_request import (
     RequestReader,
@@ -115,6 +116,7 @@ class Proxy:
         self.admission = AdmissionGate(
             fleet, config.admission, config.queue, metrics, tenants.weight
         )
+        self.limits = RateGate(tenants, metrics)
         self.relay = Relay(
             fleet, self.pool, self.deadlines, metrics, tokenizer, self.continue_stream,
             max_continuations=config.max_continuations,
@@ -151,6 +153,7 @@ class Proxy:
         priority: bytes | None = None
         tenant_name: str | None = None
         admitted = False  # by `admission.check`: `admission.finished` when it ends
+        lease: Lease | None = None  # a limited tenant's: settled or given back when it ends
         json_body = True  # no Content-Type is read as JSON, as the agent (FastAPI) reads it
         forward: list[tuple[bytes, bytes]] = [(b"content-type", b"application/json")]
         for name, value in exchange.headers:
@@ -186,15 +189,20 @@ class Proxy:
                 )
             asked = None if priority is None else parse_priority_header(priority)
             tenant_name = None if tenant is None else tenant.name
+            lease = self.limits.admit(tenant_name)
             self.admission.check(tenant_name, resolve_priority(asked, tenant))
             admitted = True
             started = time.perf_counter()
             request = await self.reader.read(exchange.body, path, chat, tenant, asked)
+            if lease is not None:
+                lease.reserve(request.num_tokens, request.max_new_tokens)
             if request.lora_load is not None and self.lora is not None:
                 request = await self.lora.ensure(request)
-            status = await self._serve(exchange, request, request_id, forward, started)
+            status = await self._serve(exchange, request, request_id, forward, started, lease)
         except OpenAIError as exc:
             status = exc.status
+            if lease is not None:  # the proxy's own answer: nothing of it was served
+                lease.give_back()
             _respond_error(exchange, exc, request_id)
         except asyncio.CancelledError:
             if not exchange.gone:
@@ -214,6 +222,8 @@ class Proxy:
                 _respond_error(exchange, error, request_id)
         if admitted:
             self.admission.finished(tenant_name)
+        if lease is not None:
+            lease.settle(None)  # a no-op when settled by `_serve` or given back
         self.metrics.request_done(status)
 
     def _authenticate(self, auth: bytes | None) -> Tenant | None:
@@ -236,8 +246,10 @@ class Proxy:
         request_id: bytes,
         headers: list[tuple[bytes, bytes]],
         started: float,
+        lease: Lease | None = None,
     ) -> int | str:
-        """The first attempt and the retries, until one instance answers."""
+        """The first attempt and the retries, until one instance answers; a limited tenant's
+        `lease` settled with the output tokens counted when the answer was relayed."""
         self.metrics.prompt_blocks.observe(len(request.block_hashes))
         key = self.fleet.new_key(request_id.decode("latin-1"))
         headers.append((b"x-request-id", key.encode()))
@@ -245,6 +257,9 @@ class Proxy:
             headers.append((b"x-kvherd-reattach", b"1"))
             headers.append((b"x-kvherd-token-ids", b"1"))
         job = Job(key, request_id, request, headers, set(), started)
+        if lease is not None:
+            job.reply_headers = lease.headers()
+            job.count_output = True
         last_error: UpstreamError | None = None
         last_status: UpstreamStatus | None = None  # a 5xx, relayed if no instance answers
         vllm_raw: bytes | None = None  # the body asking vLLM for its token ids (continuation)
@@ -292,14 +307,20 @@ class Proxy:
             if pull is not None:
                 self._note_pull(upstream.response.headers)
             if upstream.chunks is not None and upstream.response.status == 200:
-                return await self.relay.stream(exchange, job, attempt, upstream)
-            if decode is not None and upstream.chunks is None:
-                pd.take_outcome(
-                    upstream.response, self.fleet, self.metrics, key, decode.instance_id
-                )
-            return await self.relay.plain(exchange, job, attempt, upstream)
+                status = await self.relay.stream(exchange, job, attempt, upstream)
+            else:
+                if decode is not None and upstream.chunks is None:
+                    pd.take_outcome(
+                        upstream.response, self.fleet, self.metrics, key, decode.instance_id
+                    )
+                status = await self.relay.plain(exchange, job, attempt, upstream)
+            if lease is not None:
+                lease.settle(job.output_tokens)
+            return status
         if last_status is not None and last_status.response.body is not None:
             status, body = last_status.response.status, last_status.response.body
+            if lease is not None:  # no instance served it
+                lease.give_back()
             exchange.respond(status, _json_headers(request_id), body)
             return status
         if isinstance(last_error, UpstreamTimeout):
@@ -431,7 +452,8 @@ def _respond_error(exchange: Exchange, exc: OpenAIError, request_id: bytes) -> N
     if exc.status == 405:
         headers.append((b"allow", b"POST"))
     elif isinstance(exc, Refused):
-        headers.append((b"retry-after", b"%d" % exc.retry_after_s))
+        if exc.retry_after_s is not None:
+            headers.append((b"retry-after", b"%d" % exc.retry_after_s))
         headers += exc.headers
     exchange.respond(exc.status, headers, _error_json(exc))
 
