@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 from urllib.parse import quote
@@ -43,6 +43,7 @@ from scheduler.proxy.routed_request import RoutedRequest
 if TYPE_CHECKING:
     from kvherd.tokenizer import Tokenizer
     from scheduler.fleet import Fleet, FleetInstance
+    from scheduler.proxy.tracing import RequestTrace
 
 log = logging.getLogger("kvherd.proxy")
 
@@ -62,6 +63,7 @@ class Job:
     reply_headers: list[tuple[bytes, bytes]] = field(default_factory=list)  # sent to the client
     count_output: bool = False  # a rate-limited tenant's: count its output tokens
     output_tokens: int | None = None  # counted once relayed (None: not counted, or unknown)
+    trace: RequestTrace | None = None  # its trace, when tracing is on
 
 
 # Opens the rest of a lost stream on another instance: (its attempt, its upstream), or None.
@@ -295,7 +297,14 @@ class Relay:
                         notice += chunk
                 if resumed is not None:
                     resumed.close()
-                resumed = await self._resume(notice, job.request_id, moved_to)
+                if job.trace is None:
+                    resumed = await self._resume(notice, job.request_id, moved_to)
+                else:
+                    with job.trace.span("kvherd.migration") as span:
+                        resumed = await self._resume(
+                            notice, job.request_id, moved_to, job.trace.headers(span)
+                        )
+                        span.set_attribute("kvherd.migrated_to", moved_to[-1])
                 if self.fleet.migration is not None:
                     self.fleet.migration.metrics.reattached.inc()
                 first, chunks = b"", resumed.iter_body()
@@ -307,7 +316,11 @@ class Relay:
         return next((i for i in self.fleet.instances.values() if i.url.rstrip("/") == url), None)
 
     async def _resume(
-        self, notice: bytes, request_id: bytes, moved_to: list[str]
+        self,
+        notice: bytes,
+        request_id: bytes,
+        moved_to: list[str],
+        traced: Sequence[tuple[bytes, bytes]] = (),  # the migration span's traceparent
     ) -> UpstreamResponse:
         """Open the destination's continuation of a migrated request's stream."""
         try:
@@ -325,6 +338,7 @@ class Relay:
             (b"x-request-id", request_id),
             (b"x-kvherd-reattach", b"1"),
             (b"x-kvherd-token-ids", b"1"),  # the token ledger, as the stream went out
+            *traced,
         ]
         if self.fleet_token:
             headers.append((b"authorization", b"Bearer " + self.fleet_token.encode()))
