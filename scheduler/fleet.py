@@ -88,7 +88,7 @@ from scheduler.core.load_report import LoadReport
 from scheduler.core.model_index import ModelCard, ModelIndex
 from scheduler.core.outliers import Health
 from scheduler.core.prefix_pull import PullAction, PullSettings
-from scheduler.core.router import Router
+from scheduler.core.router import Routed, Router
 from scheduler.fleet_health import FleetHealth
 from scheduler.kv_subscriber import KVEventSubscriber
 from scheduler.load_poller import LoadPoller
@@ -214,6 +214,7 @@ class Fleet:
         self.pd_policy_spec = pd_policy_spec
         self.router = Router(self.cluster, policy, pd_policy, pull=settings.prefix_pull)
         self._handoffs: dict[str, str] = {}  # routing key -> its decode instance (P/D)
+        self.last_routed: Routed | None = None  # the last dispatch's decision (for traces)
         self._pulls: dict[str, tuple[str, int]] = {}  # routing key -> (holder's address, blocks)
         self.instances: dict[str, FleetInstance] = {}
         self.inflight = InflightLedger(settings.max_inflight_per_instance)
@@ -631,6 +632,7 @@ class Fleet:
             )
             raise NoCapacityError(saturated=busy) from None
         inst = self.instances[routed.instance_id]
+        self.last_routed = routed
         if routed.decode_id is not None:
             self._handoffs[key] = routed.decode_id
         pull = routed.pull

@@ -39,6 +39,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from scheduler.admission_flags import add_admission_arguments, admission_settings
 
@@ -266,6 +267,29 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-interval", type=float, default=0.25)
     parser.add_argument("--heartbeat-timeout", type=float, default=10.0)
     parser.add_argument("--log-level", default="info")
+    parser.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        metavar="URL",
+        help="export OpenTelemetry traces of the request path over OTLP/HTTP to URL "
+        "(/v1/traces appended unless given; needs the kvherd[tracing] extra); default off",
+    )
+
+
+def _tracing(url: str | None) -> Any:
+    """The `scheduler.proxy.tracing.Tracing` for ``--otlp-endpoint`` (None: off); `ValueError`
+    for a URL that is not http(s) or without the OpenTelemetry packages."""
+    if url is None:
+        return None
+    if not url.startswith(("http://", "https://")) or not urlsplit(url).hostname:
+        raise ValueError(f"--otlp-endpoint must be an http(s):// URL, got {url!r}")
+    try:
+        from scheduler.proxy.tracing import Tracing, otlp_exporter
+    except ImportError as exc:
+        raise ValueError(
+            f"--otlp-endpoint needs the OpenTelemetry packages (pip install 'kvherd[tracing]'): {exc}"
+        ) from None
+    return Tracing(otlp_exporter(url))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -487,11 +511,13 @@ async def serve_fleet(
     stop: asyncio.Event | None = None,
     before_shutdown: Callable[[], Awaitable[None]] | None = None,
     handle_signals: bool = True,
+    tracing: Any = None,
 ) -> int:
     """Run the proxy and admin servers until `stop` is set (or SIGINT/SIGTERM).
 
     `on_ready` runs once both servers listen; `before_shutdown` runs after the stop request while
-    both still serve (``kvherd up`` stops its agents there, so they can deregister).
+    both still serve (``kvherd up`` stops its agents there, so they can deregister). `tracing`
+    (a `scheduler.proxy.tracing.Tracing`) takes the place of ``--otlp-endpoint``'s.
     """
     from kvherd.fd_limit import connection_cap, raise_fd_limit
     from kvherd.fleet_token import auth_headers, resolve
@@ -509,6 +535,7 @@ async def serve_fleet(
     try:
         static_instances = [parse_instance_spec(t) for t in getattr(args, "instance", [])]
         config = load_config(args.config)
+        tracing = tracing or _tracing(getattr(args, "otlp_endpoint", None))
     except (OSError, ValueError) as exc:
         print(f"kvherd serve: {exc}", file=sys.stderr)
         return 2
@@ -638,12 +665,13 @@ async def serve_fleet(
         metrics,
         lag,
         lora,
+        tracing,
     )
     fleet.migration.cuts = proxy.relay.cuts  # vLLM streams migrate by the proxy's own cuts
     level = args.log_level.lower()
     front = build_front(proxy)
     admin_server = _QuietServer.make(
-        build_admin_app(fleet, token, allow), args.admin_host, args.admin_port, level
+        build_admin_app(fleet, token, allow, proxy.limits), args.admin_host, args.admin_port, level
     )
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -719,6 +747,8 @@ async def serve_fleet(
         await proxy.pool.close()
         if lora is not None:
             await lora.close()
+        if tracing is not None:
+            await asyncio.to_thread(tracing.shutdown)  # flushes the spans still batched
 
 
 def configure_logging(level: str) -> None:

@@ -3,9 +3,11 @@
 Contract:
 - `SimAdmission` drives `scheduler.core.admission.Admission` (expected wait), `AdmissionQueue` and
   `InflightLedger` and `TenantShares` as `scheduler.proxy.admission_gate` does on the proxy's
-  clock: `check(now, views, request_id, tenant, priority)` at every arrival (the 429 code,
-  ``queue_wait``, or None to admit; the wait ahead by class and fair share, weights from
-  `tenant_weights`; `ended(request_id)` once an admitted request is done); routing skips the
+  clock: `check(now, views, request_id, tenant, priority, tokens)` at every arrival (the 429
+  code, ``queue_wait``, or None to admit; the wait ahead by class and fair share, weights from
+  `tenant_weights`; first the tenant's `tenant_limits`, `scheduler.core.rate_limit`:
+  ``rate_limit_requests`` / ``rate_limit_tokens``, `tokens` its prompt and output, known here so
+  never corrected; `ended(request_id)` once an admitted request is done); routing skips the
   `saturated` instances; a request no unsaturated instance can take joins the queue (`wait`:
   False when it is full, ``queue_full``), leaves it when capacity frees (`freed(now)`, the next)
   or at its deadline (`expire(now)`: ``queue_timeout``); `dispatched` / `released` / `moved`
@@ -26,6 +28,7 @@ from scheduler.core.admission import Admission, AdmissionSettings, fleet_queue
 from scheduler.core.admission_queue import AdmissionQueue, QueueSettings
 from scheduler.core.fair_share import TenantShares
 from scheduler.core.inflight import InflightLedger
+from scheduler.core.rate_limit import RateLimiter, RateLimits
 
 T = TypeVar("T")
 
@@ -49,6 +52,7 @@ class SimAdmission(Generic[T]):
         queue: QueueSettings,
         max_inflight_per_instance: int,
         tenant_weights: Mapping[str, float] | None = None,
+        tenant_limits: Mapping[str, RateLimits] | None = None,
     ) -> None:
         weights = dict(tenant_weights or {})
 
@@ -58,6 +62,9 @@ class SimAdmission(Generic[T]):
         self.rule = Admission(settings)
         self.queue: AdmissionQueue[T] = AdmissionQueue(queue, weight)
         self.shares = TenantShares(weight)
+        self.limiter = RateLimiter()
+        for name, limits in (tenant_limits or {}).items():
+            self.limiter.set_limits(0.0, name, limits)
         self._tenant_of: dict[str, str | None] = {}  # admitted requests, until `ended`
         self.ledger = InflightLedger(max_inflight_per_instance)
         self.stats = AdmissionStats()
@@ -74,7 +81,20 @@ class SimAdmission(Generic[T]):
         request_id: str,
         tenant: str | None = None,
         priority: int = 0,
+        tokens: int = 0,
     ) -> str | None:
+        limited = self.limiter.limits(tenant) is not None
+        if limited:
+            assert tenant is not None
+            exceeded = self.limiter.admit(now, tenant)
+            if exceeded is None:
+                exceeded = self.limiter.reserve(now, tenant, tokens)
+                if exceeded is not None:
+                    self.limiter.give_back(now, tenant, True, 0)
+            if exceeded is not None:
+                code = f"rate_limit_{exceeded.kind}"
+                self.stats.refuse(code, tenant)
+                return code
         views = list(views)
         queued, free = fleet_queue(views, self.ledger.saturated)
         self.rule.observe(now, self.ledger.completed, len(self.queue) + queued)
@@ -84,6 +104,9 @@ class SimAdmission(Generic[T]):
             self.shares.admitted(tenant)
             self._tenant_of[request_id] = tenant
             return None
+        if limited:
+            assert tenant is not None
+            self.limiter.give_back(now, tenant, True, tokens)
         self.stats.refuse("queue_wait", tenant)
         return "queue_wait"
 

@@ -116,6 +116,7 @@ from scheduler.core.cluster_state import ClusterState
 from scheduler.core.load_report import LoadReport
 from scheduler.core.migration_loop import MigrationLoop
 from scheduler.core.prefix_pull import PullAction, PullChoice
+from scheduler.core.rate_limit import RateLimits
 from scheduler.core.router import Router
 from simulator.admission import SimAdmission
 from simulator.host_model import HostModel
@@ -165,6 +166,7 @@ class ClusterConfig:
     admission_queue: QueueSettings = field(default_factory=QueueSettings)
     max_inflight_per_instance: int = 256
     tenant_weights: dict[str, float] = field(default_factory=dict)  # fair share (default 1)
+    tenant_limits: dict[str, RateLimits] = field(default_factory=dict)  # rpm / tpm (none)
     prefix_pull: PullConfig | None = None  # cross-instance prefix pulls (None: off)
 
     @property
@@ -338,6 +340,7 @@ class SimCluster:
                 config.admission_queue,
                 config.max_inflight_per_instance,
                 config.tenant_weights,
+                config.tenant_limits,
             )
 
     # -- run -------------------------------------------------------------------------------------
@@ -411,7 +414,8 @@ class SimCluster:
         admission = self.admission
         if admission is not None:
             views = self.state.view(now).instances
-            code = admission.check(now, views, rid, tr.tenant, tr.priority)
+            tokens = tr.input_length + tr.output_length  # its max_tokens: what it generates
+            code = admission.check(now, views, rid, tr.tenant, tr.priority, tokens)
             if code is not None:
                 self._refuse(rid)
                 return

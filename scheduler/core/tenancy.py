@@ -5,9 +5,10 @@ Contract:
   ``cache_salt`` (vLLM's request field) is passed through and used for routing unchanged.
 - With keys configured (``--api-key`` specs repeated, and/or a keys file of one spec a line, ``#``
   comments), every request must carry ``Authorization: Bearer KEY`` for a known key, else 401. A spec
-  is ``KEY[=TENANT]`` or ``KEY TENANT``, then options ``weight=W`` (fair share, > 0, default 1)
-  and ``priority=P`` (the default priority class, an int); a bad spec, or differing options for
-  one tenant's keys, is a `ValueError`. A key without a tenant name is its own tenant.
+  is ``KEY[=TENANT]`` or ``KEY TENANT``, then options ``weight=W`` (fair share, > 0, default 1),
+  ``priority=P`` (the default priority class, an int), ``rpm=N`` and ``tpm=N`` (requests and
+  tokens a minute, `scheduler.core.rate_limit`); a bad spec, or differing options for one
+  tenant's keys, is a `ValueError`. A key without a tenant name is its own tenant.
 - Each tenant has a cache salt ``HMAC-SHA256(secret, tenant name)`` (``--tenant-salt-secret`` or
   `SALT_SECRET_ENV`; generated when not given: `TenantRegistry.salt_secret_generated`), the same in
   every proxy sharing the secret. The proxy overrides the body's ``cache_salt`` with it: tenants
@@ -24,6 +25,8 @@ import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
+from scheduler.core.rate_limit import RateLimits
+
 SALT_SECRET_ENV = "KVHERD_TENANT_SALT_SECRET"
 
 
@@ -31,6 +34,12 @@ SALT_SECRET_ENV = "KVHERD_TENANT_SALT_SECRET"
 class TenantOptions:
     weight: float = 1.0  # its share of the fleet under contention, relative to the others'
     priority: int | None = None  # its requests' class when they name none
+    rpm: int | None = None  # requests a minute (None: unlimited)
+    tpm: int | None = None  # tokens a minute, prompt and output (None: unlimited)
+
+    @property
+    def limits(self) -> RateLimits:
+        return RateLimits(self.rpm, self.tpm)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,12 +109,15 @@ class TenantRegistry:
         return self._by_key.get(authorization[7:].strip())
 
 
+_OPTIONS = ("weight", "priority", "rpm", "tpm")
+
+
 def _option(spec: str, item: str, values: dict[str, float | int]) -> None:
     name, sep, text = item.partition("=")
-    if not sep or name not in ("weight", "priority") or name in values:
+    if not sep or name not in _OPTIONS or name in values:
         raise ValueError(
-            f"bad API key spec {spec!r}: {item!r} is not one of weight=W, priority=P "
-            "(each at most once)"
+            f"bad API key spec {spec!r}: {item!r} is not one of weight=W, priority=P, rpm=N, "
+            "tpm=N (each at most once)"
         )
     try:
         value: float | int = float(text) if name == "weight" else int(text)
@@ -115,6 +127,8 @@ def _option(spec: str, item: str, values: dict[str, float | int]) -> None:
         ) from None
     if name == "weight" and not (0 < value < math.inf):
         raise ValueError(f"bad API key spec {spec!r}: weight must be > 0 and finite")
+    if name in ("rpm", "tpm") and value <= 0:
+        raise ValueError(f"bad API key spec {spec!r}: {name} must be a positive integer")
     values[name] = value
 
 

@@ -35,6 +35,10 @@ object; bodies are JSON; errors are ``{"error": {"message", "type", "param", "co
   YAML pipeline inside the operator's ``--policy-dir`` (`policies.registry.PolicyAllowList`). A
   spec that is refused (``os:system``, ``../../etc/passwd.yaml``) or does not load is a 400,
   nothing of it runs, and the old policy stays.
+- ``GET /admin/v1/tenants``: each tenant's rate limits (``rpm``, ``tpm``; null: none) and what
+  remains of them; ``PUT``/``POST /admin/v1/tenants/{name}/limits`` ``{"rpm": N|null, "tpm":
+  N|null}``: change them at once (a field left out stays; null lifts it; what the tenant used in
+  the last minute still counts); 404 for an unknown tenant, 400 for a limit not a positive int.
 """
 
 from __future__ import annotations
@@ -52,8 +56,10 @@ from fastapi.responses import Response
 
 from kvherd.wire import OpenAIError
 from scheduler.core.load_report import ROLES
+from scheduler.core.rate_limit import RateLimits
 from scheduler.fleet import Fleet, FleetError, InstanceSpec
 from scheduler.model_poller import ModelListError, parse_models
+from scheduler.proxy.rate_gate import RateGate
 
 LOOPBACK_PATTERNS: tuple[str, ...] = ("127.0.0.0/8", "::1", "localhost")
 
@@ -161,7 +167,23 @@ async def _json_body(request: Request) -> Any:
         raise FleetError(400, f"request body is not valid JSON: {exc}") from exc
 
 
-def build_admin_app(fleet: Fleet, token: str, allow: RegistrationPolicy) -> FastAPI:
+def _limits_from_body(body: Any, current: RateLimits) -> RateLimits:
+    if not isinstance(body, dict):
+        raise FleetError(400, "body must be a JSON object")
+    values: dict[str, int | None] = {"rpm": current.rpm, "tpm": current.tpm}
+    for name in values:
+        if name not in body:
+            continue
+        value = body[name]
+        if value is not None and (type(value) is not int or value <= 0):
+            raise FleetError(400, f"'{name}' must be a positive integer or null", name)
+        values[name] = value
+    return RateLimits(**values)
+
+
+def build_admin_app(
+    fleet: Fleet, token: str, allow: RegistrationPolicy, limits: RateGate | None = None
+) -> FastAPI:
     if not token:
         raise ValueError("the admin API always requires a token")
     expected = f"Bearer {token}".encode()
@@ -272,5 +294,20 @@ def build_admin_app(fleet: Fleet, token: str, allow: RegistrationPolicy) -> Fast
             raise FleetError(400, "'parameters' must be an object", "parameters")
         fleet.set_policy(body["policy"], parameters)
         return _json(fleet.policy_info())
+
+    @app.get("/admin/v1/tenants")
+    async def list_tenants() -> Response:
+        return _json({"object": "list", "data": [] if limits is None else limits.describe()})
+
+    @app.put("/admin/v1/tenants/{tenant}/limits")
+    @app.post("/admin/v1/tenants/{tenant}/limits")
+    async def set_limits(tenant: str, request: Request) -> Response:
+        if limits is None or tenant not in limits.tenants.tenants:
+            raise FleetError(404, f"unknown tenant {tenant!r}")
+        body = await _json_body(request)
+        limits.set_limits(
+            tenant, _limits_from_body(body, limits.limiter.limits(tenant) or RateLimits())
+        )
+        return _json(next(t for t in limits.describe() if t["tenant"] == tenant))
 
     return app

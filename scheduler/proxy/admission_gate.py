@@ -45,11 +45,11 @@ class Refused(OpenAIError):
         self,
         message: str,
         code: str,
-        retry_after_s: int,
+        retry_after_s: int | None,
         headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         super().__init__(429, message, type="rate_limit_error", code=code)
-        self.retry_after_s = retry_after_s
+        self.retry_after_s = retry_after_s  # None: retrying cannot help
         self.headers = headers or []  # more to send (a rate limit's ``x-ratelimit-*``)
 
 

@@ -31,6 +31,7 @@ Contract:
   only), ``n`` > 1, logprobs, echo, structured output or tool calls. The continuation's own
   chunks extend the same ledger. Not exact either: a ``stop`` string that would have spanned the
   point where the stream was cut, or text vLLM held back to match one there.
+- `output_tokens()`: the output tokens relayed so far (read like a continuation: once, at the end).
 - `complete()`: the ``[DONE]`` frame was relayed. `finished`: a frame with a ``finish_reason``
   was; `closing_frames()` then end the client's stream when the instance was lost before its end
   (the usage chunk when asked for and not yet relayed, ``[DONE]``).
@@ -165,6 +166,13 @@ class StreamLedger:
         if self._vllm is not None:
             relayed.resume = self._vllm.resume(relayed)
         return relayed
+
+    def output_tokens(self) -> int | None:
+        """The output tokens relayed (the agents' ledger, vLLM's token ids); None if unreadable."""
+        try:
+            return len(self._parse().token_ids)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):  # JSON errors too
+            return None
 
     def continuation(self, body: dict[str, Any]) -> Continued | None:
         try:

@@ -11,7 +11,8 @@ Contract (what ``GET /metrics`` on the proxy exposes):
 - ``kvherd_ejections_total{instance}``: passive or active ejections.
 - ``kvherd_admission_queue_depth``: requests waiting for a non-saturated instance;
   ``kvherd_rejected_total{reason}``: requests refused by admission (``queue_wait``: the
-  expected wait was too long, ``queue_full``, ``queue_timeout``).
+  expected wait was too long, ``queue_full``, ``queue_timeout``; a tenant's rate limits:
+  ``rate_limit_requests``, ``rate_limit_tokens``, ``request_too_large``).
   ``kvherd_continuations_total{outcome}``: streams whose instance was lost after their first byte
   (``continued`` on another instance, ``migrated``: cut by the proxy's own migration of a vLLM
   stream and continued at its destination, ``finished`` locally: only the end was missing, ``failed``

@@ -26,7 +26,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from fastapi import FastAPI
@@ -52,6 +52,7 @@ from scheduler.proxy.loop_lag import LoopLag
 from scheduler.proxy.lora_loader import LoraLoader
 from scheduler.proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from scheduler.proxy.metrics import ProxyMetrics
+from scheduler.proxy.rate_gate import Lease, RateGate
 from scheduler.proxy.relay import Job, Relay
 from scheduler.proxy.routed_request import (
     RequestReader,
@@ -59,6 +60,9 @@ from scheduler.proxy.routed_request import (
     parse_priority_header,
     resolve_priority,
 )
+
+if TYPE_CHECKING:
+    from scheduler.proxy.tracing import RequestTrace, Tracing
 
 _PULL_OUTCOME = PULL_OUTCOME_HEADER.encode()
 
@@ -96,8 +100,10 @@ class Proxy:
         metrics: ProxyMetrics,
         lag: LoopLag | None = None,
         lora: LoraLoader | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.fleet = fleet
+        self.tracing = tracing  # None: off (`scheduler.proxy.tracing`)
         self.lora = lora
         self.tokenizer = tokenizer
         self.tenants = tenants
@@ -115,6 +121,7 @@ class Proxy:
         self.admission = AdmissionGate(
             fleet, config.admission, config.queue, metrics, tenants.weight
         )
+        self.limits = RateGate(tenants, metrics)
         self.relay = Relay(
             fleet, self.pool, self.deadlines, metrics, tokenizer, self.continue_stream,
             max_continuations=config.max_continuations,
@@ -151,6 +158,9 @@ class Proxy:
         priority: bytes | None = None
         tenant_name: str | None = None
         admitted = False  # by `admission.check`: `admission.finished` when it ends
+        lease: Lease | None = None  # a limited tenant's: settled or given back when it ends
+        traceparent: bytes | None = None
+        tracestate: bytes | None = None
         json_body = True  # no Content-Type is read as JSON, as the agent (FastAPI) reads it
         forward: list[tuple[bytes, bytes]] = [(b"content-type", b"application/json")]
         for name, value in exchange.headers:
@@ -164,8 +174,19 @@ class Proxy:
                 json_body = _is_json_media_type(value)
             elif name in _FORWARD_HEADERS:
                 forward.append((name, value))
+            elif name == b"traceparent":
+                traceparent = value
+            elif name == b"tracestate":
+                tracestate = value
         if not request_id:
             request_id = b"%s-%x" % (self._id_prefix, next(self._id_counter))
+        trace: RequestTrace | None = None
+        if self.tracing is not None:  # the attempts send their own traceparent
+            trace = self.tracing.request(path, request_id, traceparent, tracestate)
+        elif traceparent is not None:  # off: the client's trace goes on to the instances
+            forward.append((b"traceparent", traceparent))
+            if tracestate is not None:
+                forward.append((b"tracestate", tracestate))
         status: int | str
         try:
             if exchange.method != b"POST":
@@ -186,15 +207,30 @@ class Proxy:
                 )
             asked = None if priority is None else parse_priority_header(priority)
             tenant_name = None if tenant is None else tenant.name
-            self.admission.check(tenant_name, resolve_priority(asked, tenant))
+            klass = resolve_priority(asked, tenant)
+            if trace is None:
+                lease = self.limits.admit(tenant_name)
+                self.admission.check(tenant_name, klass)
+            else:
+                with trace.span("kvherd.admission", **{"kvherd.priority": klass}) as span:
+                    if tenant_name is not None:
+                        span.set_attribute("kvherd.tenant", tenant_name)
+                    lease = self.limits.admit(tenant_name)
+                    self.admission.check(tenant_name, klass)
             admitted = True
             started = time.perf_counter()
             request = await self.reader.read(exchange.body, path, chat, tenant, asked)
+            if lease is not None:
+                lease.reserve(request.num_tokens, request.max_new_tokens)
             if request.lora_load is not None and self.lora is not None:
                 request = await self.lora.ensure(request)
-            status = await self._serve(exchange, request, request_id, forward, started)
+            status = await self._serve(
+                exchange, request, request_id, forward, started, lease, trace
+            )
         except OpenAIError as exc:
             status = exc.status
+            if lease is not None:  # the proxy's own answer: nothing of it was served
+                lease.give_back()
             _respond_error(exchange, exc, request_id)
         except asyncio.CancelledError:
             if not exchange.gone:
@@ -214,6 +250,10 @@ class Proxy:
                 _respond_error(exchange, error, request_id)
         if admitted:
             self.admission.finished(tenant_name)
+        if lease is not None:
+            lease.settle(None)  # a no-op when settled by `_serve` or given back
+        if trace is not None:
+            trace.end(status)
         self.metrics.request_done(status)
 
     def _authenticate(self, auth: bytes | None) -> Tenant | None:
@@ -236,15 +276,21 @@ class Proxy:
         request_id: bytes,
         headers: list[tuple[bytes, bytes]],
         started: float,
+        lease: Lease | None = None,
+        trace: RequestTrace | None = None,
     ) -> int | str:
-        """The first attempt and the retries, until one instance answers."""
+        """The first attempt and the retries, until one instance answers; a limited tenant's
+        `lease` settled with the output tokens counted when the answer was relayed."""
         self.metrics.prompt_blocks.observe(len(request.block_hashes))
         key = self.fleet.new_key(request_id.decode("latin-1"))
         headers.append((b"x-request-id", key.encode()))
         if request.streamed:
             headers.append((b"x-kvherd-reattach", b"1"))
             headers.append((b"x-kvherd-token-ids", b"1"))
-        job = Job(key, request_id, request, headers, set(), started)
+        job = Job(key, request_id, request, headers, set(), started, trace=trace)
+        if lease is not None:
+            job.reply_headers = lease.headers()
+            job.count_output = True
         last_error: UpstreamError | None = None
         last_status: UpstreamStatus | None = None  # a 5xx, relayed if no instance answers
         vllm_raw: bytes | None = None  # the body asking vLLM for its token ids (continuation)
@@ -282,34 +328,38 @@ class Proxy:
             elif pull is not None:  # a vLLM with kvherd's connector: asked in the body
                 address, num_blocks = pull
                 payload = _with_vllm_pull(payload, address, num_blocks * self.fleet.block_size)
-            try:
-                if vllm_decode is not None:
-                    handoff = await self._prefill_on_vllm(job, attempt, vllm_decode)
-                    if handoff is not None:
-                        payload = _with_vllm_pull(payload, handoff, None)
-                        if request.streamed:
-                            first_byte = self._first_byte_deadline(attempt.instance)
-                upstream = await attempt.open(
-                    self.pool, request.path, sent, payload, first_byte, watch
-                )
-            except UpstreamStatus as exc:
-                last_status = exc
+            if trace is None:
+                outcome = await self._attempt(
+                    exchange, job, attempt, sent, payload, first_byte, watch, pull, decode,
+                    vllm_decode,
+                )  # fmt: skip
+            else:
+                with trace.span(
+                    "kvherd.attempt",
+                    **{"kvherd.attempt": attempt_no, "kvherd.instance": instance.instance_id},
+                ) as span:
+                    if decode is not None:
+                        span.add_event("kvherd.handoff", {"kvherd.decode": decode.instance_id})
+                    sent = [*sent, *trace.headers(span)]
+                    outcome = await self._attempt(
+                        exchange, job, attempt, sent, payload, first_byte, watch, pull, decode,
+                        vllm_decode,
+                    )  # fmt: skip
+                    trace.outcome(span, outcome)
+            if isinstance(outcome, UpstreamStatus):
+                last_status = outcome
                 continue
-            except UpstreamError as exc:
-                last_error = exc
-                log.warning("request %s: %s", key, exc)
+            if isinstance(outcome, UpstreamError):
+                last_error = outcome
+                log.warning("request %s: %s", key, outcome)
                 continue
-            if pull is not None:
-                self._note_pull(upstream.response.headers)
-            if upstream.chunks is not None and upstream.response.status == 200:
-                return await self.relay.stream(exchange, job, attempt, upstream)
-            if decode is not None and upstream.chunks is None:
-                pd.take_outcome(
-                    upstream.response, self.fleet, self.metrics, key, decode.instance_id
-                )
-            return await self.relay.plain(exchange, job, attempt, upstream)
+            if lease is not None:
+                lease.settle(job.output_tokens)
+            return outcome
         if last_status is not None and last_status.response.body is not None:
             status, body = last_status.response.status, last_status.response.body
+            if lease is not None:  # no instance served it
+                lease.give_back()
             exchange.respond(status, _json_headers(request_id), body)
             return status
         if isinstance(last_error, UpstreamTimeout):
@@ -317,6 +367,44 @@ class Proxy:
         if last_error is not None or last_status is not None or job.tried:
             raise OpenAIError(502, "no instance could serve the request", type="server_error")
         raise OpenAIError(503, "no instance is available", type="server_error")
+
+    async def _attempt(
+        self,
+        exchange: Exchange,
+        job: Job,
+        attempt: Attempt,
+        sent: list[tuple[bytes, bytes]],
+        payload: bytes,
+        first_byte: float | None,
+        watch: Any,
+        pull: tuple[str, int] | None,
+        decode: FleetInstance | None,
+        vllm_decode: FleetInstance | None,
+    ) -> int | str | UpstreamError:
+        """One attempt opened and, when it answers, relayed: the status relayed, or the error
+        to retry after (`UpstreamStatus` for a 5xx). With `vllm_decode`, the prefill runs here
+        first and the request then goes to that vLLM decode instance (`_prefill_on_vllm`)."""
+        try:
+            if vllm_decode is not None:
+                handoff = await self._prefill_on_vllm(job, attempt, vllm_decode)
+                if handoff is not None:
+                    payload = _with_vllm_pull(payload, handoff, None)
+                    if job.request.streamed:
+                        first_byte = self._first_byte_deadline(attempt.instance)
+            upstream = await attempt.open(
+                self.pool, job.request.path, sent, payload, first_byte, watch
+            )
+        except UpstreamError as exc:  # UpstreamStatus too
+            return exc
+        if pull is not None:
+            self._note_pull(upstream.response.headers)
+        if upstream.chunks is not None and upstream.response.status == 200:
+            return await self.relay.stream(exchange, job, attempt, upstream)
+        if decode is not None and upstream.chunks is None:
+            pd.take_outcome(
+                upstream.response, self.fleet, self.metrics, job.key, decode.instance_id
+            )
+        return await self.relay.plain(exchange, job, attempt, upstream)
 
     async def _dispatch(
         self,
@@ -330,7 +418,7 @@ class Proxy:
         serving the request's model; waiting for room in the admission queue), or None when no
         instance is left to try."""
         request = job.request
-        chosen = await self.admission.dispatch(
+        dispatching = self.admission.dispatch(
             job.key,
             num_tokens,
             request.block_hashes,
@@ -341,6 +429,13 @@ class Proxy:
             request.only if only is None else only,
             request.adapter,
         )
+        if job.trace is None:
+            chosen = await dispatching
+        else:
+            with job.trace.span("kvherd.route", **{"kvherd.prompt_tokens": num_tokens}) as span:
+                chosen = await dispatching
+                if chosen is not None:
+                    job.trace.route(span, chosen, self.fleet.last_routed)
         if chosen is None:
             return None
         instance, matched, queued = chosen
@@ -372,6 +467,28 @@ class Proxy:
             only = frozenset({on}) if allowed is None or on in allowed else frozenset()
         max_tokens = job.request.max_tokens
         left = max_tokens - done if isinstance(max_tokens, int) else None
+        if job.trace is None:
+            return await self._continue(job, continued, exclude, left, only, pull_from)
+        with job.trace.span("kvherd.continuation", **{"kvherd.tokens_done": done}) as span:
+            opened = await self._continue(
+                job, continued, exclude, left, only, pull_from, job.trace.headers(span)
+            )
+            span.set_attribute("kvherd.continued", opened is not None)
+            if opened is not None:
+                span.set_attribute("kvherd.instance", opened[0].instance.instance_id)
+            return opened
+
+    async def _continue(
+        self,
+        job: Job,
+        continued: Continued,
+        exclude: set[str],
+        left: int | None,
+        only: frozenset[str] | None,
+        pull_from: str | None,
+        traced: list[tuple[bytes, bytes]] | None = None,
+    ) -> tuple[Attempt, Upstream] | None:
+        done = continued.done
         try:
             attempt = await self._dispatch(job, job.request.num_tokens + done, left, exclude, only)
         except OpenAIError:
@@ -386,7 +503,8 @@ class Proxy:
             body = _with_vllm_pull(body, pull_from, None)
         path = continued.path or job.request.path
         try:
-            upstream = await attempt.open(self.pool, path, job.headers, body, first_byte)
+            sent = job.headers if traced is None else [*job.headers, *traced]
+            upstream = await attempt.open(self.pool, path, sent, body, first_byte)
             if upstream.response.status != 200 or upstream.chunks is None:
                 upstream.response.close()
                 error = UpstreamError(f"continuation refused: HTTP {upstream.response.status}")
@@ -489,7 +607,8 @@ def _respond_error(exchange: Exchange, exc: OpenAIError, request_id: bytes) -> N
     if exc.status == 405:
         headers.append((b"allow", b"POST"))
     elif isinstance(exc, Refused):
-        headers.append((b"retry-after", b"%d" % exc.retry_after_s))
+        if exc.retry_after_s is not None:
+            headers.append((b"retry-after", b"%d" % exc.retry_after_s))
         headers += exc.headers
     exchange.respond(exc.status, headers, _error_json(exc))
 

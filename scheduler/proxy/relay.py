@@ -14,16 +14,18 @@ Contract:
   destination (a fleet instance only) and relays that stream from the next token, as often as the
   request moves. A stream that breaks at a destination fails that destination; every instance
   but it, the former source included, may continue it.
-- Response headers: the upstream's, with ``X-Request-Id`` the client's, and ``X-Kvherd-Instance``
-  only with ``expose_instance``.
+- Response headers: the upstream's, with ``X-Request-Id`` the client's, ``X-Kvherd-Instance``
+  only with ``expose_instance``, and the job's `reply_headers` (a limited tenant's rate limits).
+  A job that `count_output` gets its `output_tokens` once relayed (the JSON's usage, the stream's
+  tokens).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 from urllib.parse import quote
 
@@ -47,6 +49,7 @@ from scheduler.proxy.stream_cuts import StreamCuts
 if TYPE_CHECKING:
     from kvherd.tokenizer import Tokenizer
     from scheduler.fleet import Fleet, FleetInstance
+    from scheduler.proxy.tracing import RequestTrace
 
 log = logging.getLogger("kvherd.proxy")
 
@@ -63,6 +66,10 @@ class Job:
     headers: list[tuple[bytes, bytes]]  # sent upstream
     tried: set[str]  # instances that served or failed it
     started: float  # perf_counter when its body began to be read (decision time)
+    reply_headers: list[tuple[bytes, bytes]] = field(default_factory=list)  # sent to the client
+    count_output: bool = False  # a rate-limited tenant's: count its output tokens
+    output_tokens: int | None = None  # counted once relayed (None: not counted, or unknown)
+    trace: RequestTrace | None = None  # its trace, when tracing is on
 
 
 class Continue(Protocol):
@@ -72,6 +79,16 @@ class Continue(Protocol):
     def __call__(
         self, job: Job, continued: Continued, on: str | None = None, pull_from: str | None = None
     ) -> Awaitable[tuple[Attempt, Upstream] | None]: ...
+
+
+def completion_tokens(body: bytes | None) -> int | None:
+    """``usage.completion_tokens`` of a JSON response (None when it names none)."""
+    try:
+        usage = orjson.loads(body or b"null")["usage"]
+        count = usage["completion_tokens"]
+    except (orjson.JSONDecodeError, TypeError, KeyError):
+        return None
+    return count if type(count) is int and count >= 0 else None
 
 
 def _split(data: bytes) -> tuple[bytes, bytes, bytes]:
@@ -124,6 +141,8 @@ class Relay:
         headers.append((b"x-request-id", job.request_id))
         if self.expose_instance:
             headers.append((b"x-kvherd-instance", instance.instance_id.encode()))
+        if job.reply_headers:
+            headers += job.reply_headers
         return headers
 
     async def plain(
@@ -136,6 +155,8 @@ class Relay:
             if upstream.chunks is None:
                 exchange.respond(response.status, headers, response.body or b"")
                 attempt.finish(ok)
+                if job.count_output:
+                    job.output_tokens = completion_tokens(response.body) if ok else 0
                 return response.status
             self.fleet.first_token(job.key)
             stream = self._follow_migrations(upstream.first, upstream.chunks, job, [])
@@ -161,16 +182,29 @@ class Relay:
         self, exchange: Exchange, job: Job, attempt: Attempt, upstream: Upstream
     ) -> int | str:
         """Relay a stream, continuing it on other instances while its instance is lost."""
-        response = upstream.response
-        status = response.status
-        exchange.start_stream(status, self._headers(response, job, attempt.instance))
-        self.fleet.first_token(job.key)
         if attempt.instance.spec.kvherd_agent:
             ledger = StreamLedger()
         else:
             ledger = StreamLedger.from_vllm(
                 job.request.body, job.request.chat, self.tokenizer.decode
             )
+        status = await self._stream(exchange, job, attempt, upstream, ledger)
+        if job.count_output:
+            job.output_tokens = ledger.output_tokens()
+        return status
+
+    async def _stream(
+        self,
+        exchange: Exchange,
+        job: Job,
+        attempt: Attempt,
+        upstream: Upstream,
+        ledger: StreamLedger,
+    ) -> int | str:
+        response = upstream.response
+        status = response.status
+        exchange.start_stream(status, self._headers(response, job, attempt.instance))
+        self.fleet.first_token(job.key)
         continuations = 0
         while True:
             cut = None  # the proxy's own migration of this (vLLM) stream, when one broke it
@@ -296,7 +330,14 @@ class Relay:
                         notice += chunk
                 if resumed is not None:
                     resumed.close()
-                resumed = await self._resume(notice, job.request_id, moved_to)
+                if job.trace is None:
+                    resumed = await self._resume(notice, job.request_id, moved_to)
+                else:
+                    with job.trace.span("kvherd.migration") as span:
+                        resumed = await self._resume(
+                            notice, job.request_id, moved_to, job.trace.headers(span)
+                        )
+                        span.set_attribute("kvherd.migrated_to", moved_to[-1])
                 if self.fleet.migration is not None:
                     self.fleet.migration.metrics.reattached.inc()
                 first, chunks = b"", resumed.iter_body()
@@ -308,7 +349,11 @@ class Relay:
         return next((i for i in self.fleet.instances.values() if i.url.rstrip("/") == url), None)
 
     async def _resume(
-        self, notice: bytes, request_id: bytes, moved_to: list[str]
+        self,
+        notice: bytes,
+        request_id: bytes,
+        moved_to: list[str],
+        traced: Sequence[tuple[bytes, bytes]] = (),  # the migration span's traceparent
     ) -> UpstreamResponse:
         """Open the destination's continuation of a migrated request's stream."""
         try:
@@ -326,6 +371,7 @@ class Relay:
             (b"x-request-id", request_id),
             (b"x-kvherd-reattach", b"1"),
             (b"x-kvherd-token-ids", b"1"),  # the token ledger, as the stream went out
+            *traced,
         ]
         if self.fleet_token:
             headers.append((b"authorization", b"Bearer " + self.fleet_token.encode()))

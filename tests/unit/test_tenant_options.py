@@ -26,7 +26,8 @@ def test_options_follow_the_key_and_tenant() -> None:
 
 @pytest.mark.parametrize(
     "spec",
-    ["k t weight=0", "k t weight=inf", "k t colour=red", "k t priority=x", "k t rpm=600",
+    ["k t weight=0", "k t weight=inf", "k t colour=red", "k t priority=x", "k t rpm=0",
+     "k t tpm=1.5", "k t rpm=-5", "k t rpm=1 rpm=2",
      "k t priority=1.5", "k t weight=1 weight=2", "k t extra"],
 )  # fmt: skip
 def test_a_bad_option_is_a_clear_error(spec: str) -> None:
