@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("scheduler.serve_cli", "run the KV-aware reverse proxy in front of a fleet"),
     "up": ("scheduler.up_cli", "start N local agents and the proxy in one command"),
     "sim": ("simulator.sim_cli", "simulate a trace on a fleet, policies side by side"),
+    "plan": ("simulator.plan_cli", "search the cheapest fleet that meets SLOs on a trace"),
     "replay": ("simulator.replay_cli", "replay a trace against an OpenAI-compatible endpoint"),
 }
 
