@@ -35,15 +35,12 @@ object; bodies are JSON; errors are ``{"error": {"message", "type", "param", "co
   YAML pipeline inside the operator's ``--policy-dir`` (`policies.registry.PolicyAllowList`). A
   spec that is refused (``os:system``, ``../../etc/passwd.yaml``) or does not load is a 400,
   nothing of it runs, and the old policy stays.
-<<<<<<< HEAD
 - ``GET /admin/v1/tenants``: each tenant's rate limits (``rpm``, ``tpm``; null: none) and what
   remains of them; ``PUT``/``POST /admin/v1/tenants/{name}/limits`` ``{"rpm": N|null, "tpm":
   N|null}``: change them at once (a field left out stays; null lifts it; what the tenant used in
   the last minute still counts); 404 for an unknown tenant, 400 for a limit not a positive int.
-=======
 - ``GET /dashboard``: the live page (`scheduler.proxy.dashboard`); a browser logs in with
   ``/dashboard?token=TOKEN``, whose cookie admits the page's own GETs only.
->>>>>>> ops
 """
 
 from __future__ import annotations
@@ -64,11 +61,8 @@ from scheduler.core.load_report import ROLES
 from scheduler.core.rate_limit import RateLimits
 from scheduler.fleet import Fleet, FleetError, InstanceSpec
 from scheduler.model_poller import ModelListError, parse_models
-<<<<<<< HEAD
-from scheduler.proxy.rate_gate import RateGate
-=======
 from scheduler.proxy.dashboard import Dashboard
->>>>>>> ops
+from scheduler.proxy.rate_gate import RateGate
 
 LOOPBACK_PATTERNS: tuple[str, ...] = ("127.0.0.0/8", "::1", "localhost")
 
