@@ -66,6 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="port of the block server other agents pull prefixes from (default: any free one)",
     )
     parser.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        metavar="URL",
+        help="export OpenTelemetry spans of each request's queue, prefill and decode here over "
+        "OTLP/HTTP (for requests that come with a traceparent; needs kvherd[tracing]); default off",
+    )
+    parser.add_argument(
         "--pull-timeout",
         type=float,
         default=10.0,
@@ -283,6 +290,17 @@ def run(args: argparse.Namespace) -> int:
         },
     )
     engine_loop = EngineLoop(engine, publisher=publisher, metrics=metrics)
+    if args.otlp_endpoint is not None:
+        from kvherd import otlp
+
+        try:
+            otlp.check_endpoint(args.otlp_endpoint)
+            from instance_agent.tracing import AgentTracing
+
+            engine_loop.tracing = AgentTracing(otlp.exporter(args.otlp_endpoint), instance_id)
+        except (ValueError, ImportError) as exc:
+            log.error("%s", exc)
+            return 2
     try:
         pulls = PrefixPulls(
             engine_loop, args.host, advertise_host, args.pull_port, args.pull_timeout
@@ -366,6 +384,8 @@ def run(args: argparse.Namespace) -> int:
         if publisher is not None:
             publisher.close()
         pulls.close()
+        if engine_loop.tracing is not None:
+            engine_loop.tracing.shutdown()
         engine.close()
     # Everything is closed; skip the interpreter's final garbage collection over the model and
     # the web stack, which takes seconds and only delays the exit an orchestrator waits for.

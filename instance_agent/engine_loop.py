@@ -48,6 +48,7 @@ from instance_agent.state import StepLatencyWindow
 
 if TYPE_CHECKING:
     from instance_agent.engine.llm_engine import LLMEngine, RequestOutput
+    from instance_agent.tracing import AgentTracing
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ class _Timing:
     arrival: float
     first_token: float | None = None
     last_token: float | None = None
+    scheduled: float | None = None  # its first step in the batch (noted while tracing)
 
 
 class RequestStream:
@@ -189,6 +191,7 @@ class EngineLoop:
         # Engine-thread state.
         self._streams: dict[str, RequestStream] = {}
         self._timings: dict[str, _Timing] = {}
+        self.tracing: AgentTracing | None = None  # spans of each request's life here, when on
         self._seen_queries = 0
         self._seen_hits = 0
         self._seen_preemptions = 0
@@ -436,6 +439,8 @@ class EngineLoop:
         self.engine.abort(request_id)
         del self._streams[request_id]
         self._timings.pop(request_id, None)
+        if self.tracing is not None:
+            self.tracing.forget(request_id)
         if self.metrics is not None:
             self.metrics.request_finished("abort")
         if notify:
@@ -462,6 +467,7 @@ class EngineLoop:
                 self._after_step()
                 return
             if self._has_work():
+                step_at = time.monotonic()
                 started = time.perf_counter()
                 try:
                     outputs = engine.step()
@@ -470,8 +476,18 @@ class EngineLoop:
                     self._fail_all(exc)
                     continue
                 self.step_latency.record(time.perf_counter() - started)
+                if self.tracing is not None:
+                    self._note_scheduled(step_at)
                 self._dispatch(outputs)
             self._after_step()
+
+    def _note_scheduled(self, step_at: float) -> None:
+        """The requests in this step's batch for the first time were scheduled at `step_at`."""
+        timings = self._timings
+        for request in self.engine.scheduler.running:
+            timing = timings.get(request.request_id)
+            if timing is not None and timing.scheduled is None:
+                timing.scheduled = step_at
 
     def _has_work(self) -> bool:
         # Suspended requests (mid-migration) are unfinished but not schedulable: no work then,
@@ -519,12 +535,26 @@ class EngineLoop:
                 if metrics is not None and timing is not None:
                     metrics.e2e_request_latency.observe(now - timing.arrival)
                     metrics.request_finished(output.finish_reason or "stop")
+                if self.tracing is not None and timing is not None:
+                    self._traced(output, timing, now)
         if detached:
             assert self._loop is not None
             with contextlib.suppress(RuntimeError):  # closed loop: nobody listens any more
                 self._loop.call_soon_threadsafe(self._announce_detached, detached)
         if items:
             self._deliver_threadsafe(items)
+
+    def _traced(self, output: RequestOutput, timing: _Timing, now: float) -> None:
+        assert self.tracing is not None
+        self.tracing.finished(
+            output.request_id, timing.arrival, timing.scheduled, timing.first_token, now,
+            {
+                "kvherd.prompt_tokens": output.num_prompt_tokens,
+                "kvherd.cached_tokens": output.num_cached_tokens,
+                "kvherd.output_tokens": len(output.output_token_ids),
+                "kvherd.finish_reason": output.finish_reason or "",
+            },
+        )  # fmt: skip
 
     def _after_step(self) -> None:
         batch = self.engine.take_kv_event_batch()

@@ -443,6 +443,10 @@ async def _generate(
             code="invalid_fleet_token",
         )
         return _error_response(refusal, headers)
+    tracing = agent.engine_loop.tracing
+    if tracing is not None:
+        traceparent = request.headers.get("traceparent")
+        tracing.begin(request_id, traceparent, request.headers.get("tracestate"))
     try:
         if body.kvherd_continuation is not None and not body.stream:
             raise bad_request("only a streamed request can be continued", "kvherd_continuation")
@@ -451,14 +455,20 @@ async def _generate(
         if meta.pulled is not None:
             headers[PULL_OUTCOME_HEADER] = meta.pulled.header()
     except OpenAIError as exc:
-        return _error_response(exc, headers)
+        refused: OpenAIError | None = exc
     except InvalidRequestError as exc:
         followed = await _follow_continued(agent, body, request_id, exc)
-        if followed is None:
-            return _error_response(protocol.from_invalid_request(exc), headers)
-        stream, meta = followed
+        refused = protocol.from_invalid_request(exc) if followed is None else None
+        if followed is not None:
+            stream, meta = followed
     except EngineDeadError as exc:
-        return _error_response(OpenAIError(500, str(exc), type="server_error"), headers)
+        refused = OpenAIError(500, str(exc), type="server_error")
+    else:
+        refused = None
+    if refused is not None:
+        if tracing is not None:
+            tracing.forget(request_id)
+        return _error_response(refused, headers)
     handoff = None
     if handoff_dst and agent.handoffs is not None:
         handoff = agent.handoffs.start(stream, handoff_dst, *meta.admitted)

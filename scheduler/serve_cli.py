@@ -39,7 +39,6 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 from scheduler.admission_flags import add_admission_arguments, admission_settings
 
@@ -281,15 +280,15 @@ def _tracing(url: str | None) -> Any:
     for a URL that is not http(s) or without the OpenTelemetry packages."""
     if url is None:
         return None
-    if not url.startswith(("http://", "https://")) or not urlsplit(url).hostname:
-        raise ValueError(f"--otlp-endpoint must be an http(s):// URL, got {url!r}")
+    from kvherd import otlp
+
+    otlp.check_endpoint(url)
     try:
-        from scheduler.proxy.tracing import Tracing, otlp_exporter
+        from scheduler.proxy.tracing import Tracing
+
+        return Tracing(otlp.exporter(url))
     except ImportError as exc:
-        raise ValueError(
-            f"--otlp-endpoint needs the OpenTelemetry packages (pip install 'kvherd[tracing]'): {exc}"
-        ) from None
-    return Tracing(otlp_exporter(url))
+        raise ValueError(str(exc)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -3,8 +3,8 @@
 Contract:
 - Off, the proxy holds no `Tracing`: each site is one ``is None`` check, no span is made, and a
   client's W3C ``traceparent``/``tracestate`` go to the instances unchanged.
-- `Tracing(exporter)` (`otlp_exporter(url)`: OTLP/HTTP protobuf to ``URL`` ending in
-  ``/v1/traces``, batched off the event loop) makes each request one trace: `request(...)` a
+- `Tracing(exporter)` (`kvherd.otlp.exporter(url)`: OTLP/HTTP protobuf, batched off the event
+  loop) makes each request one trace: `request(...)` a
   ``kvherd.request`` server span, the child of the client's ``traceparent`` when it sent a valid
   one. Its children (`RequestTrace.span`, ended on every path, ERROR with the exception's
   message when one escapes): ``kvherd.admission`` (rate limits and admission), ``kvherd.route``
@@ -28,22 +28,13 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from kvherd.otlp import remote_parent
 from scheduler.core.router import Routed
 from scheduler.fleet import FleetInstance
 from scheduler.proxy.attempt import UpstreamStatus
 from scheduler.proxy.forwarding import UpstreamError
 
 _PROPAGATOR = TraceContextTextMapPropagator()
-
-
-def otlp_exporter(url: str) -> SpanExporter:
-    """OTLP/HTTP protobuf to `url` (``/v1/traces`` appended unless it ends so)."""
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-    url = url.rstrip("/")
-    if not url.endswith("/v1/traces"):
-        url += "/v1/traces"
-    return OTLPSpanExporter(endpoint=url, timeout=5)
 
 
 class Tracing:
@@ -58,12 +49,10 @@ class Tracing:
     def request(
         self, path: bytes, request_id: bytes, traceparent: bytes | None, tracestate: bytes | None
     ) -> RequestTrace:
-        parent = None
-        if traceparent is not None:
-            carrier = {"traceparent": traceparent.decode("latin-1")}
-            if tracestate is not None:
-                carrier["tracestate"] = tracestate.decode("latin-1")
-            parent = _PROPAGATOR.extract(carrier)
+        parent = remote_parent(
+            None if traceparent is None else traceparent.decode("latin-1"),
+            None if tracestate is None else tracestate.decode("latin-1"),
+        )
         root = self.tracer.start_span(
             "kvherd.request",
             context=parent,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -112,12 +113,15 @@ def receiver() -> Iterator[tuple[str, list[ExportTraceServiceRequest]]]:
         server.server_close()
 
 
-def test_serve_exports_its_spans_to_an_otlp_receiver(
+def test_serve_and_agent_export_one_trace_to_an_otlp_receiver(
     receiver: tuple[str, list[ExportTraceServiceRequest]],
 ) -> None:
+    """The proxy's spans and the agent's (`instance_agent.tracing`: the request's queue,
+    prefill and decode there) form one trace: the agent's request span is the child of the
+    proxy's attempt, whose ``traceparent`` it got."""
     url, got = receiver
     with (
-        agent_process() as agent,
+        agent_process("--otlp-endpoint", url) as agent,
         serve_process([agent.instance_spec()], "--otlp-endpoint", url) as served,
     ):
         client = openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0)
@@ -126,18 +130,34 @@ def test_serve_exports_its_spans_to_an_otlp_receiver(
             extra_headers={"traceparent": TRACEPARENT},
         )  # fmt: skip
         assert completion.choices
-    # serve flushed its batch on the way out (SIGTERM)
+    # serve and the agent flushed their batches on the way out (SIGTERM)
     spans = [
-        (span.name, span.trace_id.hex(), resource.resource)
+        (span, {a.key: a.value.string_value for a in resource.resource.attributes})
         for request in got
         for resource in request.resource_spans
         for scope in resource.scope_spans
         for span in scope.spans
+        if span.trace_id.hex() == TRACE_ID
     ]
-    names = {name for name, trace_id, _ in spans if trace_id == TRACE_ID}
-    assert names == {"kvherd.request", "kvherd.admission", "kvherd.route", "kvherd.attempt"}
-    service = {a.key: a.value.string_value for a in spans[0][2].attributes}["service.name"]
-    assert service == "kvherd-proxy"
+    by_name = {span.name: (span, resource) for span, resource in spans}
+    proxy = {"kvherd.request", "kvherd.admission", "kvherd.route", "kvherd.attempt"}
+    here = {"kvherd.agent.request", "kvherd.agent.queue", "kvherd.agent.prefill"}
+    assert set(by_name) == proxy | here | {"kvherd.agent.decode"}, set(by_name)
+    assert {by_name[n][1]["service.name"] for n in proxy} == {"kvherd-proxy"}
+    assert by_name["kvherd.agent.request"][1]["service.name"] == "kvherd-agent"
+    attempt, request = by_name["kvherd.attempt"][0], by_name["kvherd.agent.request"][0]
+    assert request.parent_span_id == attempt.span_id
+    phases = [by_name[f"kvherd.agent.{n}"][0] for n in ("queue", "prefill", "decode")]
+    assert all(p.parent_span_id == request.span_id for p in phases)
+    assert request.start_time_unix_nano <= phases[0].start_time_unix_nano
+    for before, after in itertools.pairwise(phases):
+        assert before.end_time_unix_nano <= after.start_time_unix_nano + 1_000  # 1 us rounding
+    assert phases[-1].end_time_unix_nano <= request.end_time_unix_nano
+    tokens = {a.key: a.value.int_value for a in request.attributes if a.value.HasField("int_value")}
+    assert (
+        tokens["kvherd.prompt_tokens"] == len(BODY["prompt"])
+        and tokens["kvherd.output_tokens"] == 4
+    )
 
 
 @pytest.mark.parametrize("url", ["ftp://collector:4318", "collector:4318", "http://"])
