@@ -2,7 +2,8 @@
 
 Contract: answers ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON, or SSE when the
 body has ``"stream": true``) with a fixed short completion, ``GET /v1/models`` and ``GET /health``,
-over HTTP/1.1 keep-alive; with ``--queued N`` also ``GET /metrics`` in vLLM's names, saying N
+over HTTP/1.1 keep-alive, and takes ``POST /v1/traces`` (an OTLP/HTTP sink: 200, body ignored);
+with ``--queued N`` also ``GET /metrics`` in vLLM's names, saying N
 requests wait (a backend that looks saturated to admission: bench/refusal_cost.py). It does no
 model work at all, so a benchmark in front of it measures the proxy's own cost. It is a plain
 asyncio protocol (uvloop when installed) rather than a web framework, because a framework's
@@ -81,6 +82,7 @@ _RESPONSES = {
     b"/v1/chat/completions": _response(b"200 OK", _CHAT),
     b"/v1/models": _response(b"200 OK", _MODELS),
     b"/health": _response(b"200 OK", b""),
+    b"/v1/traces": _response(b"200 OK", b"", b"application/x-protobuf"),
 }
 _STREAM = _response(b"200 OK", _SSE, b"text/event-stream")
 _MISSING = _response(b"404 Not Found", _NOT_FOUND)

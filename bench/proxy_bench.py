@@ -24,7 +24,9 @@ Prints the tables side by side and checks the targets: kvherd adds <= 1 ms at p5
 nginx adds, and sustains >= 1,000 req/s.
 
 Run: ``python bench/proxy_bench.py`` (``--policy round_robin`` to isolate forwarding from routing;
-``--json FILE`` to keep the figures, per round included). Every child process is stopped on exit.
+``--traced`` adds a second kvherd with ``--otlp-endpoint`` (every request traced, exported to a
+fast backend taking ``/v1/traces``): tracing's cost beside the untraced one; ``--json FILE`` to keep
+the figures, per round included). Every child process is stopped on exit.
 """
 
 from __future__ import annotations
@@ -411,6 +413,14 @@ def report(results: list[Result], args: argparse.Namespace) -> dict[str, bool]:
             ("under load", kv.load_added.p50, ng.load_added.p50),
         ):
             checks[f"kvherd adds <= 3x nginx at p50 ({phase})"] = kv_added <= 3 * max(ng_added, 0)
+    traced = by_name.get("traced")
+    if traced is not None and traced.seq_added is not None and traced.load_added is not None:
+        print(
+            f"tracing on/off: added p50 sequential {traced.seq_added.p50 - kv.seq_added.p50:+.3f} "
+            f"ms, under load {traced.load_added.p50 - kv.load_added.p50:+.3f} ms; CPU per "
+            f"request {traced.cpu_us / kv.cpu_us:.2f}x; req/s "
+            f"{statistics.median(traced.rps) / statistics.median(kv.rps):.2f}x"
+        )
     for name, ok in checks.items():
         print(f"  [{'ok' if ok else 'MISS'}] {name}")
     return checks
@@ -430,6 +440,7 @@ def main() -> int:
     parser.add_argument("--throughput-rounds", type=int, default=3)
     parser.add_argument("--json", default=None, help="also write the figures here")
     parser.add_argument("--no-nginx", action="store_true")
+    parser.add_argument("--traced", action="store_true", help="also kvherd with tracing on")
     parser.add_argument(
         "--kvherd-arg", action="append", default=[], help="extra kvherd serve flag; repeatable"
     )
@@ -480,6 +491,22 @@ def main() -> int:
             Target("direct", backends[0], procs[0].pid),
             Target("kvherd", proxy_port, procs[-1].pid),
         ]
+        if args.traced:
+            sink = free_port()  # the span exporter's collector: another fast backend
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(ROOT / "bench" / "fast_backend.py"), "--port", str(sink)],
+                    stdout=subprocess.DEVNULL,
+                )
+            )
+            wait_port(sink, procs[-1])
+            traced_port, traced_admin = free_port(), free_port()
+            traced = [*cmd, "--otlp-endpoint", f"http://127.0.0.1:{sink}"]
+            traced[traced.index(str(proxy_port))] = str(traced_port)
+            traced[traced.index(str(admin_port))] = str(traced_admin)
+            procs.append(subprocess.Popen(traced, env=env, cwd=ROOT))
+            wait_port(traced_port, procs[-1])
+            targets.append(Target("traced", traced_port, procs[-1].pid))
         if not args.no_nginx:
             nginx_port = free_port()
             conf = nginx_config(tmp, nginx_port, backends)
