@@ -3,14 +3,15 @@
 Contract:
 - Off, the proxy holds no `Tracing`: each site is one ``is None`` check, no span is made, and a
   client's W3C ``traceparent``/``tracestate`` go to the instances unchanged.
-- `Tracing(exporter)` (`kvherd.otlp.exporter(url)`: OTLP/HTTP protobuf, batched off the event
-  loop) makes each request one trace: `request(...)` a
-  ``kvherd.request`` server span, the child of the client's ``traceparent`` when it sent a valid
-  one. Its children (`RequestTrace.span`, ended on every path, ERROR with the exception's
-  message when one escapes): ``kvherd.admission`` (rate limits and admission), ``kvherd.route``
-  (chosen instance, matched blocks, the policy's reason and each candidate's score, whether it
-  queued), ``kvherd.attempt`` per attempt (instance, status; a P/D handoff an event naming the
-  decode instance), ``kvherd.continuation``, ``kvherd.migration`` (destination).
+- `Tracing(exporter, sample_ratio=R)` (`kvherd.otlp.exporter(url)`: OTLP/HTTP protobuf, batched
+  off the event loop; a client's sampled flag is kept, other requests traced at ratio R) makes
+  each request one trace: `request(...)` a ``kvherd.request`` server span, the child of the
+  client's ``traceparent`` when it sent a valid one. Its children (`RequestTrace.span`, ended on
+  every path, ERROR with the exception's message when one escapes): ``kvherd.admission`` (rate
+  limits and admission), ``kvherd.route`` (chosen instance, matched blocks, the policy's reason
+  and each candidate's score, whether it queued), ``kvherd.attempt`` per attempt (instance,
+  status; a P/D handoff an event naming the decode instance), ``kvherd.continuation``,
+  ``kvherd.migration`` (destination).
 - `headers(span)`: the ``traceparent`` (and ``tracestate``) naming `span`, sent to the instance
   it covers (vLLM and kvherd agents read it). `shutdown()` flushes what is left.
 """
@@ -25,6 +26,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -39,9 +41,17 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 
 class Tracing:
     def __init__(
-        self, exporter: SpanExporter, batch: bool = True, service_name: str = "kvherd-proxy"
+        self,
+        exporter: SpanExporter,
+        batch: bool = True,
+        service_name: str = "kvherd-proxy",
+        sample_ratio: float = 1.0,
     ) -> None:
-        self.provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+        # A client's sampled flag is kept; other requests are traced at `sample_ratio`.
+        sampler = ParentBased(TraceIdRatioBased(sample_ratio))
+        self.provider = TracerProvider(
+            resource=Resource.create({"service.name": service_name}), sampler=sampler
+        )
         processor = BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter)
         self.provider.add_span_processor(processor)
         self.tracer = self.provider.get_tracer("kvherd.proxy")

@@ -164,3 +164,22 @@ def test_serve_and_agent_export_one_trace_to_an_otlp_receiver(
 def test_a_bad_otlp_endpoint_is_a_cli_error(url: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--admin-token", "t", "--otlp-endpoint", url]) == 2
     assert "--otlp-endpoint must be an http(s):// URL" in capsys.readouterr().err
+
+
+def test_a_sample_ratio_of_zero_traces_only_the_clients_sampled_requests() -> None:
+    """``--otlp-sample-ratio 0``: a request without a ``traceparent`` makes no span; one whose
+    client sampled it is traced still (its flag is kept)."""
+    exporter = InMemorySpanExporter()
+    tracing = Tracing(exporter, batch=False, sample_ratio=0.0)
+    dropped = tracing.request(b"/v1/completions", b"r1", None, None)
+    dropped.end(200)
+    kept = tracing.request(b"/v1/completions", b"r2", TRACEPARENT.encode(), None)
+    kept.end(200)
+    names = [(s.name, f"{s.context.trace_id:032x}") for s in exporter.get_finished_spans()]
+    assert names == [("kvherd.request", TRACE_ID)]
+
+
+def test_a_sample_ratio_outside_0_1_is_a_cli_error(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["serve", "--admin-token", "t", "--otlp-endpoint", "http://c:4318"]
+    assert main([*args, "--otlp-sample-ratio", "1.5"]) == 2
+    assert "--otlp-sample-ratio must be in [0, 1]" in capsys.readouterr().err
