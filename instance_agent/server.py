@@ -147,6 +147,9 @@ class Agent:
                 tiers=engine.tier_usage(),
             )
             state["pull_address"] = None if self.pulls is None else self.pulls.address
+            # Its adapters are all resident (loaded at start), each in a slot of its own.
+            state["active_adapters"] = sorted(engine.lora_adapters)
+            state["lora_slots"] = engine.config.max_loras or len(engine.lora_adapters)
             if check_integrity:
                 try:
                     engine.block_manager.check_integrity()

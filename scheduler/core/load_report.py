@@ -184,8 +184,15 @@ def parse_agent_state(obj: Any) -> LoadReport:
     role = obj.get("role")
     if role is not None and role not in ROLES:
         raise LoadReportError(f"'role' must be one of {', '.join(ROLES)}, got {role!r:.40}")
+    adapters = obj.get("active_adapters")
+    if adapters is not None and (
+        not isinstance(adapters, list) or not all(isinstance(a, str) for a in adapters)
+    ):
+        raise LoadReportError("'active_adapters' must be a list of adapter names")
     return LoadReport(
         tiers=_tiers(obj.get("tiers")),
+        active_adapters=None if adapters is None else tuple(adapters),
+        lora_slots=_int(obj, "lora_slots"),
         num_running=len(running) if running is not None else _int(obj, "num_running"),
         num_waiting=len(waiting_list) if waiting_list is not None else _int(obj, "num_waiting"),
         kv_usage=None if usage is None else float(usage),

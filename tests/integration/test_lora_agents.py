@@ -32,6 +32,7 @@ from instance_agent.migration_routes import (
     create_migration_router,
 )
 from instance_agent.server import Agent, create_app
+from scheduler.core.load_report import parse_agent_state
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -102,6 +103,9 @@ async def test_models_404_and_adapter_requests(adapters: dict[str, str]) -> None
             ("A", "tiny", adapters["A"]),
             ("B", "tiny", adapters["B"]),
         ]
+        # The load report says which adapters it holds, for the proxy's LoRA affinity.
+        report = parse_agent_state((await client.get(f"{agent.url}/kvherd/v1/state")).json())
+        assert report.active_adapters == ("A", "B") and report.lora_slots == 2
         missing = await client.post(f"{agent.url}/v1/completions", json=_body("C", 4, False))
         assert missing.status_code == 404
         assert missing.json()["error"] == {  # vLLM's own answer, byte for byte
