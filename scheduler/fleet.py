@@ -635,6 +635,8 @@ class Fleet:
         self.last_routed = routed
         if routed.decode_id is not None:
             self._handoffs[key] = routed.decode_id
+        if routed.tier_blocks:
+            self.metrics.tier_hits(routed.tier_blocks)
         pull = routed.pull
         if pull is not None:
             self.metrics.pull_decided(pull.action.value)

@@ -69,6 +69,7 @@ class Routed:
     matched_blocks: int  # leading blocks the chosen instance caches, as the index believes
     decode_id: str | None = None  # P/D: hand the request to this instance after its first token
     pull: PullChoice | None = None  # the prefix-pull choice, where a holder was worth a look
+    tier_blocks: tuple[int, ...] = ()  # its hits per tier (`policies.views.TIERS`), when tiered
 
     @property
     def instance_id(self) -> str:
@@ -160,10 +161,11 @@ class Router:
             )
         matched = view.prefix_match_of(request, decision.instance_id)
         cached = matched
+        tier_blocks: tuple[int, ...] = ()
         if self.cluster.prefix_index.has_lower_tiers():  # lower-tier hits load, never prefill
-            cached = int(
-                view.prefix_match_tiers(request)[:, view.index_of(decision.instance_id)].sum()
-            )
+            column = view.prefix_match_tiers(request)[:, view.index_of(decision.instance_id)]
+            tier_blocks = tuple(int(n) for n in column)
+            cached = sum(tier_blocks)
         if pull is not None and pull.action is PullAction.PULL:  # cached once the pull lands
             cached = pull.first_block + pull.num_blocks
         cached_tokens = min(num_tokens, cached * self.cluster.block_size)
@@ -176,7 +178,7 @@ class Router:
             self._decode_of[request_id] = decode_id
             self.cluster.get(decode_id).incoming.add(request_id)
             self.cluster.touch(decode_id)
-        return Routed(decision, request, matched, decode_id, pull)
+        return Routed(decision, request, matched, decode_id, pull, tier_blocks)
 
     def choose(self, request: RequestView, now: float, only: frozenset[str] | None) -> Decision:
         """The dispatch policy's pick among `only`, charging nothing (where to load an adapter

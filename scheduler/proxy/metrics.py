@@ -37,6 +37,9 @@ Contract (what ``GET /metrics`` on the proxy exposes):
   (KV bytes sent per handoff), and
   ``kvherd_pd_handoff_blocks_total{kind}`` (``sent``, ``deduplicated``: already cached on the
   decode instance, not sent; ``kvherd_pd_handoff_skipped_bytes_total`` their bytes).
+- ``kvherd_routed_hit_blocks_total{medium}``: prompt blocks the chosen instance holds, per KV tier
+  (``GPU``, ``CPU``, ``STORAGE``), summed over the decisions (once some instance reports a tier
+  below its GPU pool).
 - Prefix pulls (``--prefix-pull``): ``kvherd_prefix_pull_decisions_total{action}`` (the router's
   ``recompute``/``route``/``pull`` where a holder was worth a look), ``kvherd_prefix_pulls_total
   {outcome}`` (what the chosen agent reported: ``landed``, ``partial``, ``nothing_to_pull``,
@@ -63,6 +66,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
+
+from policies.views import TIERS
 
 _DECISION_BUCKETS = (
     0.00005,
@@ -220,6 +225,10 @@ class ProxyMetrics:
             registry=r,
         )
 
+        self._tier_hits = Counter(
+            "kvherd_routed_hit_blocks", "Prompt blocks the chosen instance holds, per KV tier",
+            ["medium"], registry=r,
+        )  # fmt: skip
         self._pull_decisions = Counter(
             "kvherd_prefix_pull_decisions", "Prefix-pull decisions by action", ["action"],
             registry=r,
@@ -234,6 +243,12 @@ class ProxyMetrics:
         self._pull_seconds = Counter(
             "kvherd_prefix_pull_seconds", "Seconds the agents spent pulling", registry=r
         )
+
+    def tier_hits(self, blocks: tuple[int, ...]) -> None:
+        """One decision's hit blocks per tier (`policies.views.TIERS` order)."""
+        for medium, count in zip(TIERS, blocks, strict=False):
+            if count:
+                self._tier_hits.labels(medium=medium).inc(count)
 
     def pull_decided(self, action: str) -> None:
         self._pull_decisions.labels(action=action).inc()

@@ -131,3 +131,25 @@ def test_cluster_view_reports_depth_per_tier() -> None:
     assert view.prefix_match_array(request).tolist() == [3.0, 0.0, 0.0]
     assert view.prefix_match_tiers(request).tolist() == [[3, 0, 0], [2, 0, 0], [0, 6, 0]]
     assert dict(view.prefix_match(request)) == {"a": 3}
+
+
+def test_a_routing_decision_reports_its_hits_per_tier() -> None:
+    """`Routed.tier_blocks` (the proxy's ``kvherd_routed_hit_blocks_total{medium}``): the chosen
+    instance's hits per tier; empty while no instance reports a lower tier."""
+    from policies import load_dispatch_policy
+    from scheduler.core.router import Router
+
+    chain = kv_chain()
+
+    def routed(*events: BlockStored) -> tuple[tuple[int, ...], int]:
+        cluster = ClusterState(block_size=BS)
+        cluster.add_instance("a", has_kv_events=True, trust_engine_hashes=True)
+        cluster.apply_kv_events("a", list(events))
+        router = Router(cluster, load_dispatch_policy("kvherd"))
+        got = router.route("r", now=0.0, num_tokens=len(PROMPT), block_hashes=chain)
+        return got.tier_blocks, got.matched_blocks
+
+    gpu = BlockStored(chain[:3], None, PROMPT[:12], BS)
+    assert routed(gpu) == ((), 3)
+    cpu = BlockStored(chain[3:5], chain[2], PROMPT[12:20], BS, medium="CPU")
+    assert routed(gpu, cpu) == ((3, 2, 0), 3)
