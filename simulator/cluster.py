@@ -333,6 +333,8 @@ class SimCluster:
         self._on_progress = on_progress
         self.load_times: list[float] = []
         self.load_samples: dict[str, list[int]] = {iid: [] for iid in self.instances}
+        self.waiting_samples: dict[str, list[int]] = {iid: [] for iid in self.instances}
+        self.kv_use_samples: dict[str, list[float]] = {iid: [] for iid in self.instances}
         self.admission: SimAdmission[tuple[Request, TraceRequest, float]] | None = None
         if config.admission is not None:
             self.admission = SimAdmission(
@@ -361,7 +363,7 @@ class SimCluster:
         sample_interval = self.config.sample_interval_s or max(trace.duration_s / 400.0, 0.05)
         # Reports read running views (which a decode run moves) only for migration policies;
         # otherwise what they read is replayed from the run (`SimInstance.pool_at`). Samples read
-        # queue lengths, which a decode run never changes.
+        # queue lengths, which a decode run never changes, and the replayed pool.
         self._periodic = [
             _Periodic(
                 loop,
@@ -779,10 +781,14 @@ class SimCluster:
         self.state.apply_report(instance_id, report, self.loop.now, taken_at)
 
     def _sample_tick(self) -> bool:
-        self.load_times.append(self.loop.now)
+        now = self.loop.now
+        self.load_times.append(now)
         for iid, inst in self.instances.items():
             sched = inst.scheduler
             self.load_samples[iid].append(sched.num_running + sched.num_waiting)
+            self.waiting_samples[iid].append(sched.num_waiting)
+            free, _ = inst.pool_at(now)
+            self.kv_use_samples[iid].append(1.0 - free / inst.block_manager.num_blocks)
         return self._fleet_busy()
 
     # -- migration -------------------------------------------------------------------------------

@@ -100,7 +100,10 @@ class SimResult:
     summary: dict[str, Any]
     columns: dict[str, np.ndarray]
     load_times: list[float]
-    load_samples: dict[str, list[int]]
+    load_samples: dict[str, list[int]]  # per instance at load_times: running + waiting
+    waiting_samples: dict[str, list[int]]
+    kv_use_samples: dict[str, list[float]]  # share of GPU KV blocks in use
+    refused_arrivals: list[float]  # arrival times of the requests admission refused (429)
     migration: MigrationStats
     wall_s: float
     num_steps: int
@@ -172,6 +175,9 @@ def run_policy(
         columns=metrics.columns(),
         load_times=cluster.load_times,
         load_samples=cluster.load_samples,
+        waiting_samples=cluster.waiting_samples,
+        kv_use_samples=cluster.kv_use_samples,
+        refused_arrivals=list(metrics.refused_arrivals),
         migration=stats,
         wall_s=wall,
         num_steps=sum(inst.num_steps for inst in cluster.instances.values()),

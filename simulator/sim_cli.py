@@ -2,9 +2,10 @@
 
 Every policy runs on the same arrivals (a fresh fleet each). Prints a markdown table to stdout and
 writes `summary.json`, `summary.csv`, `requests_<policy>.csv`, `ttft_cdf.png` and
-`load_<policy>.png` to --out. Bad traces, latency-model specs or policy names exit with status 2 and
-one clear line on stderr (no traceback). Deterministic for a seed: run times go to `timing.json`, not
-`summary.json`, so two runs with the same seed write identical summaries. The fleet's host (request
+`load_<policy>.png` to --out, and with --html FILE one page of charts (`simulator.html_report`).
+Bad traces, latency-model specs or policy names exit with status 2 and one clear line on stderr.
+Deterministic for a seed: run times go to `timing.json`, not `summary.json`, so two runs with the
+same seed write identical summaries. The fleet's host (request
 path, co-location: `simulator.host_model.HostModel`) is the `--profile` file's host section, each
 host flag given overriding its knob; `summary.json` records the host simulated. With `--admission`
 the proxy's admission (`simulator.admission`: the same core and flags as `kvherd serve`) refuses
@@ -215,6 +216,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", required=True, type=Path, help="output directory")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument(
+        "--html",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="also write the report as one self-contained HTML page of charts",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument(
         "--jobs", type=int, default=1, help="policies simulated in parallel processes (default 1)"
@@ -547,6 +555,10 @@ def _simulate(
     (out / "timing.json").write_text(json.dumps(timing, indent=2) + "\n")
     if not args.no_plots:
         report.plot_ttft_cdf(out, ttfts)
+    if args.html is not None:
+        from simulator.html_report import write_html
+
+        write_html(args.html, meta, finished)
     fleet = f"{meta['instances']} instances"
     if "prefill_instances" in meta:
         fleet = (

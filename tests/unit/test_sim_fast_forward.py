@@ -139,6 +139,7 @@ def test_fast_forward_gives_identical_results(policy: str, num_blocks: int) -> N
     assert slow.metrics.itl.counts.tolist() == fast.metrics.itl.counts.tolist()
     assert fast_events == slow_events
     assert fast.load_times == slow.load_times and fast.load_samples == slow.load_samples
+    assert fast.kv_use_samples == slow.kv_use_samples
     for iid, inst in slow.instances.items():
         twin = fast.instances[iid]
         assert (twin.num_steps, twin.busy_time) == (inst.num_steps, inst.busy_time)
