@@ -236,7 +236,10 @@ def test_registration_heartbeat_reregistration_and_deregistration() -> None:
                 "model": "tiny",
                 "block_size": 16,
                 "role": "mixed",  # its P/D role (kvherd agent --role)
+                # its block server, which other agents pull prefixes from
+                "pull_address": httpx.get(f"{agent.url}/kvherd/v1/state").json()["pull_address"],
             }
+            assert body["pull_address"].startswith("tcp://127.0.0.1:")
             beat = next(b for m, p, b, _ in fake_scheduler.calls if p.endswith("/heartbeat"))
             assert beat["instance_id"] == "agent-a" and beat["num_running"] == 0
             assert beat["draining"] is False and "freeness" in beat
