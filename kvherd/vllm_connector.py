@@ -390,7 +390,8 @@ class KvherdConnector(KVConnectorBase_V1):
                 block_hash = bytes(request.block_hashes[i])
                 block_meta = self._block_meta(request, i) if self._host_tier else b""
                 self._mirror_put(block_hash, block_meta)
-                meta.saves.append((block_hash, block_ids[i], block_meta * bool(self._disk_index)))
+                kept = block_meta if self._disk_index is not None else b""  # only disk needs it
+                meta.saves.append((block_hash, block_ids[i], kept))
             tracked.saved_blocks = full
         return meta
 
