@@ -75,7 +75,7 @@ def _read_manifest(directory: Path) -> dict[str, str] | None:
 def _scan(fd: int, capacity_blocks: int, slot_bytes: int, head: int) -> Iterator[tuple[int, _Slot]]:
     for i in range(capacity_blocks):
         raw = os.pread(fd, head, i * slot_bytes)
-        if len(raw) == head and raw[:4] == _MAGIC and (slot := _unpack_header(raw)) is not None:
+        if len(raw) == head and (slot := _unpack_header(raw)) is not None:
             yield i, slot
 
 
@@ -162,10 +162,6 @@ class DiskStore:
 
     def __len__(self) -> int:
         return len(self._where)
-
-    def __contains__(self, block_hash: object) -> bool:
-        with self._lock:
-            return block_hash in self._where
 
     def put(self, block_hash: bytes, meta: bytes, block: bytes) -> tuple[bool, list[bytes]]:
         """Add or touch `block_hash` (its `meta` and `block` are written when it is new)."""
