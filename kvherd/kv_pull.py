@@ -3,7 +3,8 @@
 Contract:
 - `BlockStore(capacity_blocks)`: block hash (bytes) -> one block's KV bytes (every layer, one
   layout), LRU by put, never above its capacity; thread-safe. `prefix(hashes)` is the longest
-  stored prefix. `BlockIndex(capacity_blocks)` is the same policy on hashes alone: a mirror.
+  stored prefix; `put` returns what it evicted, `touch` is a put of a held hash without its bytes.
+  `BlockIndex(capacity_blocks)` is the same policy on hashes alone: a mirror.
 - `BlockServer(source, layout, host, port)` serves any `BlockSource` (a `BlockStore`, an engine's
   cache) and answers each connection's one request (a frame: the
   layout key and up to `MAX_PULL_BLOCKS` hashes) with a header (``count`` blocks it holds, in
@@ -44,7 +45,12 @@ PULL_OUTCOMES = ("landed", "partial", "nothing_to_pull", "no_room", "failed")
 
 
 class PullError(Exception):
-    """A pull that did not deliver what it asked for; the caller recomputes."""
+    """A pull that did not deliver what it asked for; the caller recomputes. `reason` is a
+    metric label: timeout, stream_cut, refused, protocol, unreachable (or the caller's own)."""
+
+    def __init__(self, message: str, reason: str = "protocol") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +109,7 @@ def parse_address(address: str) -> tuple[str, int]:
     rest = address.removeprefix("tcp://")
     host, _, port = rest.rpartition(":")
     if rest == address or not host or not port.isdigit():
-        raise PullError(f"not a tcp://host:port address: {address!r}")
+        raise PullError(f"not a tcp://host:port address: {address!r}", "unreachable")
     return host, int(port)
 
 
@@ -167,14 +173,28 @@ class BlockStore:
         with self._lock:
             return block_hash in self._blocks
 
-    def put(self, block_hash: bytes, block: bytes) -> None:
-        """Keep `block` (a held hash is only touched: one hash names one block's KV)."""
+    def put(self, block_hash: bytes, block: bytes) -> list[tuple[bytes, bytes]]:
+        """Keep `block` (a held hash is only touched: one hash names one block's KV); returns
+        the (hash, block) evicted to make room, least recently put first."""
         with self._lock:
             added, evicted = self._index.put(block_hash)
-            for dropped in evicted:
-                del self._blocks[dropped]
+            dropped = [(h, self._blocks.pop(h)) for h in evicted]
             if added:
                 self._blocks[block_hash] = block
+            return dropped
+
+    def touch(self, block_hash: bytes) -> bool:
+        """`put` of a held hash without its bytes (False, and nothing done, when not held)."""
+        with self._lock:
+            if block_hash not in self._blocks:
+                return False
+            self._index.put(block_hash)
+            return True
+
+    def get(self, block_hash: bytes) -> bytes | None:
+        """The held block, or None (nothing is touched)."""
+        with self._lock:
+            return self._blocks.get(block_hash)
 
     def prefix(self, hashes: Sequence[bytes]) -> list[bytes]:
         """The stored blocks of the longest prefix of `hashes` (nothing is touched, so that a
@@ -201,11 +221,11 @@ def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None) -
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise PullError("pull timed out")
+                raise PullError("pull timed out", "timeout")
             sock.settimeout(left)
         n = sock.recv_into(view[got:])
         if n == 0:
-            raise PullError(f"peer closed after {got} of {len(view)} bytes")
+            raise PullError(f"peer closed after {got} of {len(view)} bytes", "stream_cut")
         got += n
 
 
@@ -306,7 +326,7 @@ def fetch_blocks(
             _send_frame(sock, {"layout": layout, "hashes": [h.hex() for h in hashes]})
             header = _recv_frame(sock, deadline)
             if "error" in header:
-                raise PullError(f"{address} refused: {header['error']}")
+                raise PullError(f"{address} refused: {header['error']}", "refused")
             count = header.get("count")
             if not isinstance(count, int) or not 0 <= count <= len(hashes):
                 raise PullError(f"{address} sent a bad header {header!r}")
@@ -316,4 +336,5 @@ def fetch_blocks(
                 sink(i, buffer)
             return count
     except (OSError, ValueError) as exc:
-        raise PullError(f"pull from {address}: {exc}") from exc
+        reason = "timeout" if isinstance(exc, TimeoutError) else "unreachable"
+        raise PullError(f"pull from {address}: {exc}", reason) from exc

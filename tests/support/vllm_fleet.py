@@ -19,11 +19,12 @@ Contract:
   ``--kv-events-config`` per `VllmSpec`: ``tcp://*:P`` makes vLLM bind its PUB (``kv_bind``), a
   host endpoint makes it connect (the consumer binds), and a replay ROUTER always binds.
   ``VLLM_CPU_KVCACHE_SPACE=1`` and one OpenMP core per server (``VLLM_CPU_OMP_THREADS_BIND``).
-  ``VllmSpec(connector=True)`` loads kvherd's KV connector from this tree (`connector_config`;
-  its block server on `VllmServer.block_address`).
+  ``VllmSpec(connector=True)`` loads kvherd's KV connector from this tree (`connector_config`,
+  plus `VllmSpec.connector_options`; its block server on `VllmServer.block_address`).
   `wait_ready` polls ``/health``; a server that exits first fails with its log's tail.
 - `stop_vllm` SIGTERMs the process group (API server, EngineCore, worker), then SIGKILLs it:
-  nothing is left running. `vllm_servers` starts several at once and always stops them all.
+  nothing is left running; `restart_vllm` stops a server and starts it again on its ports.
+  `vllm_servers` starts several at once and always stops them all.
 - `VllmServer.held_blocks()` is what vLLM's own events say its pool holds: every batch of its
   replay buffer (from sequence 0), folded (stored minus removed, cleared on ``AllBlocksCleared``;
   events of another ``medium`` than GPU, the kvherd connector's host tier, left out), decoded
@@ -115,6 +116,7 @@ class VllmSpec:
     block_size: int | None = None
     extra_args: tuple[str, ...] = ()
     connector: bool = False  # load kvherd's KV connector, serving its blocks on a port of its own
+    connector_options: tuple[tuple[str, object], ...] = ()  # more kv_connector_extra_config
     env: tuple[tuple[str, str], ...] = ()  # more environment (VLLM_ALLOW_RUNTIME_LORA_UPDATING)
 
 
@@ -128,6 +130,7 @@ class VllmServer:
     replay_port: int
     block_port: int | None = None  # the kvherd connector's block server (VllmSpec.connector)
     ready_s: float | None = None
+    launch: tuple[list[str], dict[str, str]] = ([], {})  # command and environment (restart_vllm)
 
     @property
     def url(self) -> str:
@@ -252,7 +255,9 @@ def vllm_command(
     if spec.block_size is not None:
         cmd += ["--block-size", str(spec.block_size)]
     if block_port is not None:
-        cmd += ["--kv-transfer-config", json.dumps(connector_config(block_port))]
+        config = connector_config(block_port)
+        config["kv_connector_extra_config"].update(dict(spec.connector_options))
+        cmd += ["--kv-transfer-config", json.dumps(config)]
     return cmd + list(spec.extra_args)
 
 
@@ -294,15 +299,27 @@ def start_vllm(
     if spec.connector:
         env["PYTHONPATH"] = str(REPO_ROOT)  # this tree's kvherd, whatever vLLM's venv holds
         env["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache: the host tier's test
-    with open(log_path, "wb") as log_file:  # the child keeps its own descriptor
-        process = subprocess.Popen(
-            vllm_command(python, model_dir, spec, port, kv_port, replay_port, block_port),
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
+    cmd = vllm_command(python, model_dir, spec, port, kv_port, replay_port, block_port)
+    process = _launch(cmd, env, log_path, "wb")
+    server = VllmServer(spec, port, process, log_path, kv_port, replay_port, block_port)
+    server.launch = (cmd, env)
+    return server
+
+
+def _launch(cmd: list[str], env: dict[str, str], log_path: str, mode: str) -> Any:
+    with open(log_path, mode) as log_file:  # the child keeps its own descriptor
+        return subprocess.Popen(
+            cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
-    return VllmServer(spec, port, process, log_path, kv_port, replay_port, block_port)
+
+
+def restart_vllm(server: VllmServer) -> None:
+    """Stop `server` and start it again in place: same command, ports and environment (its log
+    goes on in the same file), ready when this returns."""
+    stop_vllm(server)
+    cmd, env = server.launch
+    server.process = _launch(cmd, env, server.log_path, "ab")
+    wait_ready(server)
 
 
 def wait_ready(server: VllmServer, timeout_s: float = READY_TIMEOUT_S) -> None:

@@ -8,13 +8,15 @@ Server ``a`` binds its KV event PUB (``tcp://*:P``: kvherd connects), server ``b
 endpoint, so it connects its PUB and kvherd binds (``--kv-events-bind``): one fleet, both
 topologies. Both run vLLM's default CPU block size (128), unset on purpose so kvherd must discover
 it. Both load kvherd's KV connector (test_vllm_connector.py pulls between them; every other test
-shows it changes nothing else). The vLLM servers' caches outlive each test, so every test uses
-prompts of its own (`Prompts`).
+shows it changes nothing else), each with a disk tier: ``a``'s directory starts with another
+model's blocks (to be discarded), ``b``'s host store is small so that its blocks reach its disk.
+The vLLM servers' caches outlive each test, so every test uses prompts of its own (`Prompts`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,6 +39,21 @@ from vllm_fleet import (
 )
 
 HERE = Path(__file__).resolve().parent
+B_STORE_MIB = 2  # b's host store: 16 blocks, so a few prompts push blocks down to its disk tier
+DISK_MIB = 64
+
+
+def disk_options(directory: Path) -> tuple[tuple[str, object], ...]:
+    return (("disk_dir", str(directory)), ("disk_mib", DISK_MIB))
+
+
+def seed_foreign_disk_tier(directory: Path) -> None:
+    """A disk tier another model wrote: ``a`` must discard it (test_vllm_disk_tier.py)."""
+    directory.mkdir()
+    (directory / "manifest.json").write_text(json.dumps({"format": "1", "model": "another"}))
+    (directory / "blocks.bin").write_bytes(b"\1" * 4096)
+
+
 STAGE_TIMEOUT_S = 900  # per test, including the session's server start-up on the first one
 
 
@@ -76,9 +93,16 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def vllm_pair(
     vllm_python: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[VllmServer, VllmServer]]:
+    disks = tmp_path_factory.mktemp("vllm_disk_tiers")
+    seed_foreign_disk_tier(disks / "a")
     specs = [
-        VllmSpec("a", kv_bind=True, connector=True),
-        VllmSpec("b", kv_bind=False, connector=True),
+        VllmSpec("a", kv_bind=True, connector=True, connector_options=disk_options(disks / "a")),
+        VllmSpec(
+            "b",
+            kv_bind=False,
+            connector=True,
+            connector_options=(*disk_options(disks / "b"), ("store_mib", B_STORE_MIB)),
+        ),
     ]
     log_dir = tmp_path_factory.mktemp("vllm_logs")
     with vllm_servers(vllm_python, tiny_model, specs, log_dir) as (a, b):
