@@ -11,6 +11,7 @@ server given as ``--instance ...,pull_address=``). ``b`` loads every full block
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any
 
@@ -60,16 +61,31 @@ async def test_a_long_prefix_is_pulled_into_the_idle_vllm(
                 poll_until, lambda: (indexed_blocks(proxy, "a") or 0) >= blocks, 30
             )
             assert held, "the proxy's index never saw a hold the prompt"
-            long = {"model": SERVED_MODEL, "prompt": "busy", "max_tokens": 1500, "ignore_eos": True}
-            busy = asyncio.create_task(complete(long))
-            assert await asyncio.to_thread(
-                poll_until, lambda: proxy.instance("a")["inflight"] >= 1, 30
-            )
+            # A long generation streams on a (read as it comes, so it stays in flight for
+            # seconds whatever the machine's speed) until the pulled request is answered.
+            long = {
+                "model": SERVED_MODEL, "prompt": "busy", "max_tokens": 3400, "ignore_eos": True,
+                "stream": True,
+            }  # fmt: skip
+            started = asyncio.Event()
+
+            async def keep_a_busy() -> None:
+                url = f"{proxy.url}/v1/completions"
+                async with client.stream("POST", url, json=long) as response:
+                    assert response.status_code == 200
+                    async for _ in response.aiter_lines():
+                        started.set()
+
+            busy = asyncio.create_task(keep_a_busy())
+            await asyncio.wait_for(started.wait(), 60)
+            assert proxy.instance("a")["inflight"] >= 1
             await drain("b", False)
             got = await complete(greedy)
             assert got.headers["x-kvherd-instance"] == "b"
             assert proxy.metric("kvherd_prefix_pull_decisions_total", action="pull") == 1
-            await busy
+            busy.cancel()  # closes its stream: vLLM aborts it
+            with contextlib.suppress(asyncio.CancelledError):
+                await busy
     answer = got.json()
     assert answer["choices"][0]["text"] == expected["choices"][0]["text"]
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == blocks * VLLM_BLOCK_SIZE
