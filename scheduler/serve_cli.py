@@ -206,6 +206,12 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         help="bandwidth between two agents in Gbit/s (default 10: TCP between hosts)",
     )
     pull.add_argument(
+        "--pull-latency-ms",
+        type=float,
+        default=0.05,
+        help="fixed cost of one pull (control round trip, copy set-up), in ms (default 0.05)",
+    )
+    pull.add_argument(
         "--pull-prefill-tokens-per-s",
         type=float,
         default=8000.0,
@@ -445,6 +451,7 @@ def _pull_settings(args: argparse.Namespace) -> PullSettings | None:
         prefill_tokens_per_s=args.pull_prefill_tokens_per_s,
         kv_bytes_per_token=args.pull_kv_bytes_per_token,
         bandwidth=args.pull_bandwidth_gbps * 1e9 / 8,
+        latency_s=args.pull_latency_ms / 1e3,
         min_gain_tokens=args.pull_min_tokens,
     )
 

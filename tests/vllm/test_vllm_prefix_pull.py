@@ -1,8 +1,8 @@
 """``kvherd serve --prefix-pull`` in front of two real vLLM servers running kvherd's connector.
 
-``a`` computes a long prompt (its KV events tell the proxy's index), then runs a long
-generation; the same prompt again goes, by least requests, to idle ``b``, and the pull rule finds
-pulling ``a``'s blocks faster than recomputing at ``b`` or queueing at ``a``: the proxy asks
+``a`` computes a long prompt (its KV events tell the proxy's index); the same prompt again goes,
+by round robin, to ``b``, and the pull rule finds pulling ``a``'s blocks no slower than routing to
+``a`` and faster than recomputing at ``b``: the proxy asks
 ``b``'s connector for them in the body (``kv_transfer_params.kvherd_pull``, from ``a``'s block
 server given as ``--instance ...,pull_address=``). ``b`` loads every full block
 (``cached_tokens``) and its greedy output is ``a``'s.
@@ -11,7 +11,6 @@ server given as ``--instance ...,pull_address=``). ``b`` loads every full block
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from typing import Any
 
@@ -25,9 +24,14 @@ from vllm_fleet import (
     poll_until,
 )
 
+# Round robin makes b the policy's pick after a. A pull priced at nothing (no bytes, no set-up)
+# ties with routing to the holder, and the rule's ties go to the pull: the decision does not
+# depend on how busy a's load reports say it is at that moment (a tiny model on vLLM finishes
+# even a 3,400-token generation in about a second, before its gauge shows it).
 FLAGS = (
-    "--policy", "least_requests", "--prefix-pull", "--pull-min-tokens", "256",
-    "--pull-kv-bytes-per-token", "256", "--load-interval", "0.05", "--migration-policy", "none",
+    "--policy", "round_robin", "--prefix-pull", "--pull-min-tokens", "256",
+    "--pull-kv-bytes-per-token", "0", "--pull-latency-ms", "0", "--load-interval", "0.05",
+    "--migration-policy", "none",
 )  # fmt: skip
 
 
@@ -55,37 +59,16 @@ async def test_a_long_prefix_is_pulled_into_the_idle_vllm(
                 return r
 
             greedy = {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0}
-            await drain("b", True)  # the prompt and the long generation go to a
+            await drain("b", True)  # the prompt goes to a
             expected = (await complete(greedy)).json()
             held = await asyncio.to_thread(
                 poll_until, lambda: (indexed_blocks(proxy, "a") or 0) >= blocks, 30
             )
             assert held, "the proxy's index never saw a hold the prompt"
-            # A long generation streams on a (read as it comes, so it stays in flight for
-            # seconds whatever the machine's speed) until the pulled request is answered.
-            long = {
-                "model": SERVED_MODEL, "prompt": "busy", "max_tokens": 3400, "ignore_eos": True,
-                "stream": True,
-            }  # fmt: skip
-            started = asyncio.Event()
-
-            async def keep_a_busy() -> None:
-                url = f"{proxy.url}/v1/completions"
-                async with client.stream("POST", url, json=long) as response:
-                    assert response.status_code == 200
-                    async for _ in response.aiter_lines():
-                        started.set()
-
-            busy = asyncio.create_task(keep_a_busy())
-            await asyncio.wait_for(started.wait(), 60)
-            assert proxy.instance("a")["inflight"] >= 1
             await drain("b", False)
-            got = await complete(greedy)
+            got = await complete(greedy)  # round robin: b, after a
             assert got.headers["x-kvherd-instance"] == "b"
             assert proxy.metric("kvherd_prefix_pull_decisions_total", action="pull") == 1
-            busy.cancel()  # closes its stream: vLLM aborts it
-            with contextlib.suppress(asyncio.CancelledError):
-                await busy
     answer = got.json()
     assert answer["choices"][0]["text"] == expected["choices"][0]["text"]
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == blocks * VLLM_BLOCK_SIZE
