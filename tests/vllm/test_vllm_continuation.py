@@ -183,7 +183,10 @@ def read_stream_cut(
         stream = read_stream(url, path, body, fault_while_running)
         if cut:
             return stream
-    raise AssertionError(f"vLLM had finished the stream before each of {CUT_ATTEMPTS} cuts")
+    # The tiny model decodes even 3,400 tokens in about a second, and vLLM's running gauge trails
+    # its engine: on a loaded machine no cut may land while it decodes. Then this run has nothing
+    # to judge (no fault happened), which is not a failure of the continuation under test.
+    pytest.skip(f"vLLM had finished the stream before each of {CUT_ATTEMPTS} cuts")
 
 
 def read_stream_stopping(
