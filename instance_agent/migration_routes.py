@@ -37,6 +37,7 @@ from fastapi import APIRouter, FastAPI, Request
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from instance_agent import relay
+from instance_agent.prefix_pull import kv_views
 from kvherd.fleet_token import auth_headers
 from kvherd.wire import OpenAIError, bad_request
 from migration.core.protocol import (
@@ -105,8 +106,7 @@ class EngineMigrationAdapter:
         self.engine.release_migrated(request_id)
 
     def kv_block_views(self) -> list[torch.Tensor]:
-        cache = self.engine.runner.kv_cache  # [layers, 2, blocks, block_size, kv_heads, head_dim]
-        return [cache[layer, kv] for layer in range(cache.shape[0]) for kv in range(2)]
+        return kv_views(self.engine)
 
     # -- destination role ------------------------------------------------------------------------
     def share_cached_prefix(self, owner_id: str, block_hashes: Sequence[int]) -> list[int]:
