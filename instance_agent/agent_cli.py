@@ -30,6 +30,7 @@ Contract:
   of the model; a request whose ``model`` is NAME runs with it, and ``/v1/models`` lists them with
   ``parent`` (the served model name) as vLLM does. ``--max-loras N``: adapter slots (default one
   per adapter). A malformed flag or a bad adapter directory refuses to start, naming it.
+  ``--allow-runtime-lora`` adds vLLM's load/unload routes (`lora_routes`) and says so on registration.
 - Warm restart: the disk tier survives the agent. Its manifest (``DIR/kvherd-kv-<instance
   id>.json``, see `kv_manifest`) lists the file's blocks; an agent started on the same folder
   with the same instance id (the default, HOSTNAME:PORT, needs the same port), model, dtype, block
@@ -134,6 +135,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--max-loras", type=int, default=None, help="LoRA adapter slots (default: one per adapter)"
     )
+    parser.add_argument(
+        "--allow-runtime-lora",
+        action="store_true",
+        help="serve vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter",
+    )
     engine.add_argument("--device", default=None)
     engine.add_argument("--dtype", default="auto")
     engine.add_argument(
@@ -186,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
     from instance_agent.engine.llm_engine import EngineConfig, LLMEngine
     from instance_agent.engine_loop import EngineLoop
     from instance_agent.kv_publisher import KVEventPublisher
+    from instance_agent.lora_routes import create_lora_router
     from instance_agent.metrics import AgentMetrics
     from instance_agent.migration_routes import (
         MigrationService,
@@ -316,6 +323,7 @@ def run(args: argparse.Namespace) -> int:
         model_root=args.model,
         role=args.role,
         pulls=pulls,
+        runtime_lora=args.allow_runtime_lora,
     )
     if args.scheduler:
 
@@ -353,6 +361,7 @@ def run(args: argparse.Namespace) -> int:
                 "block_size": bm.block_size,
                 "role": args.role,
                 "pull_address": pulls.address,
+                "runtime_lora": args.allow_runtime_lora,
             },
             load_summary,
             heartbeat_s=args.heartbeat_interval,
@@ -366,7 +375,10 @@ def run(args: argparse.Namespace) -> int:
         engine_loop, instance_id, advertise_host, settings, fleet_token=fleet_token
     )
     agent.handoffs = PDHandoffs(migration, fleet_token, args.role)
-    app = create_app(agent, routers=[create_migration_router(migration)], fleet_token=fleet_token)
+    routers = [create_migration_router(migration)]
+    if args.allow_runtime_lora:
+        routers.append(create_lora_router(agent, fleet_token))
+    app = create_app(agent, routers=routers, fleet_token=fleet_token)
     uv_config = uvicorn.Config(
         app,
         host=args.host,

@@ -93,6 +93,10 @@ class EngineMigrationAdapter:
     def request_block_hashes(self, request_id: str) -> list[int]:
         return list(self.engine.scheduler.requests[request_id].block_hashes)
 
+    def request_lora(self, request_id: str) -> str | None:
+        request = self.engine.scheduler.requests.get(request_id)
+        return None if request is None else request.lora_name
+
     def suspend(self, request_id: str) -> None:
         self.engine.suspend(request_id)
 
@@ -109,6 +113,9 @@ class EngineMigrationAdapter:
         return kv_views(self.engine)
 
     # -- destination role ------------------------------------------------------------------------
+    def serves_lora(self, name: str) -> bool:
+        return name in self.engine.lora_adapters
+
     def share_cached_prefix(self, owner_id: str, block_hashes: Sequence[int]) -> list[int]:
         block_manager = self.engine.block_manager
         hits = block_manager.lookup_cached_prefix(block_hashes)

@@ -5,7 +5,7 @@ agent's live migration.
 Contract:
 - A generation request sent with ``X-Kvherd-Handoff: URL`` (`HANDOFF_HEADER`; the proxy's P/D
   pairing names the decode instance) runs here like any other. `PDHandoffs.start(stream, url,
-  num_tokens, block_hashes)`, called as it is admitted, opens its migration to the instance at
+  num_tokens, block_hashes, lora_name)`, called as it is admitted, opens its migration to the instance at
   URL with this agent's `MigrationService` at once (once it has a turn, see below), concurrently
   with the prefill and before any engine call of its own: the same cache-aware session as every
   migration, opened before the prefill (`migration.source.PrefillOpening`): stage 0 reserves the
@@ -152,14 +152,24 @@ class PDHandoffs:
         return authorized(presented.encode() if presented else None, self._token)
 
     def start(
-        self, stream: RequestStream, dst: str, num_tokens: int, block_hashes: Sequence[int]
+        self,
+        stream: RequestStream,
+        dst: str,
+        num_tokens: int,
+        block_hashes: Sequence[int],
+        lora_name: str | None = None,
     ) -> Handoff:
         """Open the handoff of a request just admitted with `num_tokens` tokens (its prompt:
-        the KV its prefill leaves at the first token) and their full-block `block_hashes`."""
+        the KV its prefill leaves at the first token), their full-block `block_hashes` and the
+        LoRA adapter it runs with."""
         handoff = Handoff(stream.request_id, dst.rstrip("/"))
         destination = self.service.destination  # this agent's KV geometry
         opening = PrefillOpening(
-            num_tokens, block_hashes, destination.block_size, destination.kv_bytes_per_block
+            num_tokens,
+            block_hashes,
+            destination.block_size,
+            destination.kv_bytes_per_block,
+            lora_name,
         )
         task = asyncio.ensure_future(self._run(stream, handoff, opening))
         self._tasks.add(task)

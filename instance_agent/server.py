@@ -122,6 +122,7 @@ class Agent:
     role: str = "mixed"  # P/D disaggregation: "prefill", "decode" or "mixed"
     handoffs: pd_handoff.PDHandoffs | None = None  # hands requests to their decode instance
     pulls: PrefixPulls | None = None  # serves cached blocks to other agents, pulls prefixes
+    runtime_lora: bool = False  # serves /v1/load_lora_adapter (`lora_routes`)
 
     @property
     def engine(self) -> LLMEngine:
@@ -147,9 +148,12 @@ class Agent:
                 tiers=engine.tier_usage(),
             )
             state["pull_address"] = None if self.pulls is None else self.pulls.address
-            # Its adapters are all resident (loaded at start), each in a slot of its own.
+            # Every adapter it serves is resident, each in a slot of its own; no slot at all
+            # when it can hold none (none given, none loadable).
             state["active_adapters"] = sorted(engine.lora_adapters)
-            state["lora_slots"] = engine.config.max_loras or len(engine.lora_adapters)
+            can_hold = self.runtime_lora or engine.lora_adapters
+            state["lora_slots"] = engine.loras.capacity if can_hold else 0
+            state["runtime_lora"] = self.runtime_lora
             if check_integrity:
                 try:
                     engine.block_manager.check_integrity()
@@ -357,7 +361,7 @@ def create_app(
             }
 
         base = agent.served_model_name
-        adapters = agent.engine.lora_adapters.values()
+        adapters = list(agent.engine.lora_adapters.values())  # loads change it on the engine thread
         cards = [card(base, agent.model_root, None)]
         return {"object": "list", "data": cards + [card(a.name, a.path, base) for a in adapters]}
 
@@ -537,8 +541,9 @@ class _Meta:
     start: int = 0  # output tokens the client already has (a resumed or continued stream)
     opening: bool = True  # the stream starts here (a chat stream's role chunk goes out here)
     sampling_seed: int | None = None  # known when the request started here
-    # As admitted here: its tokens and their full-block hashes (a P/D handoff reserves for them).
-    admitted: tuple[int, tuple[int, ...]] = (0, ())
+    # As admitted here: its tokens, their full-block hashes and its LoRA adapter (a P/D handoff
+    # reserves for them, at a destination that serves the adapter).
+    admitted: tuple[int, tuple[int, ...], str | None] = (0, (), None)
     pulled: Pulled | None = None  # the prefix pull that ran before it was added
 
 
@@ -568,7 +573,7 @@ async def _submit(
     params: SamplingParams = protocol.to_sampling_params(body, default_max_tokens)
     continuation = body.kvherd_continuation
     seeds: list[int] = []
-    admitted: list[tuple[int, tuple[int, ...]]] = []
+    admitted: list[tuple[int, tuple[int, ...], str | None]] = []
 
     pulled: Pulled | None = None
 
@@ -595,7 +600,7 @@ async def _submit(
                 lora_name=lora_name,
             )
         seeds.append(request.sampling_seed)
-        admitted.append((request.num_tokens, tuple(request.block_hashes)))
+        admitted.append((request.num_tokens, tuple(request.block_hashes), request.lora_name))
         if hold:
             engine.scheduler.hold_at_first_token(request_id)
 

@@ -4,10 +4,11 @@ Contract:
 - The decisions (which hashes to share, the answer, whether a commit fits) are
   `migration.core.session.DestinationSession`'s, shared with the simulator; this module adds the
   wire, the engine thread, the transport and the reservation table.
-- `reserve` answers each stage: stage 0 checks the KV geometry, opens a reservation (refused when
-  busy), shares the cached leading blocks by reference, reserves the rest and offers a transport
-  endpoint; every stage then receives its blocks' KV in the background and writes it into the
-  reserved blocks. The next message for the migration waits for that receive first.
+- `reserve` answers each stage: stage 0 checks the KV geometry and that the request's LoRA adapter
+  is served here, opens a reservation (refused when busy), shares the cached leading blocks by
+  reference, reserves the rest and offers a transport endpoint; every stage then receives its
+  blocks' KV in the background and writes it into the reserved blocks. The next message for the
+  migration waits for that receive first.
 - A stage 0 with `expected_blocks` (a P/D handoff opened before its prefill) reserves that many
   blocks at once (less the cached ones shared); each stage then takes its blocks from them, in
   order, and reserves only what they lack. A commit that leaves some of them unfilled is refused.
@@ -78,6 +79,13 @@ class MigrationDestination:
         mid = msg.migration_id
         if msg.stage == 0:
             refusal = self._check_geometry(msg)
+            lora = msg.lora_name
+            if (
+                refusal is None
+                and lora is not None
+                and not await self.call(lambda e: e.serves_lora(lora))
+            ):
+                refusal = f"this instance does not serve the request's LoRA adapter {lora!r}"
             if refusal is not None:
                 return ReserveResponse(False, reason=refusal)
             try:

@@ -76,6 +76,7 @@ class PrefillOpening:
     block_hashes: Sequence[int]  # the prompt's full-block hash chain
     block_size: int  # this engine's KV geometry (read once: no engine call before stage 0)
     kv_bytes_per_block: int
+    lora_name: str | None = None  # the LoRA adapter the request runs with
 
 
 def _snapshot(request_id: str) -> Any:
@@ -115,13 +116,19 @@ async def migrate_out(
     views: Any = None
     action: SourceAction
     if opening is None:
-        block_size, bytes_per_block, views = await call(
-            lambda e: (e.block_size, e.kv_bytes_per_block(), e.kv_block_views())
+        block_size, bytes_per_block, views, lora_name = await call(
+            lambda e: (
+                e.block_size,
+                e.kv_bytes_per_block(),
+                e.kv_block_views(),
+                e.request_lora(request_id),
+            )
         )
         session = SourceSession(request_id, block_size, config)
         action = session.start()
     else:
         block_size, bytes_per_block = opening.block_size, opening.kv_bytes_per_block
+        lora_name = opening.lora_name
         session = SourceSession(request_id, block_size, config, opening.num_tokens)
         # As admitted: nothing computed yet (what the engine computed since, the next snapshot
         # sees), so stage 0 copies nothing and reserves the whole prompt.
@@ -162,6 +169,7 @@ async def migrate_out(
                             block_size=block_size,
                             kv_bytes_per_block=bytes_per_block,
                             expected_blocks=stage.expected_blocks,
+                            lora_name=lora_name if stage.index == 0 else None,
                         )
                     )
                     action = session.on_reserved(

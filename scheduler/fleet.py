@@ -146,6 +146,7 @@ class InstanceSpec:
     role: str | None = None  # P/D role override ("prefill", "decode", "mixed"); None: as reported
     max_num_seqs: int | None = None  # batch slots, when the engine does not report them (vLLM)
     pull_address: str | None = None  # a kvherd agent's block server (prefix pulls from it)
+    runtime_lora: bool = False  # a kvherd agent that loads LoRA adapters on demand
     models: list[ModelCard] | None = None  # its /v1/models cards (None: only `model`, if known)
     models_pinned: bool = False  # the operator's list: not polled
 

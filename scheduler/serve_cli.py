@@ -418,6 +418,7 @@ async def probe_instance(
                 spec.block_size = body.get("block_size")
                 spec.model = body.get("model")
                 spec.instance_id = raw.get("id") or body.get("instance_id") or spec.instance_id
+                spec.runtime_lora = body.get("runtime_lora") is True
                 pull_address = body.get("pull_address")
                 if spec.pull_address is None and isinstance(pull_address, str):
                     spec.pull_address = pull_address if pull_address.startswith("tcp://") else None

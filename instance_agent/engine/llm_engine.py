@@ -26,10 +26,12 @@ Contract:
   Migration's `reserve_blocks` runs the offloads it queued before the blocks are written. Tokens
   loaded from any tier count as cached (``num_cached_tokens``), as GPU hits do.
 - LoRA: ``lora_modules`` (name -> PEFT adapter directory, `lora.load_adapter`) are loaded at
-  start into ``max_loras`` slots (default: one per adapter; fewer slots than adapters, or a bad
-  adapter, is a `ValueError`). A request naming one (``lora_name``) runs with it, batched with
-  requests for other adapters and the base model; an unknown name is an `InvalidRequestError`, and
-  `adopt_request` refuses (`ValueError`) a request whose adapter this engine does not serve.
+  start into ``max_loras`` slots (default: one per adapter, at least one; fewer slots than
+  adapters, or a bad adapter, is a `ValueError`); `install_lora` / `unload_lora` change them at run
+  time (`core.lora_slots`: LRU eviction of an adapter no request runs with). A request naming one
+  (``lora_name``) runs with it, batched with requests for other adapters and the base model; an
+  unknown name is an `InvalidRequestError`, and `adopt_request` refuses (`ValueError`) a request
+  whose adapter this engine does not serve.
 - Warm restart: the disk tier's manifest (`kv_manifest`) is read at start; when it was written
   under the same header, the slots whose bytes pass their checksums fill the disk tier again
   (`BlockManager.restore_tier`: their stores are the first KV event batch). While the disk tier
@@ -50,6 +52,7 @@ import torch
 
 from instance_agent.engine.core.batch_scheduler import BatchScheduler, SchedulerConfig
 from instance_agent.engine.core.block_manager import BlockManager
+from instance_agent.engine.core.lora_slots import LoraSlots
 from instance_agent.engine.core.request import (
     InvalidRequestError,
     Request,
@@ -205,7 +208,8 @@ class LLMEngine:
             ),
             self.block_manager,
         )
-        self.lora_adapters = self._load_adapters(loaded)
+        self.loras = self._load_adapters(loaded)
+        self.lora_adapters = self.loras.adapters  # the runner reads this dict, changed in place
         self.runner = ModelRunner(loaded, num_blocks, cfg.block_size, self.lora_adapters)
         self.tier_buffers = (
             TierBuffers(
@@ -231,16 +235,33 @@ class LLMEngine:
         self._pending_events: list[KVEvent] = []
         self._auto_ids = itertools.count()
 
-    def _load_adapters(self, loaded: LoadedModel) -> dict[str, LoraAdapter]:
+    def _load_adapters(self, loaded: LoadedModel) -> LoraSlots[LoraAdapter]:
         modules, slots = self.config.lora_modules, self.config.max_loras
         if slots is not None and slots < max(1, len(modules)):
             raise ValueError(
                 f"max_loras {slots} leaves no slot for every LoRA adapter given ({len(modules)})"
             )
-        return {
-            name: load_adapter(name, path, loaded.config, loaded.dtype, loaded.device)
-            for name, path in modules.items()
-        }
+        table: LoraSlots[LoraAdapter] = LoraSlots(slots or max(1, len(modules)))
+        for name, path in modules.items():
+            table.install(
+                load_adapter(name, path, loaded.config, loaded.dtype, loaded.device), bool
+            )
+        return table
+
+    def read_lora(self, name: str, path: str) -> LoraAdapter:
+        """Read a PEFT adapter for this engine's model (any thread: it touches no engine state)."""
+        self.loras.check_path(name, path)
+        return load_adapter(name, path, self.model_config, self.runner.dtype, self.device)
+
+    def install_lora(self, adapter: LoraAdapter) -> str | None:
+        """Make `adapter` resident (engine thread); returns the adapter evicted for it, if any."""
+        return self.loras.install(adapter, self._lora_in_use)
+
+    def unload_lora(self, name: str) -> None:
+        self.loras.remove(name, self._lora_in_use)
+
+    def _lora_in_use(self, name: str) -> bool:
+        return any(r.lora_name == name for r in self.scheduler.requests.values())
 
     # -- requests ----------------------------------------------------------------------------
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
@@ -337,8 +358,10 @@ class LLMEngine:
         lora_name: str | None,
     ) -> Request:
         """A validated `Request` (not yet queued)."""
-        if lora_name is not None and lora_name not in self.lora_adapters:
-            raise InvalidRequestError(f"unknown LoRA adapter {lora_name!r}", "model")
+        if lora_name is not None:
+            if lora_name not in self.lora_adapters:
+                raise InvalidRequestError(f"unknown LoRA adapter {lora_name!r}", "model")
+            self.loras.touch(lora_name)
         params = params if params is not None else SamplingParams()
         params.validate()
         ids = self._prompt_ids(prompt)

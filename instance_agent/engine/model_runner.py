@@ -48,7 +48,7 @@ class ModelRunner:
         # Triton decode kernel on CUDA (lazy import); the torch path elsewhere.
         self.use_triton = self.device.type == "cuda" and supports(block_size)
         self._workspace: torch.Tensor | None = None
-        self.adapters = adapters or {}
+        self.adapters = adapters if adapters is not None else {}
         self._fused = fused_slices(self.config)
 
     @torch.inference_mode()

@@ -129,6 +129,10 @@ class MigratableEngine(Protocol):
         """The chained hashes of the request's full blocks, in order (for cache-aware transfer)."""
         ...
 
+    def request_lora(self, request_id: str) -> str | None:
+        """The LoRA adapter a live request runs with (None: the base model, or unknown)."""
+        ...
+
     def suspend(self, request_id: str) -> None:
         """Take a decoding request out of the batch, keeping its blocks (`ValueError` if not)."""
         ...
@@ -152,6 +156,10 @@ class MigratableEngine(Protocol):
         ...
 
     # -- destination role ------------------------------------------------------------------------
+    def serves_lora(self, name: str) -> bool:
+        """Is LoRA adapter `name` resident here (may an adopted request run with it)?"""
+        ...
+
     def share_cached_prefix(self, owner_id: str, block_hashes: Sequence[int]) -> list[int]:
         """Take a reference, under `owner_id`, on the longest leading run of `block_hashes` cached
         here; returns those block ids (eviction cannot take them until the owner lets go)."""
@@ -256,6 +264,9 @@ class ReserveRequest(_Message):
     # Stage 0 of a P/D handoff opened before its prefill: the blocks the request will hold at its
     # first token, all reserved (or shared) now; later stages take theirs from them.
     expected_blocks: int = 0
+    # Stage 0: the LoRA adapter the request runs with; a destination without it refuses before
+    # any KV is copied.
+    lora_name: str | None = None
 
     @classmethod
     def from_json(cls, data: Any) -> ReserveRequest:

@@ -6,11 +6,11 @@ object; bodies are JSON; errors are ``{"error": {"message", "type", "param", "co
   KV tiers as it reports them, KV event stream and index figures);
   ``GET /admin/v1/instances/{id}``: one of them (404 if unknown).
 - ``POST /admin/v1/instances`` ``{"instance_id", "url", "kv_events_endpoint", "replay_endpoint",
-  "pull_address", "model", "block_size"}``: register, or re-register (which resubscribes and
-  resyncs the instance's prefix view). The URL's host and the event endpoints' hosts must match the operator's
-  ``--allow-register`` patterns (default: loopback only), else 403. A block size other than the
-  fleet's is refused with 400 (block hashes would never match). 201 on a new instance, 200 on a
-  re-registration.
+  "pull_address", "model", "block_size", "role", "runtime_lora"}``: register, or re-register
+  (which resubscribes and resyncs the instance's prefix view). The URL's host and the event
+  endpoints' hosts must match the operator's ``--allow-register`` patterns (default: loopback
+  only), else 403. A block size other than the fleet's is refused with 400 (block hashes would
+  never match). 201 on a new instance, 200 on a re-registration.
 - ``POST /admin/v1/instances/{id}/heartbeat``: 200, or 404 when the instance is unknown (the agent
   then registers again). A body with ``"draining": true`` (an agent that got SIGTERM) drains the
   instance as the drain route does, so its requests migrate away; an agent never un-drains
@@ -147,6 +147,9 @@ def _spec_from_body(body: Any, allow: RegistrationPolicy) -> InstanceSpec:
         not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0
     ):
         raise FleetError(400, "'block_size' must be a positive integer", "block_size")
+    runtime_lora = body.get("runtime_lora", False)
+    if not isinstance(runtime_lora, bool):
+        raise FleetError(400, "'runtime_lora' must be a boolean", "runtime_lora")
     return InstanceSpec(
         instance_id=instance_id,
         url=url.rstrip("/"),
@@ -157,6 +160,7 @@ def _spec_from_body(body: Any, allow: RegistrationPolicy) -> InstanceSpec:
         block_size=block_size,
         registered=True,
         role=role,
+        runtime_lora=runtime_lora,
     )
 
 

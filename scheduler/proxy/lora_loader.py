@@ -5,9 +5,10 @@ Contract:
   "base_model_name"}`` (``--lora-modules``, repeatable): the adapters the proxy may load, PATH as
   the instances see it. Without a base model, any vLLM instance may be asked.
 - `LoraLoader.ensure(request)` for a request whose adapter no instance serves
-  (`RoutedRequest.lora_load`): the dispatch policy picks among the vLLM instances serving the
-  base model (`Fleet.choose_instance`: LoRA affinity prefers a free adapter slot, load can win),
-  the proxy sends that instance vLLM's ``POST /v1/load_lora_adapter`` ``{"lora_name",
+  (`RoutedRequest.lora_load`): the dispatch policy picks among the instances serving the base
+  model that load adapters at run time (vLLM; kvherd agents with ``--allow-runtime-lora``;
+  `Fleet.choose_instance`: LoRA affinity prefers a free adapter slot, load can win), the proxy
+  sends that instance vLLM's ``POST /v1/load_lora_adapter`` ``{"lora_name",
   "lora_path"}`` (it needs ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``; vLLM 0.32 answers 200 with
   the text ``Success: LoRA adapter 'X' added successfully.``, 400 ``InvalidUserInput`` when the
   name is already loaded, 404 ``NotFoundError`` ``Loading lora X failed: No adapter found for
@@ -100,7 +101,7 @@ class LoraLoader:
         candidates = frozenset(
             i
             for i, inst in fleet.instances.items()
-            if not inst.spec.kvherd_agent
+            if (inst.spec.runtime_lora or not inst.spec.kvherd_agent)
             and (module.base is None or module.base in (fleet.models.models_of(i) or [module.base]))
         )
         try:
@@ -109,7 +110,9 @@ class LoraLoader:
             )
         except NoCapacityError:
             self.metrics.lora_load("failed")
-            raise _failed(module, "no vLLM instance serving its base model is available") from None
+            raise _failed(
+                module, "no instance that loads adapters and serves its base model is available"
+            ) from None
         body = {"lora_name": module.name, "lora_path": module.path}
         try:
             response = await self._client.post(inst.url.rstrip("/") + LOAD_PATH, json=body)
