@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import random
+import resource
 import statistics
 import time
 import tracemalloc
@@ -33,8 +34,12 @@ from scheduler.core.router import Router
 BLOCK_SIZE = 16
 
 
-def build(args: argparse.Namespace) -> tuple[ClusterState, list[list[int]], int, int]:
-    """The fleet; returns (cluster, documents, traced bytes, indexed blocks)."""
+def build(
+    args: argparse.Namespace, trace_memory: bool = True
+) -> tuple[ClusterState, list[list[int]], int, int]:
+    """The fleet; returns (cluster, documents, index bytes, indexed blocks). Index bytes are
+    traced allocations, or without `trace_memory` (tracing costs a few times the build's time and
+    memory) the RSS growth while the index fills: an upper bound, transient event lists included."""
     rng = random.Random(args.seed)
     doc_blocks = 2048  # documents are 32k tokens, so the longest prompts can match in full
     documents = [
@@ -57,8 +62,9 @@ def build(args: argparse.Namespace) -> tuple[ClusterState, list[list[int]], int,
             now=0.0,
         )
     gc.collect()
-    tracemalloc.start()
-    before = tracemalloc.get_traced_memory()[0]
+    if trace_memory:
+        tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0] if trace_memory else rss_bytes()
     for k in range(args.instances):
         # Half the instance's blocks: a prefix of a shared document; half: its own conversations.
         shared = rng.randrange(0, per_instance + 1)
@@ -70,9 +76,14 @@ def build(args: argparse.Namespace) -> tuple[ClusterState, list[list[int]], int,
             engine = block_hash_chain(tokens, BLOCK_SIZE, cache_salt="engine")
             events.append(BlockStored(engine, None, tokens, BLOCK_SIZE))
         cluster.apply_kv_events(f"inst-{k:04d}", events)
-    traced = tracemalloc.get_traced_memory()[0] - before
+    after = tracemalloc.get_traced_memory()[0] if trace_memory else rss_bytes()
     tracemalloc.stop()
-    return cluster, documents, traced, cluster.prefix_index.num_blocks()
+    return cluster, documents, after - before, cluster.prefix_index.num_blocks()
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
 
 
 def prompts(documents: list[list[int]], length: int, count: int, seed: int) -> list[list[int]]:
