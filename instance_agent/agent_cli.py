@@ -372,7 +372,12 @@ def run(args: argparse.Namespace) -> int:
         MigrationSettings(max_incoming=DECODE_MAX_INCOMING) if args.role == "decode" else None
     )
     migration = MigrationService(
-        engine_loop, instance_id, advertise_host, settings, fleet_token=fleet_token
+        engine_loop,
+        instance_id,
+        advertise_host,
+        settings,
+        fleet_token=fleet_token,
+        served_model=served_name,
     )
     agent.handoffs = PDHandoffs(migration, fleet_token, args.role)
     routers = [create_migration_router(migration)]

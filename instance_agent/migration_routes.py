@@ -70,14 +70,19 @@ M = TypeVar("M")
 class EngineMigrationAdapter:
     """`LLMEngine` seen through `MigratableEngine` (engine thread only)."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, served_model: str | None = None) -> None:
         self.engine = engine
+        self._served_model = served_model
         cache = engine.runner.kv_cache
         self._bytes_per_block = cache[:, :, 0].numel() * cache.element_size()
 
     @property
     def block_size(self) -> int:
         return int(self.engine.config.block_size)
+
+    @property
+    def served_model(self) -> str | None:
+        return self._served_model
 
     def kv_bytes_per_block(self) -> int:
         return self._bytes_per_block
@@ -186,13 +191,14 @@ class MigrationService:
         settings: MigrationSettings | None = None,
         on_released: Callable[[str, str, int], None] | None = None,
         fleet_token: str | None = None,
+        served_model: str | None = None,
     ) -> None:
         """`on_released(request_id, dst_url, next_token_index)` runs on the engine thread as a
         committed request leaves (an observer: the client stream is handed off after it)."""
         self.settings = settings or MigrationSettings()
         self.engine_loop = engine_loop
         self.on_released = on_released
-        self.adapter = EngineMigrationAdapter(engine_loop.engine)
+        self.adapter = EngineMigrationAdapter(engine_loop.engine, served_model)
         self.hub = TransportHub(transport_host, timeout_s=self.settings.transfer_timeout_s)
         # Our identity as a transport peer: a restarted agent must not reuse a stale pair group.
         self.src_name = f"{instance_id}#{self.hub.incarnation}"
@@ -202,6 +208,7 @@ class MigrationService:
             ReservationTable(self.settings.max_incoming, self.settings.reservation_timeout_s),
             self.adapter.block_size,
             self.adapter.kv_bytes_per_block(),
+            model=served_model,
         )
         self._outgoing: set[str] = set()
         self._http = httpx.AsyncClient(

@@ -169,6 +169,7 @@ class PDHandoffs:
             block_hashes,
             destination.block_size,
             destination.kv_bytes_per_block,
+            destination.model,
             lora_name,
         )
         task = asyncio.ensure_future(self._run(stream, handoff, opening))

@@ -4,8 +4,8 @@ Contract:
 - The decisions (which hashes to share, the answer, whether a commit fits) are
   `migration.core.session.DestinationSession`'s, shared with the simulator; this module adds the
   wire, the engine thread, the transport and the reservation table.
-- `reserve` answers each stage: stage 0 checks the KV geometry and that the request's LoRA adapter
-  is served here, opens a reservation (refused when busy), shares the cached leading blocks by
+- `reserve` answers each stage: stage 0 checks the KV geometry and that the request's model and
+  LoRA adapter are served here, opens a reservation (refused when busy), shares the cached leading blocks by
   reference, reserves the rest and offers a transport endpoint; every stage then receives its
   blocks' KV in the background and writes it into the reserved blocks. The next message for the
   migration waits for that receive first.
@@ -57,12 +57,14 @@ class MigrationDestination:
         block_size: int,
         kv_bytes_per_block: int,
         clock: Callable[[], float] = time.monotonic,
+        model: str | None = None,
     ) -> None:
         self.call = call
         self.hub = hub
         self.table = table
         self.block_size = block_size
         self.kv_bytes_per_block = kv_bytes_per_block
+        self.model = model  # the served model name (None: not compared)
         self.clock = clock
         self._receiving: dict[str, asyncio.Task[None]] = {}
         self._tags: dict[str, tuple[str, int]] = {}  # migration -> (pair group, message tag)
@@ -222,6 +224,8 @@ class MigrationDestination:
     def _check_geometry(self, msg: ReserveRequest) -> str | None:
         if msg.block_size != self.block_size:
             return f"block size {msg.block_size} differs from this instance's {self.block_size}"
+        if msg.model is not None and self.model is not None and msg.model != self.model:
+            return f"the request runs on model {msg.model!r}; this instance serves {self.model!r}"
         if msg.kv_bytes_per_block != self.kv_bytes_per_block:
             return (
                 f"KV of {msg.kv_bytes_per_block} bytes per block differs from this instance's "

@@ -76,6 +76,7 @@ class PrefillOpening:
     block_hashes: Sequence[int]  # the prompt's full-block hash chain
     block_size: int  # this engine's KV geometry (read once: no engine call before stage 0)
     kv_bytes_per_block: int
+    model: str | None = None  # this engine's served model name
     lora_name: str | None = None  # the LoRA adapter the request runs with
 
 
@@ -116,11 +117,12 @@ async def migrate_out(
     views: Any = None
     action: SourceAction
     if opening is None:
-        block_size, bytes_per_block, views, lora_name = await call(
+        block_size, bytes_per_block, views, model, lora_name = await call(
             lambda e: (
                 e.block_size,
                 e.kv_bytes_per_block(),
                 e.kv_block_views(),
+                e.served_model,
                 e.request_lora(request_id),
             )
         )
@@ -128,7 +130,7 @@ async def migrate_out(
         action = session.start()
     else:
         block_size, bytes_per_block = opening.block_size, opening.kv_bytes_per_block
-        lora_name = opening.lora_name
+        model, lora_name = opening.model, opening.lora_name
         session = SourceSession(request_id, block_size, config, opening.num_tokens)
         # As admitted: nothing computed yet (what the engine computed since, the next snapshot
         # sees), so stage 0 copies nothing and reserves the whole prompt.
@@ -169,6 +171,7 @@ async def migrate_out(
                             block_size=block_size,
                             kv_bytes_per_block=bytes_per_block,
                             expected_blocks=stage.expected_blocks,
+                            model=model if stage.index == 0 else None,
                             lora_name=lora_name if stage.index == 0 else None,
                         )
                     )

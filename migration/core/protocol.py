@@ -112,6 +112,11 @@ class MigratableEngine(Protocol):
     @property
     def block_size(self) -> int: ...
 
+    @property
+    def served_model(self) -> str | None:
+        """The name fleets route this engine's model by (None: unnamed, never compared)."""
+        ...
+
     def kv_bytes_per_block(self) -> int:
         """Bytes of KV one block holds (all layers, keys and values)."""
         ...
@@ -264,8 +269,9 @@ class ReserveRequest(_Message):
     # Stage 0 of a P/D handoff opened before its prefill: the blocks the request will hold at its
     # first token, all reserved (or shared) now; later stages take theirs from them.
     expected_blocks: int = 0
-    # Stage 0: the LoRA adapter the request runs with; a destination without it refuses before
-    # any KV is copied.
+    # Stage 0: the model (its served name) and LoRA adapter the request runs with; a destination
+    # serving another model, or without the adapter, refuses before any KV is copied.
+    model: str | None = None
     lora_name: str | None = None
 
     @classmethod

@@ -43,7 +43,9 @@ class LiveAgent:
 
 @contextlib.asynccontextmanager
 async def serve_agent(
-    num_blocks: int = 300, released: list[tuple[str, str, int]] | None = None
+    num_blocks: int = 300,
+    released: list[tuple[str, str, int]] | None = None,
+    served_model: str = "tiny",
 ) -> AsyncIterator[LiveAgent]:
     engine = LLMEngine(
         EngineConfig(model="tiny", block_size=4, num_gpu_blocks=num_blocks, max_model_len=512)
@@ -58,6 +60,7 @@ async def serve_agent(
         agent.instance_id,
         settings=MigrationSettings(transfer_timeout_s=5.0),
         on_released=None if released is None else lambda *args: released.append(args),
+        served_model=served_model,
     )
     app.include_router(create_migration_router(service))
     server = uvicorn.Server(
@@ -126,22 +129,29 @@ def no_blocks_held(agent: LiveAgent) -> bool:
 
 
 async def test_refused_migration_leaves_the_stream_untouched() -> None:
-    async with serve_agent() as a, serve_agent(num_blocks=8) as small:
+    async with (
+        serve_agent() as a,
+        serve_agent(num_blocks=8) as small,
+        serve_agent(served_model="other") as other,  # same geometry, another model's name
+    ):
         async with httpx.AsyncClient(timeout=60) as client:
-            seen: list[int] = []
-            streaming = asyncio.create_task(stream_tokens(client, a.url, "r1", seen))
-            await poll(lambda: len(seen) >= 3)
-            response = await client.post(
-                f"{a.url}/kvherd/v1/migrate", json={"request_id": "r1", "dst": small.url}
-            )
-            assert response.status_code == 200
-            outcome = response.json()
-            assert outcome["status"] == "aborted" and outcome["reason"] == "dst_refused"
-            assert await streaming == "length"
-            assert len(seen) == 300
-        await poll(lambda: no_blocks_held(a) and no_blocks_held(small))
-        a.engine.block_manager.check_integrity()
-        small.engine.block_manager.check_integrity()
+            for rid, dst, why in (("r1", small, "blocks"), ("r1b", other, "model 'tiny'")):
+                seen: list[int] = []
+                streaming = asyncio.create_task(stream_tokens(client, a.url, rid, seen))
+                await poll(lambda seen=seen: len(seen) >= 3)
+                response = await client.post(
+                    f"{a.url}/kvherd/v1/migrate", json={"request_id": rid, "dst": dst.url}
+                )
+                assert response.status_code == 200
+                outcome = response.json()
+                assert outcome["status"] == "aborted" and outcome["reason"] == "dst_refused"
+                assert why in outcome["detail"], outcome
+                assert await streaming == "length"
+                assert len(seen) == 300
+            assert outcome["bytes_sent"] == 0  # the model is checked before any copy
+        for agent in (a, small, other):
+            await poll(lambda agent=agent: no_blocks_held(agent))
+            agent.engine.block_manager.check_integrity()
 
 
 async def test_unreachable_destination_is_reported_and_harmless(
