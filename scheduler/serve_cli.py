@@ -13,8 +13,8 @@ queued), ``pull_address=tcp://H:P`` (a vLLM's kvherd connector block server: ``-
 may pull from it; a kvherd agent reports its own), e.g.
 ``--instance http://10.0.0.5:8000,kv_events=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5558``.
 Without any of the three the instance is routed with the approximate prefix index. A plain vLLM's
-block size is read from its ``vllm:cache_config_info`` at start-up; one that differs from the
-fleet's stops ``kvherd serve`` with a message naming both.
+block size is read from its ``vllm:cache_config_info`` at start-up; one that differs from its
+model's stops ``kvherd serve`` with a message naming both.
 
 ``--config FILE`` (YAML) may set ``policy`` (a spec string, or ``{name, parameters}``),
 ``instances`` (URLs or mappings with ``url``, ``id``, ``kv_events_endpoint``, ``replay_endpoint``),
