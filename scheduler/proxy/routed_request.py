@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import orjson
 
@@ -75,8 +75,7 @@ class RoutedRequest:
         return self.max_tokens if isinstance(self.max_tokens, int) else None
 
 
-@dataclass(frozen=True, slots=True)
-class _Target:
+class _Target(NamedTuple):  # a tuple: built once per request, at a tuple's cost
     """What a request's ``model`` names (see the module contract)."""
 
     model: str | None = None
