@@ -7,14 +7,18 @@ Contract:
 - Membership: `add_instance(spec)` (static ``--instance`` or admin registration; re-adding resyncs
   the instance's prefix view), `remove_instance`, `set_draining`, `heartbeat`. Registered instances
   that stop heartbeating for `heartbeat_timeout_s` are removed; static ones are not.
-- Block size: one per fleet (hashes only match between equal block sizes; a fleet of mixed block
-  sizes runs one ``kvherd serve`` per size). Unless pinned (``--block-size``), the first block size
-  an instance reports (``block_size=`` on its spec, its registration, its ``/kvherd/v1/state``,
-  vLLM's ``vllm:cache_config_info``, or its KV events' ``block_size``) settles it; the core is
-  rebuilt for it if needed. An instance that declares another block size when it registers is
-  refused (`FleetError` 400, saying both sizes); one found to differ later is reported once (a
-  WARNING, ``kvherd_block_size_mismatch{instance}``, the admin field ``block_size_mismatch``) and
-  routed with the approximate index.
+- Block size: one per model (hashes only match between equal block sizes). Unless pinned
+  (``model_block_sizes``: ``--block-size MODEL=N``; ``block_size``: ``--block-size N``, every
+  model), the first block size an instance of a model reports (``block_size=`` on its spec, its
+  registration, its ``/kvherd/v1/state``, vLLM's ``vllm:cache_config_info``, or its KV events'
+  ``block_size``) settles it for the base models it serves (adapters hash as their parent); the
+  first any instance reports also settles the fleet's default (`block_size`: requests naming no
+  model, instances whose models are unknown). Each instance is indexed at its model's size
+  (re-read from its events when that settles). An instance that declares another size than its
+  model's when it registers is refused (`FleetError` 400, saying both sizes); one found to
+  differ later is reported once (a WARNING, ``kvherd_block_size_mismatch{instance}``, the admin
+  field ``block_size_mismatch``) and routed with the approximate index. `block_size_of_model`
+  is the request path's one lookup.
 - KV events: `subscriber` follows each instance's stream (connecting, or binding for an engine
   that connects its PUB: ``kv_events_bind``; or the shared bound endpoint ``kv_events_bind`` of
   the settings, attributed by ``kv_topic``). When the stream says part of the instance's history
@@ -51,8 +55,10 @@ Contract:
 - Models (`scheduler.core.model_index.ModelIndex`, `models`): each instance's model cards come
   from its spec (what ``/v1/models`` said when it was probed, or its registration's ``model``),
   then from `ModelPoller` every ``models_interval_s``, unless the operator pinned them
-  (`set_models`, the admin API). `dispatch(..., only=)` routes among the instances serving the
-  request's model; `served_adapter` records an adapter the proxy loaded on an instance.
+  (`set_models`, the admin API). `dispatch(..., only=, block_size=)` routes among the instances
+  serving the request's model, its chain hashed at the model's block size; `served_adapter`
+  records an adapter the proxy loaded on an instance; `describe_models` each model's block size,
+  instances and prefix hits.
 - Policies: `set_policy(spec, params)` switches the dispatch policy at run time, loading only what
   the operator's `PolicyAllowList` admits (built-in names, entry points, allow-listed modules, the
   policy directory); a spec that is refused or does not load raises `FleetError(400)` and the old
@@ -68,8 +74,8 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Coroutine, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import zmq
@@ -166,7 +172,8 @@ class FleetInstance:
 
 @dataclass(slots=True)
 class FleetSettings:
-    block_size: int | None = None  # None: learned from the first instance
+    block_size: int | None = None  # every model's (None: learned from each model's instances)
+    model_block_sizes: dict[str, int] = field(default_factory=dict)  # pinned per base model
     max_inflight_per_instance: int = 256
     failure_threshold: int = 3
     base_ejection_s: float = 5.0
@@ -201,7 +208,9 @@ class Fleet:
         self.policy_allow = policy_allow or PolicyAllowList()
         self.metrics = metrics
         self.clock = clock
-        self.block_size_pinned = settings.block_size is not None
+        self.block_size_pinned = settings.block_size is not None  # the default is settled
+        self._pin_all = settings.block_size is not None
+        self.model_block_sizes: dict[str, int] = dict(settings.model_block_sizes)
         self.cluster = ClusterState(
             block_size=settings.block_size or 16, approx_ttl_s=settings.approx_ttl_s
         )
@@ -230,7 +239,7 @@ class Fleet:
         self.poller = LoadPoller(
             self._urls,
             self._on_report,
-            lambda: self.cluster.block_size,
+            self._instance_block_size,
             settings.load_interval_s,
             headers=auth_headers(settings.fleet_token),
             on_failure=metrics.load_poll_failed,
@@ -265,7 +274,18 @@ class Fleet:
 
     @property
     def block_size(self) -> int:
+        """The fleet's default block size (requests naming no model, models not yet known)."""
         return self.cluster.block_size
+
+    def block_size_of_model(self, base: str | None) -> int:
+        """The block size requests for base model `base` (an adapter's parent) hash with."""
+        if base is None:
+            return self.cluster.block_size
+        return self.model_block_sizes.get(base, self.cluster.block_size)
+
+    def _instance_block_size(self, instance_id: str) -> int:
+        cluster = self.cluster
+        return cluster.get(instance_id).block_size if instance_id in cluster else cluster.block_size
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -306,44 +326,73 @@ class Fleet:
     def _urls(self) -> dict[str, str]:
         return {i: inst.url for i, inst in self.instances.items()}
 
-    async def _adopt_block_size(self, spec: InstanceSpec) -> None:
-        if spec.block_size is None or spec.block_size == self.cluster.block_size:
-            if spec.block_size is not None and not self.block_size_pinned:
-                self.block_size_pinned = True
-                log.info("fleet block size %d, from instance %s", spec.block_size, spec.instance_id)
-            return
-        if self.block_size_pinned:
+    def _expected_block_size(self, spec: InstanceSpec) -> int | None:
+        """The block size `spec`'s blocks must hold: its model's (None: not settled yet)."""
+        bases = _base_models(spec)
+        for base in bases:
+            size = self.model_block_sizes.get(base)
+            if size is not None:
+                return size
+        if bases and not self._pin_all:
+            return None
+        return self.cluster.block_size if self.block_size_pinned else None
+
+    def _hashed_block_size(self, spec: InstanceSpec) -> int:
+        """The block size `spec`'s events are indexed at (its model's, else the default)."""
+        expected = self._expected_block_size(spec)
+        return self.cluster.block_size if expected is None else expected
+
+    def _whose(self, spec: InstanceSpec) -> str:
+        bases = [b for b in _base_models(spec) if b in self.model_block_sizes]
+        return f"model {bases[0]!r}" if bases else "the fleet"
+
+    def _learn_block_size(self, spec: InstanceSpec, block_size: int, source: str) -> bool:
+        """Settle the block size of `spec`'s models, and the default, where not yet settled;
+        True when one changed."""
+        changed = False
+        if not self.block_size_pinned:
+            self.block_size_pinned = True
+            log.info("fleet block size %d, from %s", block_size, source)
+            changed = block_size != self.cluster.block_size
+            self.cluster.block_size = block_size
+        if self._pin_all:
+            return changed
+        for base in _base_models(spec):
+            if base not in self.model_block_sizes:
+                self.model_block_sizes[base] = block_size
+                log.info("model %s: block size %d, from %s", base, block_size, source)
+                changed = True
+        return changed
+
+    def _adopt_block_size(self, spec: InstanceSpec) -> bool:
+        """Check a joining instance's declared block size against its model's (refused when it
+        differs) and settle what it settles; True when a block size changed."""
+        if spec.block_size is None:
+            return False
+        expected = self._expected_block_size(spec)
+        if expected is not None and spec.block_size != expected:
             raise FleetError(
                 400,
-                f"instance {spec.instance_id} has block size {spec.block_size} but the fleet "
-                f"hashes with {self.cluster.block_size}: kvherd routes one block size per fleet "
-                f"(start the engine with --block-size {self.cluster.block_size}, or run a kvherd "
-                "serve per block size)",
+                f"instance {spec.instance_id} has block size {spec.block_size} but "
+                f"{self._whose(spec)} hashes with {expected}: kvherd routes one block size per "
+                f"model (start the engine with --block-size {expected}, or serve it under "
+                "another model name)",
                 "block_size",
             )
-        await self._settle_block_size(spec.block_size, f"instance {spec.instance_id}")
+        return self._learn_block_size(spec, spec.block_size, f"instance {spec.instance_id}")
 
-    async def _settle_block_size(self, block_size: int, source: str) -> None:
-        """Fix the fleet's block size; rebuild the core (indexes empty) when it changes.
-
-        The router's in-flight accounting starts afresh; this happens once, as the fleet learns
-        its first instance's block size."""
-        self.block_size_pinned = True
-        log.info("fleet block size %d, from %s", block_size, source)
-        if block_size == self.cluster.block_size:
-            return
-        old = self.cluster
-        self.cluster = ClusterState(block_size=block_size, approx_ttl_s=self.settings.approx_ttl_s)
-        self.router = Router(
-            self.cluster, self.router.policy, self.router.pd_policy, pull=self.settings.prefix_pull
-        )
-        self.subscriber.sink = self.cluster
-        for inst in list(self.instances.values()):
-            await self._join_core(inst.spec)
-            if inst.instance_id in old:
-                state = old.get(inst.instance_id)
-                self.cluster.set_healthy(inst.instance_id, state.healthy)
-                self.cluster.set_draining(inst.instance_id, state.draining)
+    def _retune(self) -> None:
+        """Index every instance at its model's block size (after one settled): an instance whose
+        size changed forgets its blocks and replays its KV events at the new size."""
+        for instance_id, inst in self.instances.items():
+            if instance_id not in self.cluster:
+                continue
+            size = self._hashed_block_size(inst.spec)
+            if self.cluster.get(instance_id).block_size == size:
+                continue
+            resync = self.cluster.set_block_size(instance_id, size)
+            if resync is not None and self._has_events(inst.spec):
+                _spawn(self._subscribe(inst.spec))
 
     def _has_events(self, spec: InstanceSpec) -> bool:
         return self.settings.kv_events and (
@@ -359,6 +408,7 @@ class Fleet:
             trust_engine_hashes=spec.kvherd_agent,
             role=spec.role,
             batch_slots=spec.max_num_seqs or 0,
+            block_size=self._hashed_block_size(spec),
         )
         if has_events:
             await self._subscribe(spec)
@@ -382,7 +432,7 @@ class Fleet:
 
     async def add_instance(self, spec: InstanceSpec) -> bool:
         """Add or re-add an instance; True when it is new."""
-        await self._adopt_block_size(spec)
+        settled = self._adopt_block_size(spec)
         existing = self.instances.get(spec.instance_id)
         if existing is not None and existing.url != spec.url:
             self.metrics.forget_instance(spec.instance_id)
@@ -404,6 +454,8 @@ class Fleet:
             await self.remove_instance(spec.instance_id)
             raise
         self.cluster.set_healthy(spec.instance_id, True)
+        if settled:
+            self._retune()  # instances waiting for the default (or this model's size) follow
         log.info(
             "instance %s at %s %s (%s)",
             spec.instance_id,
@@ -464,6 +516,13 @@ class Fleet:
         inst.spec.models = cards
         if self.models.set_models(instance_id, cards):
             log.info("instance %s serves %s", instance_id, [card["id"] for card in cards])
+            self._models_changed(inst)
+
+    def _models_changed(self, inst: FleetInstance) -> None:
+        """An instance's model list changed: check and settle its block size for them."""
+        if inst.block_size is not None:
+            self._observe_block_size(inst.instance_id, inst.block_size, "its model list")
+        self._retune()
 
     def set_models(self, instance_id: str, cards: list[ModelCard] | None) -> None:
         """The operator's model list for an instance (None: learn it from the instance again)."""
@@ -473,7 +532,8 @@ class Fleet:
         inst.spec.models_pinned = cards is not None
         if cards is not None:
             inst.spec.models = cards
-            self.models.set_models(instance_id, cards)
+            if self.models.set_models(instance_id, cards):
+                self._models_changed(inst)
 
     def served_adapter(self, instance_id: str, adapter: str, path: str, parent: str | None) -> None:
         """`instance_id` loaded `adapter` (from `path`) at the proxy's request: route it there."""
@@ -486,7 +546,8 @@ class Fleet:
         if all(card["id"] != adapter for card in known):
             known.append({"id": adapter, "object": "model", "root": path, "parent": parent})
         inst.spec.models = known
-        self.models.set_models(instance_id, known)
+        if self.models.set_models(instance_id, known):
+            self._models_changed(inst)
 
     # -- load and health inputs --------------------------------------------------------------
     def _on_report(self, instance_id: str, report: LoadReport) -> None:
@@ -512,32 +573,31 @@ class Fleet:
             return
         if inst.block_size is None:
             inst.block_size = block_size
-        if not self.block_size_pinned:
-            self.block_size_pinned = True  # settled now; the rebuild follows
-            task = asyncio.get_running_loop().create_task(
-                self._settle_block_size(block_size, f"instance {instance_id} ({source})")
-            )
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        expected = self._expected_block_size(inst.spec)
+        if expected is None or block_size == expected:
+            if self._learn_block_size(inst.spec, block_size, f"instance {instance_id} ({source})"):
+                self._retune()
             return
-        if block_size == self.cluster.block_size or inst.block_size_mismatch is not None:
+        if inst.block_size_mismatch is not None:
             return
         inst.block_size_mismatch = {
             "instance_block_size": block_size,
-            "fleet_block_size": self.cluster.block_size,
+            "fleet_block_size": expected,
             "source": source,
         }
         log.warning(
-            "instance %s has block size %d (%s) but the fleet hashes with %d: its KV events "
+            "instance %s has block size %d (%s) but %s hashes with %d: its KV events "
             "cannot be used and it is routed with the approximate index (start it with "
-            "--block-size %d, or run a kvherd serve per block size)",
+            "--block-size %d, or serve it under another model name)",
             instance_id,
             block_size,
             source,
-            self.cluster.block_size,
-            self.cluster.block_size,
+            self._whose(inst.spec),
+            expected,
+            expected,
         )
         self.metrics.block_size_mismatch(instance_id, block_size)
-        self._approximate(instance_id, f"block size {block_size} differs from the fleet's")
+        self._approximate(instance_id, f"block size {block_size} differs from its model's")
 
     def _approximate(self, instance_id: str, reason: str) -> None:
         """Route the instance with the approximate index (full chains, full TTL) from now on."""
@@ -604,6 +664,7 @@ class Fleet:
         exclude: Collection[str] = (),
         only: frozenset[str] | None = None,
         adapter: str | None = None,
+        block_size: int | None = None,
     ) -> tuple[FleetInstance, int]:
         saturated = self.inflight.saturated
         if saturated:
@@ -621,6 +682,7 @@ class Fleet:
                 exclude=skip,
                 only=only,
                 adapter=adapter,
+                block_size=block_size,
             )
         except NoInstanceError:
             # Worth waiting only if an instance that may still be tried is merely full.
@@ -664,13 +726,19 @@ class Fleet:
         return self._pulls.pop(key, None)
 
     def choose_instance(
-        self, num_tokens: int, block_hashes: Sequence[int], only: frozenset[str], adapter: str
+        self,
+        num_tokens: int,
+        block_hashes: Sequence[int],
+        only: frozenset[str],
+        adapter: str,
+        block_size: int | None = None,
     ) -> FleetInstance:
         """The instance the dispatch policy would pick among `only` for such a request, with
         nothing charged (`NoCapacityError` when none of them is dispatchable)."""
         request = RequestView(
-            "", num_tokens, tuple(block_hashes), self.cluster.block_size, adapter=adapter
-        )
+            "", num_tokens, tuple(block_hashes), block_size or self.cluster.block_size,
+            adapter=adapter,
+        )  # fmt: skip
         try:
             decision = self.router.choose(request, self.clock(), only)
         except NoInstanceError:
@@ -791,7 +859,7 @@ class Fleet:
             "models": self.models.models_of(instance_id),
             "models_pinned": spec.models_pinned,
             "block_size": inst.block_size,
-            "fleet_block_size": self.cluster.block_size,
+            "fleet_block_size": state.block_size,  # what its model's requests hash with
             "block_size_mismatch": inst.block_size_mismatch,
             "registered": spec.registered,
             "pull_address": spec.pull_address,
@@ -824,6 +892,28 @@ class Fleet:
     def describe(self) -> list[dict[str, Any]]:
         return [self.describe_one(i) for i in self.instances]
 
+    def describe_models(self) -> list[dict[str, Any]]:
+        """Each model the fleet serves: its block size, the instances serving it, and the
+        requests, prompt blocks and hit blocks routed for it."""
+        figures = self.metrics.model_figures()
+        described = []
+        for card in self.models.cards():
+            model, parent = card["id"], card.get("parent")
+            only = self.models.route(model)
+            requests, prompt_blocks, hit_blocks = figures.get(model, (0, 0, 0))
+            described.append(
+                {
+                    "id": model,
+                    "parent": parent,
+                    "block_size": self.block_size_of_model(parent or model),
+                    "instances": sorted(self.instances if only is None else only),
+                    "requests": requests,
+                    "prompt_blocks": prompt_blocks,
+                    "hit_blocks": hit_blocks,
+                }
+            )
+        return described
+
     def policy_info(self) -> dict[str, Any]:
         info: dict[str, Any] = {
             "policy": self.policy_spec,
@@ -843,6 +933,22 @@ class Fleet:
                 "rejected": stats.rejected,
             }
         return info
+
+
+def _spawn(work: Coroutine[Any, Any, None]) -> None:
+    """Run `work` beside the caller (a resubscription after a block size settled)."""
+    task = asyncio.get_running_loop().create_task(work)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
+def _base_models(spec: InstanceSpec) -> list[str]:
+    """The base models an instance serves, as its cards say (an adapter counts as its parent)."""
+    bases: list[str] = []
+    for card in _cards(spec) or ():
+        base = card.get("parent") or card["id"]
+        if base not in bases:
+            bases.append(base)
+    return bases
 
 
 def _cards(spec: InstanceSpec) -> list[ModelCard] | None:

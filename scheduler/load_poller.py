@@ -43,7 +43,7 @@ class LoadPoller:
         self,
         targets: Callable[[], dict[str, str]],
         on_report: Callable[[str, LoadReport], None],
-        block_size: Callable[[], int],
+        block_size: Callable[[str], int],  # instance id -> its block size
         interval_s: float = 0.25,
         timeout_s: float = 2.0,
         idle_recheck_s: float = 30.0,
@@ -87,7 +87,7 @@ class LoadPoller:
                     self._scrape_only.discard(instance_id)
                     return None
                 response.raise_for_status()
-                report = parse_prometheus(response.text, self._block_size())
+                report = parse_prometheus(response.text, self._block_size(instance_id))
         except (httpx.HTTPError, LoadReportError, ValueError) as exc:
             self._failed(instance_id, base, exc)
             return None

@@ -13,8 +13,8 @@ queued), ``pull_address=tcp://H:P`` (a vLLM's kvherd connector block server: ``-
 may pull from it; a kvherd agent reports its own), e.g.
 ``--instance http://10.0.0.5:8000,kv_events=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5558``.
 Without any of the three the instance is routed with the approximate prefix index. A plain vLLM's
-block size is read from its ``vllm:cache_config_info`` at start-up; one that differs from the
-fleet's stops ``kvherd serve`` with a message naming both.
+block size is read from its ``vllm:cache_config_info`` at start-up; one that differs from its
+model's stops ``kvherd serve`` with a message naming both.
 
 ``--config FILE`` (YAML) may set ``policy`` (a spec string, or ``{name, parameters}``),
 ``instances`` (URLs or mappings with ``url``, ``id``, ``kv_events_endpoint``, ``replay_endpoint``),
@@ -147,11 +147,22 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--tokenizer",
+        action="append",
         default=None,
-        help="the fleet's tokenizer: the model's (or an HF tokenizer's) directory, or 'byte'; "
-        "needs the 'tokenizer' extra. Required in front of engines that are not kvherd agents",
+        metavar="[MODEL=]DIR",
+        help="the tokenizer requests are routed with: a model's (or an HF tokenizer's) "
+        "directory, or 'byte'; DIR for every model, MODEL=DIR for one base model (repeatable; "
+        "its adapters use it too). Needs the 'tokenizer' extra. Required in front of engines "
+        "that are not kvherd agents",
     )
-    parser.add_argument("--block-size", type=int, default=None, help="default: the agents' own")
+    parser.add_argument(
+        "--block-size",
+        action="append",
+        default=None,
+        metavar="[MODEL=]N",
+        help="pin the block size: N for every model, MODEL=N for one base model (repeatable); "
+        "default: each model's instances' own",
+    )
     parser.add_argument(
         "--lora-modules",
         action="append",
@@ -319,6 +330,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_proxy_arguments(parser)
 
 
+def block_size_pins(values: list[str] | None) -> tuple[int | None, dict[str, int]]:
+    """``--block-size`` values: (N for every model, {MODEL: N}); ValueError for a bad one."""
+    every: int | None = None
+    per_model: dict[str, int] = {}
+    for value in values or ():
+        model, sep, number = value.rpartition("=")
+        if not number.isdigit() or int(number) <= 0 or (sep and not model):
+            raise ValueError(f"{value!r}: expected a positive integer N or MODEL=N")
+        if not sep:
+            if every is not None:
+                raise ValueError(f"{value!r}: the block size of every model is already given")
+            every = int(number)
+        elif model in per_model:
+            raise ValueError(f"{value!r}: model {model!r} already has a block size")
+        else:
+            per_model[model] = int(number)
+    return every, per_model
+
+
 def parse_instance_spec(text: str) -> dict[str, Any]:
     url, *options = text.split(",")
     if not url.startswith("http://"):
@@ -471,14 +501,17 @@ def _token_refused(fleet_token: str | None) -> str:
     )
 
 
-def foreign_without_tokenizer(spec: InstanceSpec) -> str | None:
-    """Why the proxy must not route `spec` with the byte tokenizer (no ``--tokenizer`` given).
+def foreign_without_tokenizer(
+    spec: InstanceSpec, named: Callable[[str | None], bool] = lambda model: False
+) -> str | None:
+    """Why the proxy must not route `spec` with the byte tokenizer (`named(model)`: whether a
+    ``--tokenizer`` covers that model, its own or the default).
 
     An engine that answered ``/v1/models`` but is no kvherd agent (vLLM, SGLang) tokenizes with
     its model's tokenizer: byte-level routing tokens never match its blocks, so the proxy refuses
     to start. An instance that described itself not at all only gets a warning.
     """
-    if spec.kvherd_agent:
+    if spec.kvherd_agent or named(spec.model):
         return None
     if spec.model is None:
         log.warning(
@@ -490,8 +523,9 @@ def foreign_without_tokenizer(spec: InstanceSpec) -> str | None:
         return None
     return (
         f"instance {spec.url} serves {spec.model!r} and is not a kvherd agent: kvherd routes by "
-        "the engine's own token ids, so give the model's tokenizer with --tokenizer DIR (its "
-        "checkpoint or HF tokenizer directory; pip install 'kvherd[tokenizer]'), or "
+        "the engine's own token ids, so give the model's tokenizer with --tokenizer DIR or "
+        f"--tokenizer {spec.model}=DIR (its checkpoint or HF tokenizer directory; pip install "
+        "'kvherd[tokenizer]'), or "
         "--tokenizer byte to route with the byte tokenizer anyway"
     )
 
@@ -538,7 +572,6 @@ async def serve_fleet(
     """
     from kvherd.fd_limit import connection_cap, raise_fd_limit
     from kvherd.fleet_token import auth_headers, resolve
-    from kvherd.tokenizer import load_tokenizer
     from policies.registry import PolicyAllowList
     from scheduler.core.deadlines import DeadlineSettings
     from scheduler.core.tenancy import SALT_SECRET_ENV, build_registry
@@ -547,6 +580,7 @@ async def serve_fleet(
     from scheduler.proxy.loop_lag import LoopLag
     from scheduler.proxy.lora_loader import LoraLoader, parse_lora_module
     from scheduler.proxy.metrics import ProxyMetrics
+    from scheduler.proxy.model_tokenizers import ModelTokenizers, parse_tokenizer_specs
     from scheduler.proxy.proxy import Proxy, ProxyConfig, build_front
 
     try:
@@ -591,9 +625,14 @@ async def serve_fleet(
         args.allow_register or config.get("allow_register") or LOOPBACK_PATTERNS
     )
     try:  # missing packages or files fail here, never per request
-        tokenizer = load_tokenizer(args.tokenizer, strict=True)
+        tokenizers = ModelTokenizers.load(parse_tokenizer_specs(args.tokenizer))
     except ValueError as exc:
         print(f"kvherd serve: --tokenizer: {exc}", file=sys.stderr)
+        return 2
+    try:
+        block_size, model_block_sizes = block_size_pins(args.block_size)
+    except ValueError as exc:
+        print(f"kvherd serve: --block-size: {exc}", file=sys.stderr)
         return 2
     fd_limit = raise_fd_limit()  # every client and upstream connection holds a descriptor
     if args.max_connections is not None and args.max_connections < 1:
@@ -607,7 +646,8 @@ async def serve_fleet(
         print(f"kvherd serve: --prefix-pull: {exc}", file=sys.stderr)
         return 2
     settings = FleetSettings(
-        block_size=args.block_size,
+        block_size=block_size,
+        model_block_sizes=model_block_sizes,
         max_inflight_per_instance=max_inflight,
         failure_threshold=args.eject_after,
         base_ejection_s=args.ejection_time,
@@ -661,7 +701,7 @@ async def serve_fleet(
         lora = LoraLoader(fleet, lora_modules, metrics, auth_headers(fleet_token))
     proxy = Proxy(
         fleet,
-        tokenizer,
+        tokenizers,
         tenants,
         ProxyConfig(
             max_attempts=args.max_attempts,
@@ -690,7 +730,10 @@ async def serve_fleet(
     level = args.log_level.lower()
     front = build_front(proxy)
     admin_server = _QuietServer.make(
-        build_admin_app(fleet, token, allow, proxy.limits), args.admin_host, args.admin_port, level
+        build_admin_app(fleet, token, allow, proxy.limits, tokenizers),
+        args.admin_host,
+        args.admin_port,
+        level,
     )
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -714,7 +757,7 @@ async def serve_fleet(
                 raise ValueError(f"config instance {raw!r} has no url")
             try:
                 spec = await probe_instance(entry, not args.no_kv_events, fleet_token)
-                if args.tokenizer is None and (refusal := foreign_without_tokenizer(spec)):
+                if refusal := foreign_without_tokenizer(spec, tokenizers.named):
                     print(f"kvherd serve: {refusal}", file=sys.stderr)
                     return 2
                 await fleet.add_instance(spec)

@@ -148,7 +148,7 @@ async def _up(args: argparse.Namespace) -> int:
     from scheduler.serve_cli import serve_fleet
 
     # The proxy tokenizes like the agents: the checkpoint's tokenizer, or the byte tokenizer.
-    args.tokenizer = args.tokenizer or tokenizer_spec_for_model(args.model)
+    args.tokenizer = args.tokenizer or [tokenizer_spec_for_model(args.model)]
     token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV)
     generated = not token
     token = token or secrets.token_urlsafe(24)

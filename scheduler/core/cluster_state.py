@@ -23,6 +23,10 @@ Contract:
   kept up to date incrementally (only instances that changed are re-rendered), so building a view
   of 1,024 instances costs microseconds. `view(now, only=ids)` shows just those instances (the
   ones serving the request's model): its positions are cached per set until membership changes.
+- Block size: each instance has its own (`add_instance(..., block_size=)`, default the cluster's
+  `block_size`; `set_block_size` changes it and clears its precise view, to be replayed): the
+  size its KV events are indexed at and its prompts charged in, so one cluster holds instances of
+  models with different block sizes (a request's chain is hashed at its model's size).
 - `disaggregated`: some instance's role is ``prefill`` or ``decode`` (the router then pairs each
   request with a P/D policy).
 Pure: every time is an argument; no I/O, no threads.
@@ -112,17 +116,20 @@ class ClusterState:
         role: str | None = None,
         batch_slots: int = 0,
         tier_load_ratio: tuple[float, float] = (0.0, 0.0),
+        block_size: int | None = None,
     ) -> ResyncRequest | None:
         """Register (or re-register) an instance (`role`, `batch_slots`: the operator's P/D role
         and max_num_seqs, else the reported ones; `tier_load_ratio`: what a token loaded from its
-        CPU and STORAGE tiers costs in prefill tokens, `InstanceView.cpu_load_ratio`). Returns a
-        resync request when it has events."""
+        CPU and STORAGE tiers costs in prefill tokens, `InstanceView.cpu_load_ratio`;
+        `block_size`: its blocks' tokens, None: the cluster's). Returns a resync request when it
+        has events."""
         if not instance_id:
             raise ValueError("instance_id must be non-empty")
+        size = self.block_size if block_size is None else block_size
         previous = self.instances.get(instance_id)
         state = InstanceState(
             instance_id,
-            self.block_size,
+            size,
             has_kv_events,
             healthy,
             role=role,
@@ -147,10 +154,23 @@ class ClusterState:
         self._slot_pos = None
         self._replay.pop(instance_id, None)
         if has_kv_events:
-            self.prefix_index.add_instance(instance_id, trust_engine_hashes)
+            self.prefix_index.add_instance(instance_id, trust_engine_hashes, block_size=size)
             return ResyncRequest(instance_id, 0)
         self.prefix_index.remove_instance(instance_id)
         return None
+
+    def set_block_size(self, instance_id: str, block_size: int) -> ResyncRequest | None:
+        """The instance's blocks hold `block_size` tokens from now on; its precise view is
+        cleared (a resync request says to replay its events from the start)."""
+        state = self.instances[instance_id]
+        state.block_size = block_size
+        self._dirty.add(instance_id)
+        self._replay.pop(instance_id, None)
+        if instance_id not in self.prefix_index:
+            return None
+        trust = self.prefix_index.trusts_engine_hashes(instance_id)
+        self.prefix_index.add_instance(instance_id, trust, block_size=block_size)
+        return ResyncRequest(instance_id, 0)
 
     def remove_instance(self, instance_id: str) -> list[str]:
         """Forget the instance; returns the ids of requests the router still had in flight there."""

@@ -26,8 +26,11 @@ Contract:
   known to hold (on any tier) to that tier; unknown ones are counted and skipped.
   `match` / `owners` are the GPU tier; `match_tiers` adds, per instance, the blocks that continue
   its GPU match on the lower tiers (`lower_tier_counts`: each block on the highest one holding it).
-- Events the index cannot place (unknown parent, wrong block size, unknown placeholder) are counted
-  in `stats` and skipped; they never raise.
+- Block size per instance (`add_instance(..., block_size=)`, default the index's): instances of
+  different models may hash blocks of different sizes in one index (a request's chain is hashed
+  at its model's size and matched against its model's instances only).
+- Events the index cannot place (unknown parent, a block size other than the instance's, unknown
+  placeholder) are counted in `stats` and skipped; they never raise.
 Pure: no I/O, no clock, no threads.
 """
 
@@ -250,6 +253,7 @@ class ApplyResult:
 class _InstanceBlocks:
     bit: int
     trust_engine_hashes: bool
+    block_size: int  # what its events' blocks must hold (its model's block size)
     # GPU tier: engine hash -> kvherd hash, in store order (oldest first): the LRU for the bound.
     entries: dict[int, int] = field(default_factory=dict)
     # kvherd hash -> extra engine hashes naming it (rare: distinct engine hashes, same tokens).
@@ -322,19 +326,28 @@ class PrefixIndex:
 
     # -- instances ---------------------------------------------------------------------------
     def add_instance(
-        self, instance_id: str, trust_engine_hashes: bool = False, next_seq: int | None = None
+        self,
+        instance_id: str,
+        trust_engine_hashes: bool = False,
+        next_seq: int | None = None,
+        block_size: int | None = None,
     ) -> None:
-        """Register (or re-register, which clears) an instance.
+        """Register (or re-register, which clears) an instance whose blocks hold `block_size`
+        tokens (None: the index's own).
 
         With `next_seq` None the next batch starts its view whatever its number (the replay may
         not reach back to 0); pass the first expected number when it is known (replay from 0).
         """
+        size = self.block_size if block_size is None else block_size
+        if size <= 0:
+            raise ValueError("block_size must be positive")
         if instance_id in self._instances:
             self.clear_instance(instance_id)
             inst = self._instances[instance_id]
             inst.trust_engine_hashes = trust_engine_hashes
+            inst.block_size = size
         else:
-            inst = _InstanceBlocks(self.slots.bit(instance_id), trust_engine_hashes)
+            inst = _InstanceBlocks(self.slots.bit(instance_id), trust_engine_hashes, size)
             self._instances[instance_id] = inst
         inst.next_seq = next_seq
 
@@ -393,6 +406,12 @@ class PrefixIndex:
     def next_seq(self, instance_id: str) -> int | None:
         return self._instances[instance_id].next_seq
 
+    def trusts_engine_hashes(self, instance_id: str) -> bool:
+        return self._instances[instance_id].trust_engine_hashes
+
+    def block_size_of(self, instance_id: str) -> int:
+        return self._instances[instance_id].block_size
+
     # -- events ------------------------------------------------------------------------------
     def apply_batch(self, instance_id: str, batch: KVEventBatch) -> ApplyResult:
         inst = self._instances.get(instance_id)
@@ -429,7 +448,8 @@ class PrefixIndex:
     def _stored(self, inst: _InstanceBlocks, event: BlockStored) -> None:
         medium = event.medium
         level = 0 if medium is None or medium == "GPU" else self.level(medium)
-        if event.block_size != self.block_size:
+        size = inst.block_size
+        if event.block_size != size:
             if level and not event.block_size and event.parent_block_hash is None:
                 self._relocated(inst, event.block_hashes, level)  # (a placeholder has no tokens)
             else:
@@ -445,20 +465,16 @@ class PrefixIndex:
             if parent is None:  # the parent was evicted or never seen: cannot chain
                 self.stats.unknown_parent += 1
                 return
-        usable = len(event.token_ids) // self.block_size
+        usable = len(event.token_ids) // size
         if usable < len(engine_hashes):
             engine_hashes = engine_hashes[:usable]
-        tokens = event.token_ids[: len(engine_hashes) * self.block_size]
+        tokens = event.token_ids[: len(engine_hashes) * size]
         if event.extra_keys is None or event.extra_keys.count(None) == len(event.extra_keys):
             kv_hashes = block_hash_chain(
-                tokens,
-                self.block_size,
-                algo=self.hash_algo,
-                parent_hash=parent,
-                lora_name=event.lora_name,
+                tokens, size, algo=self.hash_algo, parent_hash=parent, lora_name=event.lora_name
             )
         else:
-            kv_hashes = self._keyed_chain(event, tokens, parent)
+            kv_hashes = self._keyed_chain(event, tokens, parent, size)
         self._store(inst, engine_hashes, kv_hashes, level)
 
     def _relocated(self, inst: _InstanceBlocks, engine_hashes: Sequence[int], level: int) -> None:
@@ -473,7 +489,9 @@ class PrefixIndex:
             level,
         )
 
-    def _keyed_chain(self, event: BlockStored, tokens: list[int], parent: int | None) -> list[int]:
+    def _keyed_chain(
+        self, event: BlockStored, tokens: list[int], parent: int | None, size: int
+    ) -> list[int]:
         """kvherd hashes of an event's blocks folding in the extra keys vLLM reports per block:
         the salt on a prompt's first block and the LoRA name as `block_hash_chain` folds them (so
         a request hashed with the same salt and adapter matches), and any other key (multi-modal,
@@ -483,9 +501,10 @@ class PrefixIndex:
             salt, others = salt_and_extras(event.extra_keys[0], event.lora_name, True)
             if not others:  # the usual salted prompt: only its first block carries a key
                 return block_hash_chain(
-                    tokens, self.block_size, salt, self.hash_algo, lora_name=event.lora_name
+                    tokens, size, salt, self.hash_algo, lora_name=event.lora_name
                 )
-        size, chain, previous = self.block_size, [], parent
+        chain: list[int] = []
+        previous = parent
         for index in range(len(tokens) // size):
             first = index == 0 and event.parent_block_hash is None
             salt, others = salt_and_extras(event.extra_keys[index], event.lora_name, first)

@@ -26,7 +26,8 @@ Contract:
   holder was worth a look, and the driver moves a PULL's blocks before the prefill.
 - Models: `only` (a `scheduler.core.model_index.ModelIndex` answer) limits the view, and so every
   policy, to the instances that serve the request's model; `adapter` names its LoRA adapter
-  (`RequestView.adapter`, counted on the chosen instance while in flight).
+  (`RequestView.adapter`, counted on the chosen instance while in flight); `block_size` the
+  model's (its chain's blocks; None: the cluster's).
 - `choose(request, now, only)` asks the dispatch policy without routing (no charge, no record).
 - `NoInstanceError` when nothing is dispatchable. Pure: times are arguments, no I/O or threads;
   the proxy and the simulator drive the same object.
@@ -113,14 +114,17 @@ class Router:
         exclude: Collection[str] = (),
         only: frozenset[str] | None = None,
         adapter: str | None = None,
+        block_size: int | None = None,
     ) -> Routed:
         if request_id in self._where:
             raise ValueError(f"request {request_id!r} is already routed; finish it first")
+        if block_size is None:
+            block_size = self.cluster.block_size
         if block_hashes is None:
             if token_ids is None:
                 raise ValueError("route() needs token_ids, or block_hashes and num_tokens")
             block_hashes = block_hash_chain(
-                token_ids, self.cluster.block_size, cache_salt, self.cluster.hash_algo
+                token_ids, block_size, cache_salt, self.cluster.hash_algo
             )
         if num_tokens is None:
             if token_ids is None:
@@ -130,7 +134,7 @@ class Router:
             request_id,
             num_tokens,
             tuple(block_hashes),
-            self.cluster.block_size,
+            block_size,
             tenant,
             priority,
             max_tokens,
@@ -168,7 +172,7 @@ class Router:
             cached = sum(tier_blocks)
         if pull is not None and pull.action is PullAction.PULL:  # cached once the pull lands
             cached = pull.first_block + pull.num_blocks
-        cached_tokens = min(num_tokens, cached * self.cluster.block_size)
+        cached_tokens = min(num_tokens, cached * block_size)
         state = self.cluster.get(decision.instance_id)
         state.dispatch(request_id, num_tokens, num_tokens - cached_tokens, now, adapter)
         self.cluster.touch(decision.instance_id)

@@ -9,7 +9,7 @@ object; bodies are JSON; errors are ``{"error": {"message", "type", "param", "co
   "pull_address", "model", "block_size", "role", "runtime_lora"}``: register, or re-register
   (which resubscribes and resyncs the instance's prefix view). The URL's host and the event
   endpoints' hosts must match the operator's ``--allow-register`` patterns (default: loopback
-  only), else 403. A block size other than the fleet's is refused with 400 (block hashes would
+  only), else 403. A block size other than the model's is refused with 400 (block hashes would
   never match). 201 on a new instance, 200 on a re-registration.
 - ``POST /admin/v1/instances/{id}/heartbeat``: 200, or 404 when the instance is unknown (the agent
   then registers again). A body with ``"draining": true`` (an agent that got SIGTERM) drains the
@@ -21,6 +21,9 @@ object; bodies are JSON; errors are ``{"error": {"message", "type", "param", "co
   resume) routing new requests there; its running requests are live-migrated to other instances
   (the `drain` migration policy, whatever ``--migration-policy`` says); those that fit nowhere
   finish where they are.
+- ``GET /admin/v1/models``: each model and adapter the fleet serves with its block size, the
+  tokenizer it is routed with (an adapter's parent's), the instances serving it, and the
+  requests, prompt blocks and hit blocks routed for it.
 - ``PUT /admin/v1/instances/{id}/models`` ``{"models": [{"id", "parent"}, ...] | null}``: pin
   what the instance serves (routing by model uses it, polling stops); null learns it again from
   the instance's ``/v1/models``.
@@ -62,6 +65,7 @@ from scheduler.core.rate_limit import RateLimits
 from scheduler.fleet import Fleet, FleetError, InstanceSpec
 from scheduler.model_poller import ModelListError, parse_models
 from scheduler.proxy.dashboard import Dashboard
+from scheduler.proxy.model_tokenizers import ModelTokenizers
 from scheduler.proxy.rate_gate import RateGate
 
 LOOPBACK_PATTERNS: tuple[str, ...] = ("127.0.0.0/8", "::1", "localhost")
@@ -189,7 +193,11 @@ def _limits_from_body(body: Any, current: RateLimits) -> RateLimits:
 
 
 def build_admin_app(
-    fleet: Fleet, token: str, allow: RegistrationPolicy, limits: RateGate | None = None
+    fleet: Fleet,
+    token: str,
+    allow: RegistrationPolicy,
+    limits: RateGate | None = None,
+    tokenizers: ModelTokenizers | None = None,
 ) -> FastAPI:
     if not token:
         raise ValueError("the admin API always requires a token")
@@ -259,6 +267,14 @@ def build_admin_app(
             raise FleetError(400, "'draining' must be true or false", "draining")
         fleet.set_draining(instance_id, draining)
         return _json(fleet.describe_one(instance_id))
+
+    @app.get("/admin/v1/models")
+    async def list_models() -> Response:
+        described = fleet.describe_models()
+        if tokenizers is not None:
+            for model in described:
+                model["tokenizer"] = tokenizers.name_of(model["parent"] or model["id"])
+        return _json({"object": "list", "data": described})
 
     @app.put("/admin/v1/instances/{instance_id}/models")
     async def set_models(instance_id: str, request: Request) -> Response:

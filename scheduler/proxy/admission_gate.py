@@ -135,6 +135,7 @@ class AdmissionGate:
         priority: int = 0,
         only: frozenset[str] | None = None,
         adapter: str | None = None,
+        block_size: int | None = None,
     ) -> tuple[FleetInstance, int, bool] | None:
         """The instance chosen for `key`, its matched blocks and whether it queued first,
         waiting in the queue while every instance is saturated; None when nothing dispatchable
@@ -148,7 +149,7 @@ class AdmissionGate:
                     instance, matched = self.fleet.dispatch(
                         key, num_tokens, block_hashes,
                         tenant=tenant, max_tokens=max_tokens, exclude=tried,
-                        only=only, adapter=adapter,
+                        only=only, adapter=adapter, block_size=block_size,
                     )  # fmt: skip
                     return instance, matched, deadline is not None
                 except NoCapacityError as exc:

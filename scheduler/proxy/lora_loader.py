@@ -106,8 +106,9 @@ class LoraLoader:
         )
         try:
             inst = fleet.choose_instance(
-                request.num_tokens, request.block_hashes, candidates, module.name
-            )
+                request.num_tokens, request.block_hashes, candidates, module.name,
+                request.block_size,
+            )  # fmt: skip
         except NoCapacityError:
             self.metrics.lora_load("failed")
             raise _failed(

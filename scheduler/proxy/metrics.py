@@ -7,6 +7,9 @@ Contract (what ``GET /metrics`` on the proxy exposes):
 - ``kvherd_matched_prefix_blocks``: histogram of leading prompt blocks already cached on the chosen
   instance; ``kvherd_prompt_blocks``: histogram of full prompt blocks, for the hit ratio.
 - ``kvherd_instance_inflight{instance}``: requests the proxy has in flight per instance.
+- Per model (the request's ``model``, ``""`` when it named none): ``kvherd_model_requests_total``,
+  ``kvherd_model_prompt_blocks_total`` (full prompt blocks, at the model's block size) and
+  ``kvherd_model_hit_blocks_total`` (those cached on the chosen instance), all ``{model}``.
 - ``kvherd_retries_total``: attempts sent to another instance after a failure before the first byte.
 - ``kvherd_ejections_total{instance}``: passive or active ejections.
 - ``kvherd_admission_queue_depth``: requests waiting for a non-saturated instance;
@@ -143,6 +146,7 @@ class ProxyMetrics:
         )
         self._requests: dict[int | str, int] = {}
         self._inflight: dict[str, int] = {}
+        self._models: dict[str, list[int]] = {}  # model -> [requests, prompt blocks, hit blocks]
         r.register(_LoopCollector(self))
         self.retries = Counter("kvherd_retries", "Attempts retried on another instance", registry=r)
         self._ejections = Counter(
@@ -262,6 +266,19 @@ class ProxyMetrics:
         requests = self._requests
         requests[status] = requests.get(status, 0) + 1
 
+    def model_routed(self, model: str, prompt_blocks: int, hit_blocks: int) -> None:
+        """One request for `model` routed: its full prompt blocks and those the instance holds."""
+        figures = self._models.get(model)
+        if figures is None:
+            figures = self._models[model] = [0, 0, 0]
+        figures[0] += 1
+        figures[1] += prompt_blocks
+        figures[2] += hit_blocks
+
+    def model_figures(self) -> dict[str, tuple[int, int, int]]:
+        """Per model: (requests, prompt blocks, hit blocks) routed so far."""
+        return {model: (f[0], f[1], f[2]) for model, f in self._models.items()}
+
     def set_inflight(self, instance_id: str, inflight: int) -> None:
         self._inflight[instance_id] = inflight
 
@@ -355,3 +372,15 @@ class _LoopCollector(Collector):
         for instance_id, count in list(m._inflight.items()):
             inflight.add_metric([instance_id], count)
         yield inflight
+        per_model = [
+            CounterMetricFamily(name, text, labels=["model"])
+            for name, text in (
+                ("kvherd_model_requests", "Requests routed, per model"),
+                ("kvherd_model_prompt_blocks", "Full prompt blocks routed, per model"),
+                ("kvherd_model_hit_blocks", "Prompt blocks cached on the chosen instance"),
+            )
+        ]
+        for model, figures in list(m._models.items()):
+            for family, value in zip(per_model, figures, strict=True):
+                family.add_metric([model], value)
+        yield from per_model

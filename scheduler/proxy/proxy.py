@@ -35,7 +35,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvherd import wire
 from kvherd.kv_pull import PULL_HEADER, PULL_OUTCOME_HEADER, PullAsk, parse_outcome
-from kvherd.tokenizer import Tokenizer
 from kvherd.wire import OpenAIError
 from scheduler.core.admission import AdmissionSettings
 from scheduler.core.admission_queue import QueueSettings
@@ -52,6 +51,7 @@ from scheduler.proxy.loop_lag import LoopLag
 from scheduler.proxy.lora_loader import LoraLoader
 from scheduler.proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from scheduler.proxy.metrics import ProxyMetrics
+from scheduler.proxy.model_tokenizers import ModelTokenizers
 from scheduler.proxy.rate_gate import Lease, RateGate
 from scheduler.proxy.relay import Job, Relay
 from scheduler.proxy.routed_request import (
@@ -94,7 +94,7 @@ class Proxy:
     def __init__(
         self,
         fleet: Fleet,
-        tokenizer: Tokenizer,
+        tokenizers: ModelTokenizers,
         tenants: TenantRegistry,
         config: ProxyConfig,
         metrics: ProxyMetrics,
@@ -105,7 +105,7 @@ class Proxy:
         self.fleet = fleet
         self.tracing = tracing  # None: off (`scheduler.proxy.tracing`)
         self.lora = lora
-        self.tokenizer = tokenizer
+        self.tokenizers = tokenizers
         self.tenants = tenants
         self.config = config
         self.metrics = metrics
@@ -117,13 +117,14 @@ class Proxy:
             read_timeout=config.stream_idle_timeout_s,
             lag=self.lag,
         )
-        self.reader = RequestReader(fleet, tokenizer, () if lora is None else lora.modules)
+        loadable = {} if lora is None else {m.name: m.base for m in lora.modules.values()}
+        self.reader = RequestReader(fleet, tokenizers, loadable)
         self.admission = AdmissionGate(
             fleet, config.admission, config.queue, metrics, tenants.weight
         )
         self.limits = RateGate(tenants, metrics)
         self.relay = Relay(
-            fleet, self.pool, self.deadlines, metrics, tokenizer, self.continue_stream,
+            fleet, self.pool, self.deadlines, metrics, self.continue_stream,
             max_continuations=config.max_continuations,
             expose_instance=config.expose_instance,
             fleet_token=config.fleet_token,
@@ -315,7 +316,6 @@ class Proxy:
                 def watch(chunks: Any, decode_id: str = decode_id) -> Any:
                     return pd.watch(chunks, self.fleet, self.metrics, key, decode_id)
 
-
             payload = request.raw
             if request.streamed and not instance.spec.kvherd_agent:
                 if vllm_raw is None:
@@ -327,7 +327,7 @@ class Proxy:
                 sent = [*sent, (PULL_HEADER.encode(), PullAsk(*pull).header().encode())]
             elif pull is not None:  # a vLLM with kvherd's connector: asked in the body
                 address, num_blocks = pull
-                payload = _with_vllm_pull(payload, address, num_blocks * self.fleet.block_size)
+                payload = _with_vllm_pull(payload, address, num_blocks * request.block_size)
             if trace is None:
                 outcome = await self._attempt(
                     exchange, job, attempt, sent, payload, first_byte, watch, pull, decode,
@@ -428,6 +428,7 @@ class Proxy:
             request.priority,
             request.only if only is None else only,
             request.adapter,
+            request.block_size,
         )
         if job.trace is None:
             chosen = await dispatching
@@ -443,6 +444,7 @@ class Proxy:
             if not queued:  # time spent queueing is not decision time
                 self.metrics.decision_seconds.observe(time.perf_counter() - job.started)
             self.metrics.matched_blocks.observe(matched)
+            self.metrics.model_routed(request.model or "", len(request.block_hashes), matched)
         job.tried.add(instance.instance_id)
         return Attempt(self.fleet, self.lag, job.key, instance)
 

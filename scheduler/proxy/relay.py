@@ -47,7 +47,6 @@ from scheduler.proxy.routed_request import RoutedRequest
 from scheduler.proxy.stream_cuts import StreamCuts
 
 if TYPE_CHECKING:
-    from kvherd.tokenizer import Tokenizer
     from scheduler.fleet import Fleet, FleetInstance
     from scheduler.proxy.tracing import RequestTrace
 
@@ -118,7 +117,6 @@ class Relay:
         pool: UpstreamPool,
         deadlines: Deadlines,
         metrics: ProxyMetrics,
-        tokenizer: Tokenizer,
         continue_stream: Continue,
         *,
         max_continuations: int,
@@ -129,7 +127,6 @@ class Relay:
         self.pool = pool
         self.deadlines = deadlines
         self.metrics = metrics
-        self.tokenizer = tokenizer
         self.continue_stream = continue_stream
         self.max_continuations = max_continuations
         self.expose_instance = expose_instance
@@ -186,7 +183,7 @@ class Relay:
             ledger = StreamLedger()
         else:
             ledger = StreamLedger.from_vllm(
-                job.request.body, job.request.chat, self.tokenizer.decode
+                job.request.body, job.request.chat, job.request.tokenizer.decode
             )
         status = await self._stream(exchange, job, attempt, upstream, ledger)
         if job.count_output:

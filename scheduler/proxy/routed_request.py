@@ -10,13 +10,15 @@ Contract:
   named none, for the engines); the context check (vLLM's 400 ``context_length_exceeded`` for a
   prompt no instance can hold, unchecked while some instance did not state its ``max_model_len``);
   the block hashes, chained with the salt (and a LoRA adapter's name, on every block, as vLLM
-  hashes) at the fleet's block size.
+  hashes) at the model's block size (`Fleet.block_size_of_model`).
 - The model (``model``; absent or empty: any instance, as vLLM takes its default model): the
   instances that serve it (`Fleet.models`, one lookup) become the request's `only`; a LoRA
-  adapter's name its `adapter`. A model nobody serves is vLLM's 404 (``The model `X` does not
-  exist. Valid aliases: ...``, type ``NotFoundError``, param ``model``, code 404), unless
-  `loadable` says the proxy may load it as an adapter (`lora_load` then names it); a model that
-  is not a string a 400.
+  adapter's name its `adapter`; its base model (an adapter's parent) picks the tokenizer
+  (`ModelTokenizers.for_model`) and the block size, both kept on the request. A model nobody
+  serves is vLLM's 404 (``The model `X` does not exist. Valid aliases: ...``, type
+  ``NotFoundError``, param ``model``, code 404), unless `loadable` (adapter -> its base model)
+  says the proxy may load it as an adapter (`lora_load` then names it); a model that is not a
+  string a 400. The model is checked before the prompt is tokenized.
 - Bodies over `OFF_LOOP_BODY_BYTES` are parsed and tokenized, and prompts over `OFF_LOOP_TOKENS`
   hashed, in worker threads (`OFF_LOOP_WORKERS` at a time), so a few huge prompts cannot stall
   every other request on the event loop.
@@ -25,17 +27,18 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import orjson
 
 from kvherd.block_hash import block_hash_chain
-from kvherd.tokenizer import Tokenizer
+from kvherd.tokenizer import ByteTokenizer, Tokenizer
 from kvherd.wire import OpenAIError, model_not_found
 from scheduler.core.model_index import UnknownModelError
 from scheduler.core.tenancy import Tenant
+from scheduler.proxy.model_tokenizers import ModelTokenizers
 from scheduler.proxy.routing_tokens import prompt_token_ids
 
 if TYPE_CHECKING:
@@ -63,17 +66,38 @@ class RoutedRequest:
     only: frozenset[str] | None = None  # the instances serving its model (None: any)
     adapter: str | None = None  # its LoRA adapter
     lora_load: str | None = None  # an adapter no instance serves yet, for the proxy to load
+    model: str | None = None  # the model it names
+    block_size: int = 16  # its model's: the blocks `block_hashes` covers
+    tokenizer: Tokenizer = field(default_factory=ByteTokenizer)  # its model's
 
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_tokens if isinstance(self.max_tokens, int) else None
 
 
+class _Target(NamedTuple):  # a tuple: built once per request, at a tuple's cost
+    """What a request's ``model`` names (see the module contract)."""
+
+    model: str | None = None
+    only: frozenset[str] | None = None
+    adapter: str | None = None
+    lora_load: str | None = None
+    base: str | None = None  # its base model (an adapter's parent)
+
+
+_ANY = _Target()
+
+
 class RequestReader:
-    def __init__(self, fleet: Fleet, tokenizer: Tokenizer, loadable: Collection[str] = ()) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        tokenizers: ModelTokenizers,
+        loadable: Mapping[str, str | None] | None = None,
+    ) -> None:
         self.fleet = fleet
-        self.tokenizer = tokenizer
-        self.loadable = loadable  # adapters the proxy may load on demand
+        self.tokenizers = tokenizers
+        self.loadable = loadable or {}  # adapters the proxy may load on demand -> base model
         self._off_loop = asyncio.Semaphore(OFF_LOOP_WORKERS)
 
     async def read(
@@ -86,9 +110,9 @@ class RequestReader:
     ) -> RoutedRequest:
         if len(raw) > OFF_LOOP_BODY_BYTES:
             async with self._off_loop:
-                body, token_ids = await asyncio.to_thread(self._parse, raw, chat)
+                body, target, tokenizer, token_ids = await asyncio.to_thread(self._parse, raw, chat)
         else:
-            body, token_ids = self._parse(raw, chat)
+            body, target, tokenizer, token_ids = self._parse(raw, chat)
         changed = False
         given = body.get("priority")
         if given is None:
@@ -112,10 +136,10 @@ class RequestReader:
             salt = client_salt or None
         if changed:
             raw = orjson.dumps(body)
-        only, adapter, lora_load = self._model(body.get("model"))
+        adapter = target.adapter
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         self._check_context(len(token_ids), max_tokens, chat)
-        block_size = self.fleet.block_size
+        block_size = self.fleet.block_size_of_model(target.base)
         if len(token_ids) > OFF_LOOP_TOKENS:
             async with self._off_loop:
                 hashes = await asyncio.to_thread(
@@ -126,13 +150,13 @@ class RequestReader:
         streamed = body.get("stream") is True
         return RoutedRequest(
             path, chat, body, raw, len(token_ids), hashes, tenant, max_tokens, streamed,
-            resolved, only, adapter, lora_load,
+            resolved, target.only, adapter, target.lora_load, target.model, block_size, tokenizer,
         )  # fmt: skip
 
-    def _model(self, model: Any) -> tuple[frozenset[str] | None, str | None, str | None]:
-        """(only, adapter, lora_load) for the request's `model` (see the module contract)."""
+    def _model(self, model: Any) -> _Target:
+        """What the request's `model` names (see the module contract)."""
         if model is None or model == "":
-            return None, None, None
+            return _ANY
         if not isinstance(model, str):
             raise OpenAIError(400, "'model' must be a string", param="model")
         index = self.fleet.models
@@ -140,13 +164,19 @@ class RequestReader:
             only = index.route(model)
         except UnknownModelError:
             if model in self.loadable:
-                return None, model, model
+                return _Target(model, None, model, model, self.loadable[model])
             bases = [c["id"] for c in index.cards() if not c.get("parent")]
             raise model_not_found(model, bases) from None
-        return only, model if index.parent(model) else None, None
+        parent = index.parent(model)
+        if parent is None:
+            return _Target(model, only, None, None, model)
+        return _Target(model, only, model, None, parent)
 
-    def _parse(self, raw: bytes, chat: bool) -> tuple[dict[str, Any], list[int]]:
-        """The body as JSON and the token ids it routes by (`OpenAIError` when it cannot be)."""
+    def _parse(
+        self, raw: bytes, chat: bool
+    ) -> tuple[dict[str, Any], _Target, Tokenizer, list[int]]:
+        """The body as JSON, what its model names, its model's tokenizer and the token ids it
+        routes by (`OpenAIError` when it cannot be routed)."""
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
@@ -155,7 +185,9 @@ class RequestReader:
             ) from exc
         if not isinstance(body, dict):
             raise OpenAIError(400, "request body must be a JSON object")
-        return body, prompt_token_ids(body, chat, self.tokenizer)
+        target = self._model(body.get("model"))
+        tokenizer = self.tokenizers.for_model(target.base)
+        return body, target, tokenizer, prompt_token_ids(body, chat, tokenizer)
 
     def _check_context(self, num_tokens: int, max_tokens: Any, chat: bool) -> None:
         """400, as vLLM words it, for a request no instance's context can hold."""

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 
 from kvherd import wire
-from kvherd.tokenizer import ByteTokenizer
 from scheduler.core.deadlines import Deadlines, DeadlineSettings
 from scheduler.fleet import Fleet, FleetSettings, InstanceSpec, NoCapacityError
 from scheduler.proxy.attempt import Attempt, UpstreamStatus
@@ -188,8 +187,8 @@ async def fleet_of(*urls: str) -> AsyncIterator[tuple[Books, Relay, UpstreamPool
         return attempt, upstream
 
     relay = Relay(
-        fleet, pool, Deadlines(DeadlineSettings()), ProxyMetrics(), ByteTokenizer(),
-        continue_stream, max_continuations=2, expose_instance=False, fleet_token=None,
+        fleet, pool, Deadlines(DeadlineSettings()), ProxyMetrics(), continue_stream,
+        max_continuations=2, expose_instance=False, fleet_token=None,
     )  # fmt: skip
     try:
         yield books, relay, pool

@@ -58,7 +58,7 @@ async def test_slow_scrapes_are_counted_and_warned(caplog: pytest.LogCaptureFixt
         poller = LoadPoller(
             lambda: {"v": url},
             lambda i, r: reports.append(r),
-            lambda: 16,
+            lambda i: 16,
             timeout_s=0.1,
             on_failure=failed.append,
             warn_after=3,

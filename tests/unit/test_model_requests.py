@@ -11,14 +11,15 @@ from kvherd.tokenizer import load_tokenizer
 from kvherd.wire import OpenAIError
 from scheduler.fleet import Fleet, FleetSettings
 from scheduler.proxy.metrics import ProxyMetrics
+from scheduler.proxy.model_tokenizers import ModelTokenizers
 from scheduler.proxy.routed_request import RequestReader, RoutedRequest
 
 
-def reader(loadable: tuple[str, ...] = ()) -> RequestReader:
+def reader(loadable: dict[str, str | None] | None = None) -> RequestReader:
     fleet = Fleet("kvherd", FleetSettings(block_size=4), ProxyMetrics())
     fleet.models.set_models("la", [{"id": "tiny"}, {"id": "A", "parent": "tiny"}])
     fleet.models.set_models("lb", [{"id": "tiny"}, {"id": "C", "parent": "tiny"}])
-    return RequestReader(fleet, load_tokenizer("byte"), loadable)
+    return RequestReader(fleet, ModelTokenizers(load_tokenizer("byte")), loadable)
 
 
 async def read(reader: RequestReader, model: object) -> RoutedRequest:
@@ -49,7 +50,7 @@ async def test_a_model_that_is_not_a_string_is_a_400(model: object) -> None:
 
 
 async def test_models_route_and_adapters_hash_with_their_name() -> None:
-    r = reader(loadable=("D",))
+    r = reader(loadable={"D": "tiny"})
     base = await read(r, "tiny")
     assert base.only is None and base.adapter is None
     for absent in (None, ""):

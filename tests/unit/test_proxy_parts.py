@@ -19,6 +19,7 @@ from scheduler.fleet import Fleet, FleetSettings, InstanceSpec
 from scheduler.proxy.admission_gate import AdmissionGate
 from scheduler.proxy.attempt import Attempt
 from scheduler.proxy.metrics import ProxyMetrics
+from scheduler.proxy.model_tokenizers import ModelTokenizers
 from scheduler.proxy.proxy import Proxy, ProxyConfig
 from scheduler.proxy.relay import Relay
 from scheduler.proxy.routed_request import RequestReader
@@ -120,7 +121,8 @@ async def test_a_completion_passes_through_each_part_once_in_order(
     async with instance(streamed) as url:
         fleet = Fleet("round_robin", FleetSettings(block_size=16), ProxyMetrics())
         await fleet.add_instance(InstanceSpec("a", url, kvherd_agent=False))
-        proxy = Proxy(fleet, ByteTokenizer(), TenantRegistry(), ProxyConfig(), ProxyMetrics())
+        tokenizers = ModelTokenizers(ByteTokenizer())
+        proxy = Proxy(fleet, tokenizers, TenantRegistry(), ProxyConfig(), ProxyMetrics())
         body = b'{"prompt": "hello", "max_tokens": 1, "stream": %s}' % (
             b"true" if streamed else b"false"
         )

@@ -598,7 +598,7 @@ async def test_load_poller_falls_back_to_prometheus_then_backs_off() -> None:
 
     reports: list[tuple[str, LoadReport]] = []
     async with tcp_server(plain_vllm) as url:
-        poller = LoadPoller(lambda: {"v": url}, lambda i, r: reports.append((i, r)), lambda: 16)
+        poller = LoadPoller(lambda: {"v": url}, lambda i, r: reports.append((i, r)), lambda i: 16)
         await poller.poll_all()
         await poller.poll_all()
         assert hits == [b"/kvherd/v1/state", b"/metrics", b"/metrics"]
