@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvherd.block_hash import block_hash_chain
+from kvherd.cli import main
 from policies import load_dispatch_policy, load_migration_policy
 from policies.pipeline import Pipeline
 from simulator.cluster import ClusterConfig, SimCluster
@@ -269,3 +270,36 @@ def test_models_refuse_migrations_for_now() -> None:
     )
     with pytest.raises(ValueError, match="not yet"):
         cluster.run(_burst(["a"]))
+
+
+def test_cli_serves_a_model_column_and_refuses_bad_model_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "lora.csv"
+    trace.write_text(
+        "arrival_s,input_length,output_length,model\n"
+        + "".join(f"{i * 0.05},300,20,{'base' if i % 4 == 0 else f'a{i % 3}'}\n" for i in range(40))
+    )
+    common = ["sim", str(trace), "--instances", "2", "--latency-model", LATENCY, "--quiet"]
+    out = tmp_path / "out"
+    flags = ["--max-loras", "2", "--lora-load-ms", "30", "--no-plots"]
+    assert main([*common, *flags, "--policy", "kvherd", "--out", str(out)]) == 0
+    assert "| LoRA adapter loads |" in capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["meta"]["models"] == {
+        "base_models": "base",
+        "max_loras": 2,
+        "lora_load_ms": 30.0,
+    }
+    kvherd = summary["results"]["kvherd"]
+    assert kvherd["completed"] == 40 and kvherd["failed"] == 0
+    assert 3 <= kvherd["lora_loads"] <= 40 - 10  # each adapter once, at most every adapter request
+    cases = [
+        (["--max-loras", "0"], "max_loras must be at least 1"),
+        (["--base-models", "base=2-1"], "wants 0 <= FIRST <= LAST"),
+        (["--migration-policy", "llumnix"], "runs without P/D, --prefix-pull or migrations"),
+    ]
+    for extra, needle in cases:
+        assert main([*common, *extra, "--out", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err
