@@ -11,7 +11,7 @@ profile plus llm-d's ``lora-affinity-scorer`` at weight 2, the queue scorer's); 
 (adapter loads and evictions priced in prefill tokens). Each seed is a different draw of the
 workload; the table shows medians over seeds.
 
-    python bench/lora_sim.py [--requests 1500] [--rate 40] [--seeds 0,1,2] [--jobs 2]
+    python bench/lora_sim.py [--requests 1500] [--rate 20] [--seeds 0,1,2] [--jobs 2]
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--requests", type=int, default=1500)
-    parser.add_argument("--rate", type=float, default=40.0, help="arrivals per second")
+    parser.add_argument("--rate", type=float, default=20.0, help="arrivals per second")
     parser.add_argument("--adapters", type=int, default=64)
     parser.add_argument("--zipf", type=float, default=1.0, help="adapter popularity exponent")
     parser.add_argument("--input-mean", type=int, default=1024)
