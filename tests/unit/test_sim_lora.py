@@ -303,3 +303,28 @@ def test_cli_serves_a_model_column_and_refuses_bad_model_flags(
         assert main([*common, *extra, "--out", str(tmp_path / "o")]) == 2
         err = capsys.readouterr().err
         assert needle in err and "Traceback" not in err
+
+
+def test_decode_fast_forward_gives_the_step_by_step_results_with_adapters() -> None:
+    trace = generate(
+        SyntheticSpec(requests=120, rate=30, input_mean=300, output_mean=60, adapters=6, seed=4)
+    )
+    runs = []
+    for fast in (True, False):
+        config = ClusterConfig(
+            num_instances=3,
+            instance=InstanceConfig(num_blocks=600, block_size=16, max_num_seqs=16),
+            models=FleetModels(max_loras=2, lora_load_s=0.03),
+        )
+        cluster = SimCluster(
+            config, load_latency_model(LATENCY), load_dispatch_policy("kvherd"), fast_forward=fast
+        )
+        cluster.run(trace)
+        _assert_clean(cluster, trace)
+        cols = cluster.metrics.columns()
+        runs.append((cols, sum(s.stats.loads for s in cluster.adapter_slots.values())))
+    (fast_cols, fast_loads), (slow_cols, slow_loads) = runs
+    assert fast_loads == slow_loads > 6
+    for name in ("first_token", "last_token", "cached_tokens", "preemptions"):
+        assert fast_cols[name].tolist() == slow_cols[name].tolist(), name
+    assert fast_cols["instance"].tolist() == slow_cols["instance"].tolist()
