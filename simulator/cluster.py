@@ -69,7 +69,18 @@ Contract:
   bandwidth first), then cached there by the engine's `cache_full_blocks` (KV events and all)
   and the request is admitted; the carrier lets go once the request is scheduled (it hit them)
   or ends. Counts go to `pull_stats`.
-- A request the engine refuses (too long for an instance) is counted as failed, never crashes the run.
+- Models and LoRA adapters (a trace with `model`s; `models`: `simulator.models.FleetModels`,
+  default one base model on every instance): each request goes only to the instances serving its
+  model, through production's model index (`ModelIndex.route`, the router's `only`), and an
+  adapter's request is routed with its `adapter` and hashed with its name on every block (the
+  engine `Request`'s `lora_name`). Each instance has `max_loras` adapter slots
+  (`simulator.lora.AdapterSlots`): a request whose adapter is not in a slot reaches the engine
+  only once it is loaded there (`lora_load_s`, evicting the least recently used adapter no request
+  pins; with every slot pinned it waits for one), and its load reports carry the pinned adapters
+  and the slot count (`active_adapters`, `lora_slots`), which the policies' adapter views read.
+  Not yet with migrations, P/D or prefix pulls (`ValueError`).
+- A request the engine refuses (too long for an instance), or whose model no instance serves, is
+  counted as failed, never crashes the run.
 - Deterministic: same trace, config and seed -> identical results.
 """
 
@@ -115,6 +126,7 @@ from scheduler.core.admission_queue import QueueSettings
 from scheduler.core.cluster_state import ClusterState
 from scheduler.core.load_report import LoadReport
 from scheduler.core.migration_loop import MigrationLoop
+from scheduler.core.model_index import UnknownModelError
 from scheduler.core.prefix_pull import PullAction, PullChoice
 from scheduler.core.rate_limit import RateLimits
 from scheduler.core.router import Router
@@ -123,7 +135,9 @@ from simulator.host_model import HostModel
 from simulator.instance import DecodeRun, InstanceConfig, SimInstance, make_request
 from simulator.latency.base import LatencyModel
 from simulator.loop import EventLoop
+from simulator.lora import AdapterSlots
 from simulator.metrics import MetricsCollector
+from simulator.models import FleetModels, ModelRoutes
 from simulator.pd import FINISHED_FIRST, SimHandoffs
 from simulator.pull import (
     HOLDER_LOST,
@@ -168,6 +182,8 @@ class ClusterConfig:
     tenant_weights: dict[str, float] = field(default_factory=dict)  # fair share (default 1)
     tenant_limits: dict[str, RateLimits] = field(default_factory=dict)  # rpm / tpm (none)
     prefix_pull: PullConfig | None = None  # cross-instance prefix pulls (None: off)
+    # Models and adapter slots, for a trace that names models (None: the defaults).
+    models: FleetModels | None = None
 
     @property
     def disaggregated(self) -> bool:
@@ -328,6 +344,11 @@ class SimCluster:
         # KV events on their way to the prefix index: (due, loop order, instance, events).
         self._pending_events: list[tuple[float, int, str, list[KVEvent]]] = []
         self.migration_stats = MigrationStats()
+        # Models (a trace naming them): the router's answer per model, each instance's slots,
+        # and the requests holding a pin on their adapter there.
+        self._model_routes: ModelRoutes | None = None
+        self.adapter_slots: dict[str, AdapterSlots[Request]] = {}
+        self._pinned: set[str] = set()
         self._remaining = 0
         self._periodic: list[_Periodic] = []
         self._on_progress = on_progress
@@ -357,6 +378,8 @@ class SimCluster:
         if any(b.arrival_s < a.arrival_s for a, b in itertools.pairwise(requests)):
             order.sort(key=lambda i: requests[i].arrival_s)
         self._arrivals = (requests, order, trace.block_size)
+        if trace.has_models:
+            self._serve_models(trace)
         self._path_draws = self.config.host.path_draws(len(requests), self.config.seed)
         if order:
             self._queue_arrival(0)
@@ -381,6 +404,18 @@ class SimCluster:
         self._deliver_events(before=(math.inf, 0))  # the run is over: every delivery is due
         return self.metrics
 
+    def _serve_models(self, trace: Trace) -> None:
+        config = self.config
+        if self.migration_loop is not None or config.disaggregated or config.prefix_pull:
+            raise ValueError(
+                "a trace naming models runs without migrations, P/D or prefix pulls (not yet)"
+            )
+        models = config.models or FleetModels()
+        self._model_routes = models.index(trace, list(self.instances))
+        self.adapter_slots = {
+            iid: AdapterSlots(models.max_loras, models.lora_load_s) for iid in self.instances
+        }
+
     def _done_one(self) -> None:
         self._remaining -= 1
         if self._on_progress is not None:
@@ -404,8 +439,16 @@ class SimCluster:
         """A trace request arrives: route it, and admit it after its request-path time
         (`path_draw`: its draw from the host's request-path spread)."""
         now = self.loop.now
+        adapter = None
+        if tr.model is not None and self._model_routes is not None:
+            try:
+                adapter = self._model_routes.of(tr.model)[1]
+            except UnknownModelError:  # the proxy's 404
+                self.metrics.on_failed(tr.request_id)
+                self._done_one()
+                return
         request = make_request(
-            tr, id_block_size, self.config.instance.block_size, now, self.vocab_size
+            tr, id_block_size, self.config.instance.block_size, now, self.vocab_size, adapter
         )
         rid = request.request_id
         self._trace_index[rid] = tr.index
@@ -443,6 +486,9 @@ class SimCluster:
         admission = self.admission
         # Only the slots kept for tenants within their share are free: it waits (fair share).
         reserved = admission is not None and not admission.may_start(tr.tenant, len(self.instances))
+        only = None
+        if tr.model is not None and self._model_routes is not None:
+            only = self._model_routes.of(tr.model)[0]
         try:
             if reserved:
                 raise NoInstanceError("only reserved slots are free")
@@ -453,6 +499,8 @@ class SimCluster:
                 block_hashes=request.block_hashes,
                 max_tokens=tr.output_length,
                 exclude=() if admission is None else admission.saturated,
+                only=only,
+                adapter=request.lora_name,
             )
         except NoInstanceError:
             if admission is None or not (reserved or admission.saturated):
@@ -484,6 +532,15 @@ class SimCluster:
         if rid in self._pull_plans:  # its blocks come first
             self._defer_for_pull(instance, request)
             return
+        adapter = request.lora_name
+        if adapter is not None and rid not in self._pinned:  # its adapter comes first
+            ready = self.adapter_slots[instance.instance_id].acquire(adapter, now, request)
+            if ready is None:  # every slot pinned: it waits for one (`_release_adapter`)
+                return
+            self._pinned.add(rid)
+            if ready > now:
+                self.loop.call_at(ready, self._admit, instance, request)
+                return
         for periodic in self._periodic:  # the fleet may have gone idle while it was in transit
             periodic.wake()
         waiting = instance.scheduler.waiting
@@ -495,6 +552,7 @@ class SimCluster:
         try:
             instance.add_request(request)
         except InvalidRequestError:
+            self._release_adapter(request, instance.instance_id, now)
             self.router.on_finish(rid, now)
             self.metrics.on_failed(rid)
             self._done_one()
@@ -509,6 +567,18 @@ class SimCluster:
         assert head is None or waiting[0] is head, "an admission overtook the waiting head"
         if instance.idle:
             self._start_step(instance)
+
+    def _release_adapter(self, request: Request, instance_id: str, now: float) -> None:
+        """The request ended: its adapter's pin goes, and requests waiting for a slot there may
+        load theirs."""
+        if request.request_id not in self._pinned:
+            return
+        self._pinned.discard(request.request_id)
+        assert request.lora_name is not None
+        instance = self.instances[instance_id]
+        for waiting, ready in self.adapter_slots[instance_id].release(request.lora_name, now):
+            self._pinned.add(waiting.request_id)
+            self.loop.call_at(ready, self._admit, instance, waiting)
 
     # -- cross-instance prefix pull --------------------------------------------------------------
     def _note_pull(self, request_id: str, choice: PullChoice) -> None:
@@ -738,6 +808,7 @@ class SimCluster:
         rid = request.request_id
         if rid in self._pull_carriers:
             self._release_pull(rid)
+        self._release_adapter(request, instance_id, now)
         self.router.on_finish(rid, now)
         if self.admission is not None:
             self.admission.released(rid)
@@ -763,8 +834,10 @@ class SimCluster:
     def _report_tick(self) -> bool:
         now = self.loop.now
         with_running = self.migration_loop is not None
+        slots = self.adapter_slots
         reports = [
-            (iid, load_report(inst, with_running, now)) for iid, inst in self.instances.items()
+            (iid, load_report(inst, with_running, now, slots.get(iid)))
+            for iid, inst in self.instances.items()
         ]
         # The global state only: never a barrier for an instance. One event delivers the whole
         # fleet's reports (they are due at the same time, one after another).
@@ -1106,10 +1179,14 @@ def tier_load_ratio(config: InstanceConfig, latency: LatencyModel) -> tuple[floa
 
 
 def load_report(
-    inst: SimInstance, with_running: bool = False, now: float | None = None
+    inst: SimInstance,
+    with_running: bool = False,
+    now: float | None = None,
+    adapters: AdapterSlots[Request] | None = None,
 ) -> LoadReport:
     """What the instance's agent would report at `now`: the engine's one load report
-    (`instance_agent.engine.core.load.engine_load`, as the agent's state snapshot carries it).
+    (`instance_agent.engine.core.load.engine_load`, as the agent's state snapshot carries it),
+    and with `adapters` its active adapters and slot count (vLLM's ``lora_requests_info``).
 
     Inside a decode run the pool figures are those of the step in flight at `now`; running
     views (`with_running`) are only valid outside runs.
@@ -1136,4 +1213,6 @@ def load_report(
         running=running,
         block_size=load.block_size,
         max_num_seqs=sched.config.max_num_seqs,
+        active_adapters=None if adapters is None else adapters.active,
+        lora_slots=None if adapters is None else adapters.max_loras,
     )

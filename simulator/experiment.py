@@ -9,7 +9,8 @@ With `prefill_instances` / `decode_instances` the fleet is disaggregated: the P/
 `pd_policy` (loaded and seeded like the others) pairs each request, and the summary gains the
 handoff rows (`handoff_summary`). Every summary has the KV tier rows (`tier_summary`: hit rate
 per lower tier, loads, offloads) and the trace's `shared_cache_limit` beside the hit rate; with
-`prefix_pull` also the pull rows (`pull_summary`).
+`prefix_pull` also the pull rows (`pull_summary`); a trace naming models adds the adapter rows
+(`lora_summary`: adapter loads, evictions, requests that waited for a slot).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from simulator.host_model import HostModel
 from simulator.instance import InstanceConfig
 from simulator.latency.base import LatencyModel
 from simulator.metrics import shared_cache_limit
+from simulator.models import FleetModels
 from simulator.pull import PullConfig, PullStats
 from simulator.traces import Trace
 from simulator.transfer import TransferModel
@@ -69,6 +71,7 @@ class SimSettings:
     admission_queue: QueueSettings = field(default_factory=QueueSettings)
     max_inflight_per_instance: int = 256
     prefix_pull: PullConfig | None = None  # cross-instance prefix pulls (None: off)
+    models: FleetModels | None = None  # base models, adapter slots (a trace naming models)
 
     def cluster_config(self) -> ClusterConfig:
         return ClusterConfig(
@@ -87,6 +90,7 @@ class SimSettings:
             admission_queue=self.admission_queue,
             max_inflight_per_instance=self.max_inflight_per_instance,
             prefix_pull=self.prefix_pull,
+            models=self.models,
         )
 
     @property
@@ -169,6 +173,8 @@ def run_policy(
     summary["shared_cache_limit"] = shared_cache_limit(trace)
     if settings.disaggregated:
         summary.update(handoff_summary(cluster))
+    if cluster.adapter_slots:
+        summary.update(lora_summary(cluster))
     return SimResult(
         label=policy_spec,
         summary=summary,
@@ -229,6 +235,16 @@ def pull_summary(stats: PullStats, prompt_tokens: float) -> dict[str, Any]:
     }
     out |= {f"pulls_fallback_{r}": n for r, n in sorted(stats.fallback.items())}
     return out
+
+
+def lora_summary(cluster: SimCluster) -> dict[str, Any]:
+    """The adapter rows: loads into slots, evictions, requests that found every slot pinned."""
+    stats = [slots.stats for slots in cluster.adapter_slots.values()]
+    return {
+        "lora_loads": sum(s.loads for s in stats),
+        "lora_evictions": sum(s.evictions for s in stats),
+        "lora_slot_waits": sum(s.slot_waits for s in stats),
+    }
 
 
 def handoff_summary(cluster: SimCluster) -> dict[str, Any]:

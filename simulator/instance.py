@@ -156,8 +156,10 @@ def make_request(
     engine_block_size: int,
     arrival_time: float,
     vocab_size: int = DEFAULT_VOCAB_SIZE,
+    lora_name: str | None = None,
 ) -> Request:
-    """The engine request for a trace entry: synthesised prompt, ignore_eos, max_tokens = output."""
+    """The engine request for a trace entry: synthesised prompt, ignore_eos, max_tokens = output;
+    with `lora_name` it runs with that LoRA adapter (its blocks hash with the name)."""
     prompt = synthesize_prompt(
         trace_request.hash_ids, trace_request.input_length, id_block_size, vocab_size, _TOKEN_LOW
     )
@@ -168,7 +170,12 @@ def make_request(
         ignore_eos=True,
     )
     return Request(
-        trace_request.request_id, prompt, params, engine_block_size, arrival_time=arrival_time
+        trace_request.request_id,
+        prompt,
+        params,
+        engine_block_size,
+        arrival_time=arrival_time,
+        lora_name=lora_name,
     )
 
 

@@ -6,8 +6,8 @@ Contract:
   `summary.csv` holds one row per label with the same keys, and `requests_<label>.csv` one row per
   request. A simulated and a real run therefore compare column by column.
 - `markdown_table` puts runs side by side (one column per label, one row per metric); the P/D
-  rows (handoffs ok/fallback, GB moved and deduplicated, handoff downtime) only when some run
-  has them.
+  rows (handoffs ok/fallback, GB moved and deduplicated, handoff downtime), like the admission,
+  prefix-pull and LoRA adapter rows, only when some run has them.
 - Plots use matplotlib's Agg backend (no display): `ttft_cdf.png` (TTFT CDF per label) and
   `load_<label>.png` (per-instance running + waiting requests over time) when load samples exist.
 - NaN values are written as JSON null and as empty CSV cells.
@@ -64,6 +64,12 @@ _PULL_ROWS = (
     ("hit_rate_pulled", "prefix hit rate from pulled blocks", "{:.1%}"),
 )
 
+_LORA_ROWS = (
+    ("lora_loads", "LoRA adapter loads", "{:.0f}"),
+    ("lora_evictions", "LoRA adapter evictions", "{:.0f}"),
+    ("lora_slot_waits", "requests waiting for an adapter slot", "{:.0f}"),
+)
+
 _ADMISSION_ROWS = (
     ("refused", "refused (429)", "{:.0f}"),
     ("refused_queue_wait", "refused: expected wait", "{:.0f}"),
@@ -98,7 +104,8 @@ def markdown_table(results: Mapping[str, Mapping[str, Any]]) -> str:
         "|---|" + "---:|" * len(labels),
     ]
     rows = metric_rows()
-    for extra in (_ADMISSION_ROWS, _PD_ROWS, _PULL_ROWS):  # shown when some run has them
+    # Shown when some run has them.
+    for extra in (_ADMISSION_ROWS, _PD_ROWS, _PULL_ROWS, _LORA_ROWS):
         rows.extend(row for row in extra if any(row[0] in r for r in results.values()))
     for key, label, fmt in rows:
         cells = [_fmt(results[name].get(key), fmt) for name in labels]

@@ -9,7 +9,9 @@ same seed write identical summaries. The fleet's host (request
 path, co-location: `simulator.host_model.HostModel`) is the `--profile` file's host section, each
 host flag given overriding its knob; `summary.json` records the host simulated. With `--admission`
 the proxy's admission (`simulator.admission`: the same core and flags as `kvherd serve`) refuses
-and queues arrivals, and the summary gains its rows (429s by code, admission-queue waits).
+and queues arrivals, and the summary gains its rows (429s by code, admission-queue waits). A trace
+naming models is served by `--base-models` with `--max-loras` adapter slots per instance, each
+load taking `--lora-load-ms` (`simulator.models`, `simulator.lora`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.admission_flags import add_admission_arguments, admission_settings
+from simulator.models import DEFAULT_LORA_LOAD_S
 
 _DEFAULT_MODEL = "roofline:llama-2-70b:a100-80gb:tp4"
 
@@ -184,6 +187,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FRACTION",
         help="stretch every engine step by this fraction per other busy instance, for "
         "instances sharing a host's cores (default 0; nonzero turns decode fast-forward off)",
+    )
+    models = parser.add_argument_group("models and LoRA adapters (a trace with a model column)")
+    models.add_argument(
+        "--base-models",
+        default="base",
+        metavar="NAME[=FIRST-LAST],...",
+        help="base models and the instances (positions) serving each (default: base, on all); "
+        "any other model the trace names is a LoRA adapter of its parent",
+    )
+    models.add_argument(
+        "--max-loras", type=int, default=1, help="adapter slots per instance (vLLM's; default 1)"
+    )
+    models.add_argument(
+        "--lora-load-ms",
+        type=float,
+        default=DEFAULT_LORA_LOAD_S * 1000.0,
+        help=f"time to load an adapter into a slot (default {DEFAULT_LORA_LOAD_S * 1000:g})",
     )
     pd = parser.add_argument_group("prefill/decode disaggregation")
     pd.add_argument(
@@ -417,6 +437,17 @@ def run(args: argparse.Namespace) -> int:
             )
         except ValueError as exc:
             return _fail(str(exc))
+    if trace.has_models:
+        from simulator.models import FleetModels, parse_base_models
+
+        if disaggregated or args.prefix_pull or args.migration_policy != "none":
+            return _fail("a trace naming models runs without P/D, --prefix-pull or migrations")
+        try:
+            settings.models = FleetModels(
+                parse_base_models(args.base_models), args.max_loras, args.lora_load_ms / 1000.0
+            )
+        except ValueError as exc:
+            return _fail(str(exc))
     if args.admission:
         (
             settings.admission,
@@ -456,6 +487,12 @@ def run(args: argparse.Namespace) -> int:
         "slo_ttft_ms": args.slo_ttft,
         "slo_tpot_ms": args.slo_tpot,
     }
+    if settings.models is not None:
+        meta["models"] = {
+            "base_models": args.base_models,
+            "max_loras": args.max_loras,
+            "lora_load_ms": args.lora_load_ms,
+        }
     if disaggregated:
         meta["prefill_instances"] = args.prefill_instances
         meta["decode_instances"] = args.decode_instances

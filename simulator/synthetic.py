@@ -5,7 +5,10 @@ numpy Generator). Arrivals are a renewal process with mean rate `rate` and inter
 of variation `cv` (cv = 1: Poisson; otherwise Gamma with shape 1/cv^2). Input and output lengths are
 log-normal with the given means and `length_sigma` (0: fixed). With `num_groups` > 0 a request joins
 prefix group g with Zipf(`zipf_s`) popularity and shares the group's first `prefix_tokens` tokens (in
-whole id blocks of `id_block_size`); the rest of its prompt is its own.
+whole id blocks of `id_block_size`); the rest of its prompt is its own. With `adapters` > 0 each
+request names a LoRA adapter (``lora-0`` .. ``lora-{adapters-1}``, its `model`) with
+Zipf(`adapter_zipf_s`) popularity, drawn after everything else (the rest of the trace is that of
+the same spec without adapters).
 `parse_spec("synthetic:requests=1000,rate=20,...")` builds a spec from the CLI form.
 """
 
@@ -32,6 +35,8 @@ class SyntheticSpec:
     id_block_size: int = 512
     max_input: int = 32768
     seed: int = 0
+    adapters: int = 0  # LoRA adapters requests name (0: none, no model)
+    adapter_zipf_s: float = 1.0
 
     def validate(self) -> None:
         if self.requests < 1 or self.rate <= 0 or self.cv <= 0:
@@ -40,6 +45,8 @@ class SyntheticSpec:
             raise ValueError("synthetic: input_mean, output_mean >= 1 and length_sigma >= 0")
         if self.num_groups < 0 or self.zipf_s <= 0 or self.prefix_tokens < 0:
             raise ValueError("synthetic: num_groups >= 0, zipf_s > 0, prefix_tokens >= 0")
+        if self.adapters < 0 or self.adapter_zipf_s <= 0:
+            raise ValueError("synthetic: adapters >= 0 and adapter_zipf_s > 0 are required")
 
 
 def _lognormal(rng: np.random.Generator, mean: float, sigma: float, n: int) -> np.ndarray:
@@ -48,6 +55,12 @@ def _lognormal(rng: np.random.Generator, mean: float, sigma: float, n: int) -> n
     # Choose mu so the distribution's mean is `mean`.
     mu = np.log(mean) - sigma * sigma / 2
     return rng.lognormal(mu, sigma, n)
+
+
+def _zipf_choice(rng: np.random.Generator, count: int, s: float, n: int) -> np.ndarray:
+    """`n` draws from 0 .. count-1 with Zipf(`s`) popularity (rank r has weight r^-s)."""
+    popularity = np.arange(1, count + 1, dtype=float) ** -s
+    return rng.choice(count, size=n, p=popularity / popularity.sum())
 
 
 def generate(spec: SyntheticSpec) -> Trace:
@@ -68,9 +81,8 @@ def generate(spec: SyntheticSpec) -> Trace:
     outputs = np.maximum(np.rint(_lognormal(rng, spec.output_mean, spec.length_sigma, n)), 1)
     groups = np.full(n, -1)
     if spec.num_groups:
-        ranks = np.arange(1, spec.num_groups + 1, dtype=float)
-        popularity = ranks**-spec.zipf_s
-        groups = rng.choice(spec.num_groups, size=n, p=popularity / popularity.sum())
+        groups = _zipf_choice(rng, spec.num_groups, spec.zipf_s, n)
+    adapters = _zipf_choice(rng, spec.adapters, spec.adapter_zipf_s, n) if spec.adapters else None
     bs = spec.id_block_size
     rows: list[TraceRequest] = []
     for i in range(n):
@@ -80,8 +92,11 @@ def generate(spec: SyntheticSpec) -> Trace:
         if groups[i] >= 0:
             shared = min(spec.prefix_tokens, length) // bs
             ids = group_block_ids(int(groups[i]), shared) + ids[shared:]
-        rows.append(TraceRequest(i, float(arrivals[i]), length, int(outputs[i]), ids))
+        model = None if adapters is None else f"lora-{adapters[i]}"
+        rows.append(TraceRequest(i, float(arrivals[i]), length, int(outputs[i]), ids, model=model))
     name = f"synthetic(n={n},rate={spec.rate:g},cv={spec.cv:g},groups={spec.num_groups})"
+    if spec.adapters:
+        name = name[:-1] + f",adapters={spec.adapters})"
     return Trace(name, rows, bs, has_prefix_info=spec.num_groups > 0)
 
 

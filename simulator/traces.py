@@ -54,6 +54,8 @@ class TraceRequest:
     hash_ids: tuple[int, ...]
     tenant: str | None = None  # whose request (the proxy's API-key tenant), for fair share
     priority: int = 0  # its class in the admission queue (lower first)
+    model: str | None = None  # the base model or LoRA adapter it names (None: any)
+    parent: str | None = None  # an adapter's base model, when the trace says
 
     @property
     def request_id(self) -> str:
@@ -69,6 +71,10 @@ class Trace:
 
     def __len__(self) -> int:
         return len(self.requests)
+
+    @property
+    def has_models(self) -> bool:
+        return any(r.model is not None for r in self.requests)
 
     @property
     def duration_s(self) -> float:
@@ -162,6 +168,7 @@ class _Builder:
         output_length: int,
         hash_ids: tuple[int, ...] | None,
         block_size: int,
+        model: tuple[str | None, str | None] = (None, None),
     ) -> None:
         if arrival_s < self.last_arrival:
             raise TraceError(
@@ -187,7 +194,11 @@ class _Builder:
                 )
             # Blocks the trace does not name are private to the request.
             ids = hash_ids + unique_block_ids(index, need)[len(hash_ids) :]
-        self.rows.append(TraceRequest(index, arrival_s, input_length, output_length, ids))
+        self.rows.append(
+            TraceRequest(
+                index, arrival_s, input_length, output_length, ids, model=model[0], parent=model[1]
+            )
+        )
 
     def build(self, name: str, block_size: int) -> Trace:
         if not self.rows:
@@ -195,6 +206,19 @@ class _Builder:
         t0 = self.rows[0].arrival_s
         rows = [replace(r, arrival_s=r.arrival_s - t0) for r in self.rows] if t0 else self.rows
         return Trace(name, rows, block_size, self.has_prefix_info)
+
+
+def _model(obj: Mapping[str, Any], path: Path, line: int) -> tuple[str | None, str | None]:
+    """(model, parent) of a row: non-empty strings, or None where absent or empty."""
+    out: list[str | None] = []
+    for name in ("model", "parent"):
+        value = obj.get(name)
+        if value is not None and not isinstance(value, str):
+            raise TraceError(path, line, f"{name} must be a string, got {value!r}")
+        out.append(None if value is None else (value.strip() or None))
+    if out[1] is not None and out[0] is None:
+        raise TraceError(path, line, f"parent {out[1]!r} given without a model")
+    return out[0], out[1]
 
 
 def _hash_ids(value: Any, path: Path, line: int) -> tuple[int, ...]:
@@ -230,7 +254,8 @@ def load_jsonl(path: Path, block_size: int = MOONCAKE_BLOCK_SIZE) -> Trace:
     """Mooncake JSONL (`timestamp` ms, `input_length`, `output_length`, `hash_ids`) or generic JSONL.
 
     Generic lines carry `arrival_s` (seconds) instead of `timestamp`, and may group requests that share
-    a prefix with `prefix_group` (int) and `prefix_length` (tokens).
+    a prefix with `prefix_group` (int) and `prefix_length` (tokens). Any line may name a `model`
+    (and an adapter's `parent`).
     """
     builder = _Builder(path)
     for line, obj in _iter_jsonl(path):
@@ -246,7 +271,7 @@ def load_jsonl(path: Path, block_size: int = MOONCAKE_BLOCK_SIZE) -> Trace:
             ids = _hash_ids(obj["hash_ids"], path, line)
         elif obj.get("prefix_group") is not None:
             ids = _group_prefix(obj, inp, block_size, path, line)
-        builder.add(line, arrival, inp, out, ids, block_size)
+        builder.add(line, arrival, inp, out, ids, block_size, _model(obj, path, line))
     return builder.build(path.name, block_size)
 
 
@@ -276,7 +301,8 @@ def _azure_time(text: str, path: Path, line: int) -> float:
 
 def load_csv(path: Path, block_size: int = MOONCAKE_BLOCK_SIZE) -> Trace:
     """Azure LLM inference CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`) or generic CSV
-    (`arrival_s,input_length,output_length[,prefix_group,prefix_length]`)."""
+    (`arrival_s,input_length,output_length[,prefix_group,prefix_length]`); either may add
+    `model` and `parent` columns."""
     builder = _Builder(path)
     with path.open("r", encoding="utf-8", newline="") as f:
         reader = csv.reader(f)
@@ -325,7 +351,10 @@ def load_csv(path: Path, block_size: int = MOONCAKE_BLOCK_SIZE) -> Trace:
                     if "prefix_length" in col:
                         fields["prefix_length"] = row[col["prefix_length"]] or "0"
                     ids = _group_prefix(fields, inp, block_size, path, line)
-                builder.add(line, arrival, inp, out, ids, block_size)
+                names: dict[str, str] = {
+                    name: row[col[name]] for name in ("model", "parent") if name in col
+                }
+                builder.add(line, arrival, inp, out, ids, block_size, _model(names, path, line))
         except csv.Error as exc:
             raise TraceError(path, reader.line_num, f"malformed CSV ({exc})") from None
     return builder.build(path.name, block_size)
