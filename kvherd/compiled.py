@@ -30,7 +30,6 @@ MODULES = (
     "scheduler.core.prefix_index",
     "scheduler.core.router",
     "simulator.fast_forward",
-    "simulator.latency.roofline",
     "simulator.loop",
     "simulator.metrics",
     "simulator.prompts",
