@@ -7,6 +7,9 @@ Scenarios (each policy run in a fresh subprocess, so peak RSS is that run's own)
   linear    the Azure trace at 1/4, 1/2 and all of its requests: seconds per request must stay flat.
   million   a synthetic 1M-request trace on 256 instances; `--million-sample K` runs its first K
             requests and extrapolates linearly to 1M (the printout says so).
+`--forms` runs each azure/mooncake policy as interleaved pairs, the compiled form of the hot pure
+modules (kvherd/compiled.py) and the plain one (KVHERD_PURE_PYTHON=1), and prints the medians and
+the speed-up of sim CPU s (`--pairs` pairs; both forms must report the same steps and mean TTFT).
 `--step-by-step` also runs every azure/mooncake policy with the decode fast-forward off (one
 `schedule()` per engine step, the simulator before the fast-forward) and prints the speed-up; both
 runs must report the same steps and mean TTFT.
@@ -16,13 +19,16 @@ figure on a shared machine. Baseline printed side by side: Vidur on the same Azu
 (<= 5 s and <= 500 MB per policy run, 1M requests in <= 10 min).
 
     python bench/sim_speed.py [--scenarios azure,mooncake,linear,million] [--policies round_robin,kvherd]
+                              [--forms [--pairs 3]]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -103,10 +109,13 @@ def _spawn(
     latency: str,
     max_requests: int | None,
     fast_forward: bool = True,
+    pure: bool = False,
 ) -> dict[str, float]:
     cmd = [sys.executable, __file__, "--child", trace, str(instances), policy, latency]
     cmd += [str(max_requests or 0), str(int(fast_forward))]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    env = {k: v for k, v in os.environ.items() if k != "KVHERD_PURE_PYTHON"}
+    env.update({"KVHERD_PURE_PYTHON": "1"} if pure else {})
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -117,6 +126,29 @@ def _row(name: str, policy: str, r: dict[str, float], note: str = "") -> str:
         f"| {r['sim_s'] / r['requests'] * 1e3:.2f} "
         f"| {r['peak_rss_mb']:.0f} | {int(r['steps']):,} | {note} |"
     )
+
+
+def _forms(
+    pairs: int, name: str, policy: str, trace: str, instances: int, latency: str, k: int | None
+) -> None:
+    """Interleaved pairs of the compiled and the plain form; medians and the speed-up."""
+    compiled: list[dict[str, float]] = []
+    plain: list[dict[str, float]] = []
+    for _ in range(pairs):
+        compiled.append(_spawn(trace, instances, policy, latency, k))
+        plain.append(_spawn(trace, instances, policy, latency, k, pure=True))
+    same = all(
+        (p["steps"], p["ttft_ms_mean"]) == (c["steps"], c["ttft_ms_mean"])
+        for c, p in zip(compiled, plain, strict=True)
+    )
+    ratios = [p["sim_cpu_s"] / c["sim_cpu_s"] for c, p in zip(compiled, plain, strict=True)]
+
+    def median(runs: list[dict[str, float]]) -> dict[str, float]:
+        return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+
+    note = f"median of {pairs} pairs: compiled {statistics.median(ratios):.2f}x faster (sim CPU)"
+    print(_row(name, f"{policy} (plain)", median(plain)), flush=True)
+    print(_row(name, f"{policy} (compiled)", median(compiled), f"{note}; same results: {same}"))
 
 
 def _runs(
@@ -153,6 +185,12 @@ def main() -> int:
         "--fraction", type=float, default=1.0, help="run this fraction of azure/mooncake"
     )
     parser.add_argument(
+        "--forms",
+        action="store_true",
+        help="run azure/mooncake as interleaved compiled/plain pairs and print the speed-up",
+    )
+    parser.add_argument("--pairs", type=int, default=3, help="compiled/plain pairs with --forms")
+    parser.add_argument(
         "--step-by-step",
         action="store_true",
         help="also run azure/mooncake with the decode fast-forward off, side by side",
@@ -168,6 +206,9 @@ def main() -> int:
     if "azure" in scenarios and AZURE.is_file():
         k = None if args.fraction >= 1 else int(19366 * args.fraction)
         for policy in policies:
+            if args.forms:
+                _forms(args.pairs, "azure conv, 4 inst", policy, str(AZURE), 4, AZURE_MODEL, k)
+                continue
             _runs(args.step_by_step, "azure conv, 4 inst", policy, str(AZURE), 4, AZURE_MODEL, k)
         v = VIDUR_AZURE
         print(
@@ -178,6 +219,10 @@ def main() -> int:
     if "mooncake" in scenarios and MOONCAKE.is_file():
         k = None if args.fraction >= 1 else int(3993 * args.fraction)
         for policy in policies:
+            if args.forms:
+                name = "mooncake, 16 inst"
+                _forms(args.pairs, name, policy, str(MOONCAKE), 16, MOONCAKE_MODEL, k)
+                continue
             _runs(
                 args.step_by_step, "mooncake, 16 inst", policy, str(MOONCAKE), 16, MOONCAKE_MODEL, k
             )
