@@ -1,14 +1,14 @@
 """How the router's decisions and the simulator grow with the fleet, plotted.
 
 Router: fleets of `--router-instances` instances, each holding `--blocks-per-instance` indexed
-blocks (4,096 x 2,441 = 10M at the top), built as in ``bench/route_bench.py`` (real KV events,
-re-hashed; half shared documents, half private text); per point the thread-CPU p50/p99 of a
-decision (hashing, prefix match, kvherd policy) for 2k-token prompts, and the index's memory as
-the process's RSS growth while it fills, per indexed block (an upper bound). Simulator: a synthetic trace of
-`--requests-per-instance` requests per instance at a fixed rate per instance, on
-`--sim-instances` instances (to 1,024), kvherd policy: sim CPU seconds per request and peak RSS.
-Every point runs in a fresh process (its RSS is its own). Writes the table, and the curves to
-``--plot`` (PNG); CPU time is the column to read on a shared machine.
+blocks (4,096 x 2,500 = 10.2M at the top, a little less once duplicates merge), built as in
+``bench/route_bench.py`` (real KV events, re-hashed; half shared documents, half private text);
+per point the thread-CPU p50/p99 of a decision (hashing, prefix match, kvherd policy) for 2k-token
+prompts, and the index's memory as the process's RSS growth while it fills, per indexed block (an
+upper bound). Simulator: a synthetic trace of `--requests-per-instance` requests per instance at a
+fixed rate per instance, on `--sim-instances` instances (to 1,024), kvherd policy: sim CPU seconds
+per request and peak RSS. Every point runs in a fresh process (its RSS is its own). Writes the
+table, and the curves to ``--plot`` (PNG); CPU time is the column to read on a shared machine.
 
     python bench/scale_curves.py                       # to 4,096 instances / 10M blocks, ~10 min
     python bench/scale_curves.py --router-instances 64,256 --sim-instances 16,64   # quick
@@ -109,6 +109,8 @@ def _plot(routes: list[dict[str, float]], sims: list[dict[str, float]], path: Pa
         left.plot(xs, [r["p50_ms"] for r in routes], "o-", label="p50")
         left.plot(xs, [r["p99_ms"] for r in routes], "s--", label="p99")
         left.set(xscale="log", xlabel="instances (blocks grow with them)", ylabel="ms CPU")
+        left.set_xticks(xs, [f"{int(x):,}" for x in xs], minor=False)
+        left.minorticks_off()
         left.set_title("router decision, 2k-token prompt")
         left.legend()
         middle.plot(
@@ -121,6 +123,8 @@ def _plot(routes: list[dict[str, float]], sims: list[dict[str, float]], path: Pa
         xs = [s["instances"] for s in sims]
         right.plot(xs, [s["cpu_ms_per_request"] for s in sims], "o-", label="CPU ms / request")
         right.set(xscale="log", xlabel="simulated instances", ylabel="CPU ms per request")
+        right.set_xticks(xs, [f"{int(x):,}" for x in xs], minor=False)
+        right.minorticks_off()
         right.set_title("simulator")
         right.set_ylim(bottom=0)
         twin = right.twinx()
@@ -140,7 +144,7 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--router-instances", default="256,1024,4096")
-    parser.add_argument("--blocks-per-instance", type=int, default=2441)
+    parser.add_argument("--blocks-per-instance", type=int, default=2500)
     parser.add_argument("--queries", type=int, default=300)
     parser.add_argument("--sim-instances", default="64,256,1024")
     parser.add_argument("--requests-per-instance", type=int, default=40)
