@@ -894,13 +894,13 @@ class Fleet:
 
     def describe_models(self) -> list[dict[str, Any]]:
         """Each model the fleet serves: its block size, the instances serving it, and the
-        requests, prompt blocks and hit blocks routed for it."""
+        requests, prompt blocks and hit blocks routed for it, and the requests that queued."""
         figures = self.metrics.model_figures()
         described = []
         for card in self.models.cards():
             model, parent = card["id"], card.get("parent")
             only = self.models.route(model)
-            requests, prompt_blocks, hit_blocks = figures.get(model, (0, 0, 0))
+            requests, prompt_blocks, hit_blocks, queued = figures.get(model, (0, 0, 0, 0))
             described.append(
                 {
                     "id": model,
@@ -910,6 +910,7 @@ class Fleet:
                     "requests": requests,
                     "prompt_blocks": prompt_blocks,
                     "hit_blocks": hit_blocks,
+                    "queued": queued,
                 }
             )
         return described

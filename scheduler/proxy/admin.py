@@ -23,7 +23,7 @@ object; bodies are JSON; errors are ``{"error": {"message", "type", "param", "co
   finish where they are.
 - ``GET /admin/v1/models``: each model and adapter the fleet serves with its block size, the
   tokenizer it is routed with (an adapter's parent's), the instances serving it, and the
-  requests, prompt blocks and hit blocks routed for it.
+  requests, prompt blocks and hit blocks routed for it, and how many of them queued.
 - ``PUT /admin/v1/instances/{id}/models`` ``{"models": [{"id", "parent"}, ...] | null}``: pin
   what the instance serves (routing by model uses it, polling stops); null learns it again from
   the instance's ``/v1/models``.

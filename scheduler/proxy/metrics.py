@@ -7,9 +7,11 @@ Contract (what ``GET /metrics`` on the proxy exposes):
 - ``kvherd_matched_prefix_blocks``: histogram of leading prompt blocks already cached on the chosen
   instance; ``kvherd_prompt_blocks``: histogram of full prompt blocks, for the hit ratio.
 - ``kvherd_instance_inflight{instance}``: requests the proxy has in flight per instance.
-- Per model (the request's ``model``, ``""`` when it named none): ``kvherd_model_requests_total``,
-  ``kvherd_model_prompt_blocks_total`` (full prompt blocks, at the model's block size) and
-  ``kvherd_model_hit_blocks_total`` (those cached on the chosen instance), all ``{model}``.
+- Per model (the request's ``model``: a base model or a LoRA adapter, ``""`` when it named
+  none): ``kvherd_model_requests_total``, ``kvherd_model_prompt_blocks_total`` (full prompt
+  blocks, at the model's block size), ``kvherd_model_hit_blocks_total`` (those cached on the
+  chosen instance) and ``kvherd_model_queued_total`` (those that waited in the admission queue
+  first), all ``{model}``.
 - ``kvherd_retries_total``: attempts sent to another instance after a failure before the first byte.
 - ``kvherd_ejections_total{instance}``: passive or active ejections.
 - ``kvherd_admission_queue_depth``: requests waiting for a non-saturated instance;
@@ -266,18 +268,22 @@ class ProxyMetrics:
         requests = self._requests
         requests[status] = requests.get(status, 0) + 1
 
-    def model_routed(self, model: str, prompt_blocks: int, hit_blocks: int) -> None:
-        """One request for `model` routed: its full prompt blocks and those the instance holds."""
+    def model_routed(
+        self, model: str, prompt_blocks: int, hit_blocks: int, queued: bool = False
+    ) -> None:
+        """One request for `model` routed: its full prompt blocks, those the instance holds, and
+        whether it waited in the admission queue."""
         figures = self._models.get(model)
         if figures is None:
-            figures = self._models[model] = [0, 0, 0]
+            figures = self._models[model] = [0, 0, 0, 0]
         figures[0] += 1
         figures[1] += prompt_blocks
         figures[2] += hit_blocks
+        figures[3] += queued
 
-    def model_figures(self) -> dict[str, tuple[int, int, int]]:
-        """Per model: (requests, prompt blocks, hit blocks) routed so far."""
-        return {model: (f[0], f[1], f[2]) for model, f in self._models.items()}
+    def model_figures(self) -> dict[str, tuple[int, int, int, int]]:
+        """Per model: (requests, prompt blocks, hit blocks, queued) routed so far."""
+        return {model: (f[0], f[1], f[2], f[3]) for model, f in self._models.items()}
 
     def set_inflight(self, instance_id: str, inflight: int) -> None:
         self._inflight[instance_id] = inflight
@@ -378,6 +384,7 @@ class _LoopCollector(Collector):
                 ("kvherd_model_requests", "Requests routed, per model"),
                 ("kvherd_model_prompt_blocks", "Full prompt blocks routed, per model"),
                 ("kvherd_model_hit_blocks", "Prompt blocks cached on the chosen instance"),
+                ("kvherd_model_queued", "Requests that waited in the admission queue, per model"),
             )
         ]
         for model, figures in list(m._models.items()):

@@ -444,7 +444,9 @@ class Proxy:
             if not queued:  # time spent queueing is not decision time
                 self.metrics.decision_seconds.observe(time.perf_counter() - job.started)
             self.metrics.matched_blocks.observe(matched)
-            self.metrics.model_routed(request.model or "", len(request.block_hashes), matched)
+            self.metrics.model_routed(
+                request.model or "", len(request.block_hashes), matched, queued
+            )
         job.tried.add(instance.instance_id)
         return Attempt(self.fleet, self.lag, job.key, instance)
 

@@ -173,10 +173,11 @@ async def test_requests_hash_with_their_models_tokenizer_and_block_size() -> Non
 def test_per_model_figures_are_exposed() -> None:
     metrics = ProxyMetrics()
     metrics.model_routed("beta", 5, 0)
-    metrics.model_routed("beta", 5, 5)
+    metrics.model_routed("beta", 5, 5, queued=True)
     metrics.model_routed("", 2, 1)
-    assert metrics.model_figures() == {"beta": (2, 10, 5), "": (1, 2, 1)}
+    assert metrics.model_figures() == {"beta": (2, 10, 5, 1), "": (1, 2, 1, 0)}
     text = metrics.render().decode()
     assert 'kvherd_model_hit_blocks_total{model="beta"} 5.0' in text
     assert 'kvherd_model_prompt_blocks_total{model="beta"} 10.0' in text
     assert 'kvherd_model_requests_total{model=""} 1.0' in text
+    assert 'kvherd_model_queued_total{model="beta"} 1.0' in text
