@@ -51,6 +51,7 @@ from kvherd.tokenizer import load_tokenizer  # noqa: E402
 
 WAYS = ("recompute", "pull", "local hit")
 MIGRATION_WAYS = ("pull", "recompute")
+MIGRATION_ATTEMPTS = 3  # per stream, while a migration order may be answered 404 (see report)
 _PULL_LOG = re.compile(r"kvherd pull (\S+): (\d+) blocks \(\d+ bytes\) from (\S+) in ([0-9.]+)s")
 _LOG_TAIL = 50_000_000  # characters of a vLLM log searched for its pulls: all of this run's
 
@@ -196,7 +197,10 @@ def proxy_args(servers: Sequence[VllmServer], model: Path, pull: bool) -> list[s
     for server in servers:
         options = {"pull_address": server.block_address} if pull else None
         args += ["--instance", _fleet.instance_arg(server, options)]
-    return [*args, "--tokenizer", str(model), "--expose-instance", "--migration-policy", "none"]
+    args += ["--tokenizer", str(model), "--expose-instance", "--migration-policy", "none"]
+    # A probe slower than 1 s (the default) ejects a server of this busy machine, and the fleet
+    # forgets its requests (a migration order then answers 404): probes here may take 10 s.
+    return [*args, "--health-timeout", "10"]
 
 
 async def admin_post(
@@ -222,12 +226,13 @@ def _p(values: Sequence[float], q: float) -> float:
 
 
 def cut_gap(got: Streamed, ordered: float) -> tuple[float, float]:
-    """(the gap the cut made, the median of the stream's other inter-token gaps), in seconds. The
-    cut's gap is the longest one ending after the order was sent: its start is the last token
-    relayed from the source, its end the first from the destination."""
+    """(the gap the cut made, the stream's mean inter-token gap outside it), in seconds. The cut's
+    gap is the longest one ending after the order was sent: its start is the last token relayed
+    from the source, its end the first from the destination. The mean, not the median: on a busy
+    machine tokens arrive in bursts (most gaps well under a millisecond)."""
     gaps = [(later - earlier, i) for i, (earlier, later) in enumerate(pairwise(got.times))]
-    gap, at = max((g, i) for g, i in gaps if got.times[i + 1] > ordered)
-    return gap, statistics.median(g for g, i in gaps if i != at)
+    gap, _ = max((g, i) for g, i in gaps if got.times[i + 1] > ordered)
+    return gap, (got.times[-1] - got.times[0] - gap) / (len(gaps) - 1)
 
 
 async def migrate_once(
@@ -236,22 +241,27 @@ async def migrate_once(
     body: dict[str, Any],
     key: str,
     cut_after: int,
-) -> tuple[Streamed, float, dict[str, Any]]:
+) -> tuple[Streamed, float, dict[str, Any]] | None:
     """Stream `body` through `proxy` on ``a`` (``b`` drained), order its migration to ``b`` once
-    `cut_after` tokens have arrived: (the stream, when the order was sent, the order's answer)."""
+    `cut_after` tokens have arrived: (the stream, when the order was sent, the order's answer);
+    None when the order was answered 404 (no such request in flight) while the stream ran."""
     await drain(client, proxy, "b", True)
     got = Streamed()
     reading = asyncio.create_task(stream(client, proxy.url, body, {"X-Request-Id": key}, got))
-    while len(got.token_ids) < cut_after:
-        if reading.done():
-            await reading
-            raise SystemExit(f"{key}: the stream ended before the cut")
-        await asyncio.sleep(0.002)  # polling the reader, a fraction of one decode step
-    await drain(client, proxy, "b", False)
+    for tokens in (1, cut_after):  # b is routable again once the stream runs on a
+        while len(got.token_ids) < tokens:
+            if reading.done():
+                await reading
+                raise SystemExit(f"{key}: the stream ended before the cut")
+            await asyncio.sleep(0.002)  # polling the reader, a fraction of one decode step
+        if tokens == 1:
+            await drain(client, proxy, "b", False)
     ordered = time.perf_counter()
     order = await admin_post(client, proxy, "/admin/v1/migrate", {"request_id": key, "to": "b"})
     await reading
     answer: dict[str, Any] = order.json()
+    if order.status_code == 404:  # the fleet did not know the request in flight: told, retried
+        return None
     if order.status_code != 200 or answer.get("status") != "committed":
         raise SystemExit(f"{key}: migration not committed: {order.status_code} {answer}")
     return got, ordered, answer
@@ -276,6 +286,7 @@ async def migrate_at(
     stream's median inter-token gap, their ratio, the proxy's own downtime (the cut to the
     destination's stream opening, `scheduler.proxy.stream_cuts`) and the pull's transfer."""
     figures: dict[str, dict[str, list[float]]] = {way: {} for way in MIGRATION_WAYS}
+    refused: dict[str, int] = {}
     context = 0
     async with httpx.AsyncClient(timeout=600.0, trust_env=False) as client:
         for r in range(args.repeats):
@@ -285,12 +296,18 @@ async def migrate_at(
             reference = await stream(client, b.url, {**body, "cache_salt": f"ref-{blocks}-{r}"})
             context = prompts.num_tokens(prompt) + args.cut_after
             for way in MIGRATION_WAYS:
-                before = len(pulls(b))
-                salted = {**body, "cache_salt": f"{way}-{blocks}-{r}"}
-                key = f"migrate-{way}-{blocks}-{r}"
-                got, ordered, answer = await migrate_once(
-                    client, proxies[way], salted, key, args.cut_after
-                )
+                for attempt in range(MIGRATION_ATTEMPTS):
+                    before = len(pulls(b))
+                    salted = {**body, "cache_salt": f"{way}-{blocks}-{r}-{attempt}"}
+                    key = f"migrate-{way}-{blocks}-{r}-{attempt}"
+                    done = await migrate_once(client, proxies[way], salted, key, args.cut_after)
+                    if done is not None:
+                        break
+                    refused[way] = refused.get(way, 0) + 1
+                    print(f"{key}: the order was answered 404 while the stream ran", flush=True)
+                else:
+                    raise SystemExit(f"{key}: {MIGRATION_ATTEMPTS} orders answered 404")
+                got, ordered, answer = done
                 if got.token_ids != reference.token_ids:
                     raise SystemExit(f"{key}: the migrated stream's tokens differ from vLLM's own")
                 new = [p for p in pulls(b)[before:] if p.source == a.block_address]
@@ -307,7 +324,7 @@ async def migrate_at(
                     ("pulled", float(new[0].blocks if new else 0)),
                 ):
                     row.setdefault(name, []).append(value)
-    out: dict[str, Any] = {"blocks": blocks, "context": context}
+    out: dict[str, Any] = {"blocks": blocks, "context": context, "refused_404": refused}
     for way, row in figures.items():
         out[way] = {name: statistics.median(values) for name, values in row.items()}
     return out
@@ -333,8 +350,8 @@ def run_migration(
 def print_migration(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(f"migration after {args.cut_after} of {args.max_tokens} tokens, medians ms")
     print(
-        "| context (tokens) | pull: downtime | ITL | downtime/ITL | proxy's downtime | transfer |"
-        " recompute: downtime | ITL | downtime/ITL | pull/recompute |"
+        "| context (tokens) | pull: downtime | mean ITL | downtime/ITL | proxy's downtime | transfer |"
+        " recompute: downtime | mean ITL | downtime/ITL | pull/recompute |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
@@ -412,11 +429,11 @@ def fleet_flags(args: argparse.Namespace, kv_per_token: int) -> list[str]:
 def run_fleet(
     python: str, model: Path, prompts: Prompts, work: Path, args: argparse.Namespace
 ) -> list[dict[str, Any]]:
-    """``fleet`` mode: ``--fleet-servers`` vLLM servers behind ``kvherd serve`` (its ``kvherd``
-    policy: cache affinity against load), twice, on fresh servers each time: ``connector``
-    (every server runs kvherd's connector; ``--prefix-pull`` with each ``pull_address``, the
-    rule priced by `fleet_flags`) and ``plain`` (no connector; kvherd only routes). The same
-    workload (`fleet_workload`, `send_all`) each time. Per fleet: prefix hit rate (vLLM's
+    """``fleet`` mode: ``--fleet-servers`` vLLM servers behind ``kvherd serve`` (``--policy``
+    ``--fleet-policy``; ``kvherd``: cache affinity against load), twice, on fresh servers each
+    time: ``connector`` (every server runs kvherd's connector; ``--prefix-pull`` with each
+    ``pull_address``, the rule priced by `fleet_flags`) and ``plain`` (no connector; kvherd only
+    routes). The same workload (`fleet_workload`, `send_all`) each time. Per fleet: prefix hit rate (vLLM's
     ``cached_tokens`` over prompt tokens, from each response's usage) against the workload's
     maximum (every ask after its group's first finds the group's full blocks), TTFT p50/p90,
     and the proxy's pull decisions. Greedy, each ask's tokens must be the same in both fleets."""
@@ -433,6 +450,7 @@ def run_fleet(
             for server in servers:
                 _complete(server, "warm up")
             flags = [*proxy_args(servers, model, connector), "--load-interval", "0.1"]
+            flags += ["--policy", args.fleet_policy]
             if connector:
                 flags += fleet_flags(args, kv_per_token)
             with _fleet.kvherd_serve(*flags) as proxy:
@@ -467,8 +485,9 @@ def run_fleet(
 
 def print_fleet(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(
-        f"fleet: {args.fleet_servers} servers, {args.groups} prefixes x {args.prefix_blocks} blocks,"
-        f" {args.per_group} asks each, {args.concurrency} at once, {args.fleet_tokens} tokens each"
+        f"fleet: {args.fleet_servers} servers, policy {args.fleet_policy}, {args.groups} prefixes"
+        f" x {args.prefix_blocks} blocks, {args.per_group} asks each, {args.concurrency} at once,"
+        f" {args.fleet_tokens} tokens each"
     )
     print("| fleet | requests | hit rate | workload max | TTFT p50 ms | TTFT p90 ms | pulls |")
     print("|---|---:|---:|---:|---:|---:|---:|")
@@ -504,10 +523,11 @@ def main(argv: list[str] | None = None) -> None:
     prefix.add_argument("--blocks", default="1,2,4,8,16,28", help="prefix lengths, in blocks")
     migration = parser.add_argument_group("migration")
     migration.add_argument("--migrate-blocks", default="4,8,16,28", help="prompts, in blocks")
-    migration.add_argument("--max-tokens", type=int, default=64, help="tokens per stream")
-    migration.add_argument("--cut-after", type=int, default=24, help="tokens before the cut")
+    migration.add_argument("--max-tokens", type=int, default=128, help="tokens per stream")
+    migration.add_argument("--cut-after", type=int, default=16, help="tokens before the cut")
     fleet = parser.add_argument_group("fleet")
     fleet.add_argument("--fleet-servers", type=int, default=2)
+    fleet.add_argument("--fleet-policy", default="kvherd", help="kvherd serve's --policy")
     fleet.add_argument("--groups", type=int, default=3)
     fleet.add_argument("--per-group", type=int, default=8)
     fleet.add_argument("--prefix-blocks", type=int, default=16)
