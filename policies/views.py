@@ -141,6 +141,9 @@ PrefixMatcher = Callable[["RequestView"], Mapping[str, int]]
 PrefixArrayMatcher = Callable[["RequestView"], np.ndarray]
 # The lower tiers' rows (len(TIERS) - 1 of them, `instances` order), given the GPU row.
 TierMatcher = Callable[["RequestView", np.ndarray], np.ndarray]
+# Leading blocks of the request an instance is known to hold on any tier (its KV events said so),
+# without the ones only routed there (still being computed); None: the match is all it knows.
+ConfirmedMatcher = Callable[["RequestView", str], int | None]
 
 
 # InstanceView fields available as numpy columns (see `ClusterView.column`).
@@ -180,6 +183,7 @@ class ClusterView:
         "_array_cache",
         "_array_matcher",
         "_columns",
+        "_confirmed_matcher",
         "_dispatchable",
         "_index",
         "_match_cache",
@@ -199,8 +203,10 @@ class ClusterView:
         index: Mapping[str, int] | None = None,
         array_matcher: PrefixArrayMatcher | None = None,
         tier_matcher: TierMatcher | None = None,
+        confirmed_matcher: ConfirmedMatcher | None = None,
     ) -> None:
         self.instances: tuple[InstanceView, ...] = tuple(instances)
+        self._confirmed_matcher = confirmed_matcher
         self.now = now
         self._matcher = matcher
         self._array_matcher = array_matcher
@@ -312,6 +318,14 @@ class ClusterView:
             cached.flags.writeable = False
             self._tier_cache[request.request_id] = cached
         return cached
+
+    def confirmed_depth(self, request: RequestView, instance_id: str) -> int | None:
+        """Leading blocks of `request` that `instance_id` is known to hold, on any tier, without
+        the blocks the match counts because requests were only routed there (None: the view
+        cannot tell them apart). A pull can copy only these."""
+        if self._confirmed_matcher is None:
+            return None
+        return self._confirmed_matcher(request, instance_id)
 
     def weighted_prefix_match(
         self, request: RequestView, weights: tuple[float, ...]

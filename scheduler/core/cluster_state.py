@@ -51,6 +51,7 @@ from scheduler.core.prefix_index import (
     InstanceSlots,
     PrefixIndex,
     lower_tier_counts,
+    match_chain,
     match_groups,
 )
 
@@ -328,7 +329,9 @@ class ClusterState:
         # One form of the match, the array; the view derives the mapping from it for the policies
         # that ask for one. Lower tiers are matched only while some instance holds a block there.
         tiers = tier_matcher if self.prefix_index.has_lower_tiers() else None
-        return ClusterView(views, now, None, columns, self._position, array_matcher, tiers)
+        return ClusterView(
+            views, now, None, columns, self._position, array_matcher, tiers, self._confirmed
+        )
 
     def _subset_view(
         self, now: float, exclude: Collection[str], only: frozenset[str]
@@ -363,7 +366,7 @@ class ClusterState:
             return self.match_lower_array(request.block_hashes, depths)[:, positions]
 
         tiers = tier_matcher if self.prefix_index.has_lower_tiers() else None
-        return ClusterView(views, now, None, columns, index, array_matcher, tiers)
+        return ClusterView(views, now, None, columns, index, array_matcher, tiers, self._confirmed)
 
     def _slot_position(self) -> np.ndarray:
         """Slot -> position in view order (-1 for a free slot), rebuilt after membership changes."""
@@ -397,6 +400,16 @@ class ClusterState:
                 if depth > start:
                     out[:, at] = lower_tier_counts(chain[start:depth], low, lower)
         return out
+
+    def _confirmed(self, request: RequestView, instance_id: str) -> int | None:
+        """The view's `confirmed_depth`: the leading blocks of the request the precise index
+        holds for `instance_id` on any tier; None for an instance without KV events (only routing
+        decisions say what it holds)."""
+        state = self.instances.get(instance_id)
+        if state is None or not state.has_kv_events:
+            return None
+        depths = match_chain(request.block_hashes, self.prefix_index.tier_owners, self.slots)
+        return depths.get(instance_id, 0)
 
     def match_array(self, chain: Sequence[int], now: float) -> np.ndarray:
         """`match` as a float64 array in view order (registration order)."""

@@ -11,6 +11,9 @@ Contract:
     recompute  queue(P) + load(P's lower-tier hits) + prefill(prompt past P's depth)
     route      queue(H) + load(H's lower-tier hits) + prefill(prompt past H's depth)
     pull       transfer(H's blocks past P's GPU hits) + queue(P) + prefill(prompt past H's depth)
+  A pull copies only the blocks H is known to hold (`ClusterView.confirmed_depth`: its KV events
+  said so), not those the match counts because requests were routed there and may still be
+  prefilling; with none past P's depth there is no pull plan.
   queue(X) = max(waiting, pending prefill tokens) + `decode_token_cost` x running, load = tier
   tokens x the instance's load ratio (`cpu_load_ratio`/`storage_load_ratio` where unknown), both
   in prefill tokens over `prefill_tokens_per_s`; transfer = bytes / `bandwidth` + `latency_s`,
@@ -107,11 +110,18 @@ def choose_pull(
         + _load(holder, tiers[1:, h], bs, settings)
         + _rest(request, depth[h])
     ) / rate
+    estimates = {PullAction.RECOMPUTE: recompute, PullAction.ROUTE: route}
     first, end = int(min(tiers[0, p], depth[h])), int(depth[h])
-    transfer = _transfer_s(holder, tiers[:, h], first, end, bs, settings)
-    pull = transfer + (_queue(here, settings) + _rest(request, depth[h])) / rate
-    estimates = {PullAction.RECOMPUTE: recompute, PullAction.PULL: pull, PullAction.ROUTE: route}
-    best = min(estimates, key=estimates.__getitem__)  # (first of equals: the contract's ties)
+    known = cluster.confirmed_depth(request, holder.instance_id)
+    if known is not None:  # blocks only routed to the holder are not there to copy yet
+        end = min(end, known)
+    if end > depth[p]:
+        transfer = _transfer_s(holder, tiers[:, h], first, end, bs, settings)
+        estimates[PullAction.PULL] = (
+            transfer + (_queue(here, settings) + _rest(request, end)) / rate
+        )
+    ties = (PullAction.RECOMPUTE, PullAction.PULL, PullAction.ROUTE)  # the contract's order
+    best = min((a for a in ties if a in estimates), key=estimates.__getitem__)
     if best is PullAction.PULL:
         return PullChoice(best, preferred, holder.instance_id, first, end - first, estimates)
     if best is PullAction.ROUTE:

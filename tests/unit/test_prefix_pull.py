@@ -153,3 +153,43 @@ def test_the_router_charges_a_pull_as_cached_and_sends_a_route_to_the_holder() -
     routed = router.route("r", now=0.0, num_tokens=8192, block_hashes=REQUEST.block_hashes)
     assert routed.instance_id == "h" and routed.pull is not None
     assert routed.pull.action is PullAction.ROUTE and routed.decision.reason.startswith("route")
+
+
+def test_a_pull_copies_only_what_the_holder_is_known_to_hold() -> None:
+    # h's match says 400 blocks, but its KV events confirmed only `known` of them: the rest were
+    # routed there and may still be prefilling, so there is nothing to copy past `known`.
+    def confirmed(known: int | None) -> ClusterView:
+        instances = [inst("p"), busy("h")]
+        gpu = {"h": 400}
+        table = np.zeros((2, 2))
+        return ClusterView(
+            instances,
+            0.0,
+            lambda request: gpu,
+            tier_matcher=lambda request, _gpu: table,
+            confirmed_matcher=lambda request, iid: known if iid == "h" else 0,
+        )
+
+    unconfirmed = choose_pull(REQUEST, confirmed(0), "p", SETTINGS)
+    assert unconfirmed.action is PullAction.RECOMPUTE
+    assert set(unconfirmed.estimates) == {PullAction.RECOMPUTE, PullAction.ROUTE}
+    partly = choose_pull(REQUEST, confirmed(300), "p", SETTINGS)
+    assert (partly.action, partly.first_block, partly.num_blocks) == (PullAction.PULL, 0, 300)
+    transfer = 300 * BS * 1e5 / 50e9 + 50e-6
+    assert partly.estimates[PullAction.PULL] == pytest.approx(transfer + (8192 - 4800) / 1e4)
+    unknown = choose_pull(REQUEST, confirmed(None), "p", SETTINGS)  # no events: the match rules
+    assert (unknown.action, unknown.num_blocks) == (PullAction.PULL, 400)
+
+
+def test_blocks_only_routed_to_an_instance_are_not_confirmed_until_its_events_say_so() -> None:
+    from kvherd.kv_events import BlockStored
+
+    router, state = _router("h", holder_busy=False)
+    fresh = tuple(range(2000, 2512))
+    router.route("first", now=0.0, num_tokens=8192, block_hashes=fresh)  # h prefills it
+    request = RequestView("again", 8192, fresh, BS)
+    view = state.view(0.0)
+    assert view.prefix_match_array(request)[view.index_of("h")] > 0  # routed: the match counts it
+    assert view.confirmed_depth(request, "h") == 0
+    state.apply_kv_events("h", [BlockStored(list(fresh[:100]), None, [], BS, medium="GPU")])
+    assert state.view(0.0).confirmed_depth(request, "h") == 100
