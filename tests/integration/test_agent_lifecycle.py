@@ -238,6 +238,7 @@ def test_registration_heartbeat_reregistration_and_deregistration() -> None:
                 "role": "mixed",  # its P/D role (kvherd agent --role)
                 # its block server, which other agents pull prefixes from
                 "pull_address": httpx.get(f"{agent.url}/kvherd/v1/state").json()["pull_address"],
+                "runtime_lora": False,  # loads LoRA adapters on demand (--allow-runtime-lora)
             }
             assert body["pull_address"].startswith("tcp://127.0.0.1:")
             beat = next(b for m, p, b, _ in fake_scheduler.calls if p.endswith("/heartbeat"))
