@@ -14,6 +14,7 @@ from kvherd.tokenizer import ByteTokenizer
 from scheduler.core.tenancy import TenantRegistry
 from scheduler.fleet import Fleet, FleetSettings, InstanceSpec
 from scheduler.proxy.metrics import ProxyMetrics
+from scheduler.proxy.model_tokenizers import ModelTokenizers
 from scheduler.proxy.proxy import Proxy, ProxyConfig
 from scheduler.proxy.tracing import Tracing
 
@@ -55,7 +56,12 @@ async def _sent_head(tracing: Tracing | None) -> dict[bytes, bytes]:
     fleet = Fleet("round_robin", FleetSettings(block_size=16), ProxyMetrics())
     await fleet.add_instance(InstanceSpec("a", url, kvherd_agent=False))
     proxy = Proxy(
-        fleet, ByteTokenizer(), TenantRegistry(), ProxyConfig(), ProxyMetrics(), tracing=tracing
+        fleet,
+        ModelTokenizers(ByteTokenizer()),
+        TenantRegistry(),
+        ProxyConfig(),
+        ProxyMetrics(),
+        tracing=tracing,
     )
     exchange = ExchangeStub()
     await proxy.completions(exchange)  # type: ignore[arg-type]
