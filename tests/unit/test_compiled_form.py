@@ -8,6 +8,7 @@ KVHERD_REQUIRE_COMPILED=1 (CI).
 
 from __future__ import annotations
 
+import importlib.machinery
 import json
 import os
 import subprocess
@@ -116,3 +117,34 @@ def test_the_plain_switch_loads_every_compiled_module_from_its_source() -> None:
         forms[pure] = run.stdout.decode().split()
     assert forms[False] == ["compiled", "so"]
     assert forms[True] == ["plain", "py"]
+
+
+@pytest.mark.parametrize("state", ["whole", "stale", "missing", "none"])
+def test_a_partial_or_stale_build_selects_the_plain_form(
+    state: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An edit since the last build (or a module never built) must not run the old compiled code."""
+    monkeypatch.delenv("KVHERD_PURE_PYTHON", raising=False)
+    monkeypatch.setattr(compiled, "ROOT", tmp_path)
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    for module in compiled.MODULES:
+        source = compiled.source(module)
+        source.parent.mkdir(parents=True, exist_ok=True)
+        source.write_text("")
+        if state != "none":
+            ext = source.with_name(source.stem + suffix)
+            ext.write_bytes(b"")
+            os.utime(source, (1_000, 1_000))
+            os.utime(ext, (2_000, 2_000))
+    edited = compiled.source(compiled.MODULES[0])
+    if state == "stale":
+        os.utime(edited, (3_000, 3_000))
+    if state == "missing":
+        edited.with_name(edited.stem + suffix).unlink()
+    if state in ("stale", "missing"):
+        with pytest.warns(RuntimeWarning, match=compiled.MODULES[0]):
+            reason = compiled._plain_reason()
+        expected = "older than its source" if state == "stale" else "missing"
+        assert reason is not None and expected in reason
+    else:
+        assert compiled._plain_reason() == (None if state == "whole" else "not built")
