@@ -82,7 +82,10 @@ def test_readme_simulator_commands_run_on_the_shipped_traces(scratch: Path) -> N
             if argv[0] == "replay":
                 extra += ["--url", agent.url, "--rate-scale", "50"]
             code = main([*argv, *extra])
-            assert code == 0, f"kvherd {shlex.join(argv)} exited {code}"
+            # plan exits 1 when no configuration meets the SLOs (a finding: six requests of
+            # the Mooncake sample meet none), 2 on an error
+            ok = {0, 1} if argv[0] == "plan" else {0}
+            assert code in ok, f"kvherd {shlex.join(argv)} exited {code}"
             out = scratch / (
                 _setting(argv, "--json") if argv[0] == "plan" else _setting(argv, "--out")
             )
