@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 import zmq
 import zmq.asyncio
+from agent_process import free_port
 
 from instance_agent.kv_publisher import KVEventPublisher
 from kvherd.block_hash import block_hash_chain
@@ -118,12 +118,6 @@ def test_lora_blocks_match_lora_requests_exactly() -> None:
 
 
 # -- sockets ---------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 class _Observer:
     def __init__(self) -> None:
         self.block_sizes: list[tuple[str, int]] = []
@@ -210,7 +204,7 @@ async def test_gap_is_filled_by_vllm_framed_replay() -> None:
 
 async def test_engine_that_connects_its_pub_reaches_a_bound_sub() -> None:
     """vLLM with ``tcp://host:P`` connects its PUB: kvherd binds, per instance or shared by topic."""
-    own, shared = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
+    own, shared = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     cluster = ClusterState(block_size=16)
     for name in ("own", "t1", "t2"):
         cluster.add_instance(name, has_kv_events=True, trust_engine_hashes=True)
@@ -297,8 +291,8 @@ SUPPORT = Path(__file__).resolve().parent.parent / "support" / "vllm_kv_publishe
 async def test_vllm_publisher_connecting_salted_events_and_replay() -> None:
     """vLLM's ZmqEventPublisher, PUB connecting to kvherd's bound SUB: what it published before
     kvherd bound comes by replay, salted blocks match exactly the salted request."""
-    pub_endpoint = f"tcp://127.0.0.1:{_free_port()}"
-    replay = f"tcp://127.0.0.1:{_free_port()}"
+    pub_endpoint = f"tcp://127.0.0.1:{free_port()}"
+    replay = f"tcp://127.0.0.1:{free_port()}"
     engine = subprocess.Popen(
         [VLLM_PYTHON, str(SUPPORT), pub_endpoint, replay],
         stdin=subprocess.PIPE,

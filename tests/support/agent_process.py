@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -28,10 +29,37 @@ from dataclasses import dataclass
 import httpx
 
 
+def _ephemeral_floor() -> int:
+    with (
+        contextlib.suppress(OSError, ValueError),
+        open("/proc/sys/net/ipv4/ip_local_port_range") as f,
+    ):
+        return int(f.read().split()[0])
+    return 32768
+
+
+# Ports are drawn below the kernel's ephemeral range: a port bind(0) chose is free only until the
+# child binds it (seconds of imports later), and any outgoing connection on the machine (another
+# test's client, a ZMQ peer) may take it meanwhile, since those draw from that range. Below it,
+# only another explicit bind competes; `_HANDED` keeps this process from giving a port twice.
+_PORTS = range(15000, max(_ephemeral_floor(), 20000))
+_HANDED: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback TCP port nobody holds now and this process has not handed out before."""
+    for _ in range(1000):
+        port = random.choice(_PORTS)
+        if port in _HANDED:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port in {_PORTS}")
 
 
 @dataclass
