@@ -11,16 +11,17 @@ Scenarios (each policy run in a fresh subprocess, so peak RSS is that run's own)
 of the hot pure modules (kvherd/compiled.py) and the plain one (KVHERD_PURE_PYTHON=1);
 `--baseline COMMIT` adds (or, without --forms, pairs the installed form with) that commit's code,
 checked out into a temporary git worktree (removed on exit) and run plain from it. The order
-rotates from round to round (`--pairs` rounds); printed: medians of wall and sim CPU s, the
-speed-ups as medians of per-round ratios, and whether the runs agree on engine steps and mean TTFT
-(the two forms must; an older commit may legitimately differ, and the printout says so). The child
-runner uses only what the simulator offers since 4e94c9a (SimSettings, run_policy, load_trace,
-head, synthetic generate), so it drives that tree too; it reports the form that ran.
+rotates from round to round (`--pairs` rounds); printed: each run as a JSON line on stderr, then
+medians of wall and sim CPU s, the speed-ups as medians of per-round ratios, and whether the runs
+agree on engine steps and mean TTFT (the two forms must; an older commit may legitimately differ,
+and the printout says so). The child runner uses only what the simulator offers since 4e94c9a
+(SimSettings, run_policy, load_trace, head, synthetic generate), so it drives that tree too; it
+reports the form that ran.
 `--step-by-step` also runs every azure/mooncake policy with the decode fast-forward off (one
 `schedule()` per engine step, the simulator before the fast-forward) and prints the speed-up; both
 runs must report the same steps and mean TTFT.
 Wall time is what the targets name; sim CPU s (the run's own process time) is the steadier
-figure on a shared machine. Baseline printed side by side: Vidur on the same Azure run (~50 s,
+figure on a shared machine. Reference printed side by side: Vidur on the same Azure run (~50 s,
 ~4 GB, the issue's figures for these machines; Vidur is not installed here) and the targets
 (<= 5 s and <= 500 MB per policy run, 1M requests in <= 10 min).
 
@@ -183,6 +184,7 @@ def _rounds(
             if form in ("compiled", "plain") and run["form"] != form:
                 raise SystemExit(f"asked for the {form} form, {run['form']} ran (build stale?)")
             runs[form].append(run)
+            print(json.dumps({"scenario": name, "round": r, "as": form, **run}), file=sys.stderr)
     medians = {
         form: {key: statistics.median(float(r[key]) for r in rs) for key in rs[0] if key != "form"}
         for form, rs in runs.items()
