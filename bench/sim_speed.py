@@ -7,32 +7,45 @@ Scenarios (each policy run in a fresh subprocess, so peak RSS is that run's own)
   linear    the Azure trace at 1/4, 1/2 and all of its requests: seconds per request must stay flat.
   million   a synthetic 1M-request trace on 256 instances; `--million-sample K` runs its first K
             requests and extrapolates linearly to 1M (the printout says so).
-`--forms` runs each azure/mooncake policy as interleaved pairs, the compiled form of the hot pure
-modules (kvherd/compiled.py) and the plain one (KVHERD_PURE_PYTHON=1), and prints the medians and
-the speed-up of sim CPU s (`--pairs` pairs; both forms must report the same steps and mean TTFT).
+`--forms` runs each policy of every scenario but linear as interleaved rounds of the compiled form
+of the hot pure modules (kvherd/compiled.py) and the plain one (KVHERD_PURE_PYTHON=1);
+`--baseline COMMIT` adds (or, without --forms, pairs the installed form with) that commit's code,
+checked out into a temporary git worktree (removed on exit) and run plain from it. The order
+rotates from round to round (`--pairs` rounds); printed: each run as a JSON line on stderr, then
+medians of wall and sim CPU s, the speed-ups as medians of per-round ratios, and whether the runs
+agree on engine steps and mean TTFT (the two forms must; an older commit may legitimately differ,
+and the printout says so). The child runner uses only what the simulator offers since 4e94c9a
+(SimSettings, run_policy, load_trace, head, synthetic generate), so it drives that tree too; it
+reports the form that ran.
 `--step-by-step` also runs every azure/mooncake policy with the decode fast-forward off (one
 `schedule()` per engine step, the simulator before the fast-forward) and prints the speed-up; both
 runs must report the same steps and mean TTFT.
 Wall time is what the targets name; sim CPU s (the run's own process time) is the steadier
-figure on a shared machine. Baseline printed side by side: Vidur on the same Azure run (~50 s,
+figure on a shared machine. Reference printed side by side: Vidur on the same Azure run (~50 s,
 ~4 GB, the issue's figures for these machines; Vidur is not installed here) and the targets
 (<= 5 s and <= 500 MB per policy run, 1M requests in <= 10 min).
 
     python bench/sim_speed.py [--scenarios azure,mooncake,linear,million] [--policies round_robin,kvherd]
-                              [--forms [--pairs 3]]
+                              [--forms] [--baseline COMMIT] [--pairs 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import os
 import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 AZURE = TRACES / "azure-llm-2023" / "AzureLLMInferenceTrace_conv.csv"
@@ -86,6 +99,7 @@ def _one(
     result = run_policy(trace, settings, policy)
     cpu_s = time.process_time() - cpu_start
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    form_module = sys.modules.get("kvherd.compiled")  # absent in trees before the compiled form
     print(
         json.dumps(
             {
@@ -97,6 +111,7 @@ def _one(
                 "steps": result.num_steps,
                 "completed": result.summary["completed"],
                 "ttft_ms_mean": result.summary["ttft_ms_mean"],
+                "form": getattr(form_module, "FORM", "plain (no compiled form)"),
             }
         )
     )
@@ -110,13 +125,31 @@ def _spawn(
     max_requests: int | None,
     fast_forward: bool = True,
     pure: bool = False,
+    tree: Path | None = None,
 ) -> dict[str, float]:
+    """One child run; `tree` (a --baseline checkout) replaces the import path with that tree's."""
     cmd = [sys.executable, __file__, "--child", trace, str(instances), policy, latency]
     cmd += [str(max_requests or 0), str(int(fast_forward))]
     env = {k: v for k, v in os.environ.items() if k != "KVHERD_PURE_PYTHON"}
-    env.update({"KVHERD_PURE_PYTHON": "1"} if pure else {})
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    env.update({"KVHERD_PURE_PYTHON": "1"} if pure or tree is not None else {})
+    env.update({"PYTHONPATH": str(tree)} if tree is not None else {})
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"child run failed ({' '.join(cmd)}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@contextlib.contextmanager
+def _checkout(commit: str) -> Iterator[Path]:
+    """`commit` in a temporary git worktree of this repository, removed on exit."""
+    tree = Path(tempfile.mkdtemp(prefix="sim-speed-baseline-")) / "tree"
+    git = ["git", "-C", str(REPO), "worktree"]
+    subprocess.run([*git, "add", "--detach", str(tree), commit], check=True, capture_output=True)
+    try:
+        yield tree
+    finally:
+        subprocess.run([*git, "remove", "--force", str(tree)], check=True, capture_output=True)
+        tree.parent.rmdir()
 
 
 def _row(name: str, policy: str, r: dict[str, float], note: str = "") -> str:
@@ -128,27 +161,66 @@ def _row(name: str, policy: str, r: dict[str, float], note: str = "") -> str:
     )
 
 
-def _forms(
-    pairs: int, name: str, policy: str, trace: str, instances: int, latency: str, k: int | None
+def _rounds(
+    forms: list[str],
+    baseline: Path | None,
+    rounds: int,
+    name: str,
+    policy: str,
+    trace: str,
+    instances: int,
+    latency: str,
+    k: int | None,
+    note: Callable[[dict[str, float]], str] = lambda r: "",
 ) -> None:
-    """Interleaved pairs of the compiled and the plain form; medians and the speed-up."""
-    compiled: list[dict[str, float]] = []
-    plain: list[dict[str, float]] = []
-    for _ in range(pairs):
-        compiled.append(_spawn(trace, instances, policy, latency, k))
-        plain.append(_spawn(trace, instances, policy, latency, k, pure=True))
-    same = all(
-        (p["steps"], p["ttft_ms_mean"]) == (c["steps"], c["ttft_ms_mean"])
-        for c, p in zip(compiled, plain, strict=True)
+    """Interleaved rounds of `forms` ("compiled", "plain", "installed", "baseline"), the order
+    rotating each round; prints each form's medians (with `note` of them), the speed-ups and the
+    agreement."""
+    runs: dict[str, list[dict[str, float]]] = {form: [] for form in forms}
+    for r in range(rounds):
+        for form in forms[r % len(forms) :] + forms[: r % len(forms)]:
+            tree = baseline if form == "baseline" else None
+            run = _spawn(trace, instances, policy, latency, k, pure=form == "plain", tree=tree)
+            if form in ("compiled", "plain") and run["form"] != form:
+                raise SystemExit(f"asked for the {form} form, {run['form']} ran (build stale?)")
+            runs[form].append(run)
+            print(json.dumps({"scenario": name, "round": r, "as": form, **run}), file=sys.stderr)
+    medians = {
+        form: {key: statistics.median(float(r[key]) for r in rs) for key in rs[0] if key != "form"}
+        for form, rs in runs.items()
+    }
+    for form in forms:
+        label = f"{form}, {runs[form][0]['form']}" if form == "installed" else form
+        print(_row(name, f"{policy} ({label})", medians[form], note(medians[form])), flush=True)
+    notes = []
+    for fast, slow in itertools.combinations(forms, 2):
+        cpu = [s["sim_cpu_s"] / f["sim_cpu_s"] for f, s in zip(runs[fast], runs[slow], strict=True)]
+        wall = [
+            (s["load_s"] + s["sim_s"]) / (f["load_s"] + f["sim_s"])
+            for f, s in zip(runs[fast], runs[slow], strict=True)
+        ]
+        notes.append(
+            f"{fast}/{slow} {statistics.median(cpu):.2f}x sim CPU ({statistics.median(wall):.2f}x wall)"
+        )
+    outcome = {form: {(r["steps"], r["ttft_ms_mean"]) for r in rs} for form, rs in runs.items()}
+    current = [form for form in forms if form != "baseline"]
+    if any(len(outcome[form]) > 1 for form in forms):
+        agree = "runs of one form DIFFER (not deterministic)"
+    elif len({o for form in current for o in outcome[form]}) > 1:
+        agree = "the current forms DIFFER in steps or mean TTFT"
+    else:
+        agree = "same steps and mean TTFT" + (" across the current forms" if baseline else "")
+        if baseline is not None:
+            (steps, ttft), (b_steps, b_ttft) = outcome[current[0]].pop(), outcome["baseline"].pop()
+            agree += (
+                "; the baseline agrees"
+                if (steps, ttft) == (b_steps, b_ttft)
+                else f"; the baseline differs: {int(b_steps):,} steps, TTFT {b_ttft:.2f} ms "
+                f"against {int(steps):,}, {ttft:.2f} ms (its code differs)"
+            )
+    print(
+        f"| {name} | {policy}: median of {rounds} rounds | | | | | | | {'; '.join(notes)}; {agree} |"
     )
-    ratios = [p["sim_cpu_s"] / c["sim_cpu_s"] for c, p in zip(compiled, plain, strict=True)]
-
-    def median(runs: list[dict[str, float]]) -> dict[str, float]:
-        return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-
-    note = f"median of {pairs} pairs: compiled {statistics.median(ratios):.2f}x faster (sim CPU)"
-    print(_row(name, f"{policy} (plain)", median(plain)), flush=True)
-    print(_row(name, f"{policy} (compiled)", median(compiled), f"{note}; same results: {same}"))
 
 
 def _runs(
@@ -170,6 +242,76 @@ def _runs(
         print(_row(name, f"{policy} (step by step)", slow, note), flush=True)
 
 
+def _measure(args: argparse.Namespace, baseline: Path | None) -> None:
+    scenarios = args.scenarios.split(",")
+    policies = args.policies.split(",")
+    forms = (["compiled", "plain"] if args.forms else ["installed"]) + (
+        ["baseline"] if baseline is not None else []
+    )
+
+    def scenario(
+        name: str, policy: str, trace: str, instances: int, latency: str, k: int | None
+    ) -> None:
+        if len(forms) > 1:
+            _rounds(forms, baseline, args.pairs, name, policy, trace, instances, latency, k)
+        else:
+            _runs(args.step_by_step, name, policy, trace, instances, latency, k)
+
+    print(
+        "| scenario | policy | requests | wall s (load+sim) | sim CPU s | sim ms/request "
+        "| peak RSS MB | engine steps | note |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+    if "azure" in scenarios and AZURE.is_file():
+        k = None if args.fraction >= 1 else int(19366 * args.fraction)
+        for policy in policies:
+            scenario("azure conv, 4 inst", policy, str(AZURE), 4, AZURE_MODEL, k)
+        v = VIDUR_AZURE
+        print(
+            f"| azure conv, 4 inst | Vidur (issue's figure) | 19,366 | ~{v['wall_s']:.0f} "
+            f"| | | ~{v['peak_rss_mb']:.0f} | | not run here |"
+        )
+        print("| target | | | <= 5 | | | <= 500 | | |")
+    if "mooncake" in scenarios and MOONCAKE.is_file():
+        k = None if args.fraction >= 1 else int(3993 * args.fraction)
+        for policy in policies:
+            scenario("mooncake, 16 inst", policy, str(MOONCAKE), 16, MOONCAKE_MODEL, k)
+    if "linear" in scenarios and AZURE.is_file():
+        for frac in (0.25, 0.5, 1.0):
+            k = int(19366 * frac * args.fraction)
+            r = _spawn(str(AZURE), 4, policies[0], "roofline:llama-2-7b:a100-80gb", k)
+            print(_row(f"azure first {frac:.0%}", policies[0], r), flush=True)
+    if "million" in scenarios:
+
+        def extrapolated(r: dict[str, float]) -> str:
+            per_request = (r["load_s"] + r["sim_s"]) / r["requests"]
+            cpu_per_request = (r["load_s"] + r["sim_cpu_s"]) / r["requests"]
+            return (
+                f"first {int(r['requests']):,} of 1M; 1M extrapolated: "
+                f"{per_request * 1e6 / 60:.1f} min ({cpu_per_request * 1e6 / 60:.1f} min of CPU)"
+            )
+
+        name, model = "synthetic 1M, 256 inst", "roofline:llama-2-7b:a100-80gb"
+        for policy in policies:
+            if len(forms) > 1:
+                _rounds(
+                    forms,
+                    baseline,
+                    args.pairs,
+                    name,
+                    policy,
+                    MILLION,
+                    256,
+                    model,
+                    args.million_sample,
+                    extrapolated,
+                )
+            else:
+                r = _spawn(MILLION, 256, policy, model, args.million_sample)
+                print(_row(name, policy, r, extrapolated(r)), flush=True)
+        print("| target | | 1,000,000 | <= 600 | | | | | |")
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         child = sys.argv[2:]
@@ -187,61 +329,22 @@ def main() -> int:
     parser.add_argument(
         "--forms",
         action="store_true",
-        help="run azure/mooncake as interleaved compiled/plain pairs and print the speed-up",
+        help="run each scenario but linear as interleaved compiled/plain rounds, with speed-ups",
     )
-    parser.add_argument("--pairs", type=int, default=3, help="compiled/plain pairs with --forms")
+    parser.add_argument(
+        "--baseline",
+        metavar="COMMIT",
+        help="also run each scenario but linear from COMMIT's code (a temporary worktree, plain)",
+    )
+    parser.add_argument("--pairs", type=int, default=3, help="rounds with --forms/--baseline")
     parser.add_argument(
         "--step-by-step",
         action="store_true",
         help="also run azure/mooncake with the decode fast-forward off, side by side",
     )
     args = parser.parse_args()
-    scenarios = args.scenarios.split(",")
-    policies = args.policies.split(",")
-    print(
-        "| scenario | policy | requests | wall s (load+sim) | sim CPU s | sim ms/request "
-        "| peak RSS MB | engine steps | note |"
-    )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
-    if "azure" in scenarios and AZURE.is_file():
-        k = None if args.fraction >= 1 else int(19366 * args.fraction)
-        for policy in policies:
-            if args.forms:
-                _forms(args.pairs, "azure conv, 4 inst", policy, str(AZURE), 4, AZURE_MODEL, k)
-                continue
-            _runs(args.step_by_step, "azure conv, 4 inst", policy, str(AZURE), 4, AZURE_MODEL, k)
-        v = VIDUR_AZURE
-        print(
-            f"| azure conv, 4 inst | Vidur (issue's figure) | 19,366 | ~{v['wall_s']:.0f} "
-            f"| | | ~{v['peak_rss_mb']:.0f} | | not run here |"
-        )
-        print("| target | | | <= 5 | | | <= 500 | | |")
-    if "mooncake" in scenarios and MOONCAKE.is_file():
-        k = None if args.fraction >= 1 else int(3993 * args.fraction)
-        for policy in policies:
-            if args.forms:
-                name = "mooncake, 16 inst"
-                _forms(args.pairs, name, policy, str(MOONCAKE), 16, MOONCAKE_MODEL, k)
-                continue
-            _runs(
-                args.step_by_step, "mooncake, 16 inst", policy, str(MOONCAKE), 16, MOONCAKE_MODEL, k
-            )
-    if "linear" in scenarios and AZURE.is_file():
-        for frac in (0.25, 0.5, 1.0):
-            k = int(19366 * frac * args.fraction)
-            r = _spawn(str(AZURE), 4, policies[0], "roofline:llama-2-7b:a100-80gb", k)
-            print(_row(f"azure first {frac:.0%}", policies[0], r), flush=True)
-    if "million" in scenarios:
-        for policy in policies:
-            r = _spawn(MILLION, 256, policy, "roofline:llama-2-7b:a100-80gb", args.million_sample)
-            per_request = (r["load_s"] + r["sim_s"]) / r["requests"]
-            cpu_per_request = (r["load_s"] + r["sim_cpu_s"]) / r["requests"]
-            note = (
-                f"first {int(r['requests']):,} of 1M; 1M extrapolated: "
-                f"{per_request * 1e6 / 60:.1f} min ({cpu_per_request * 1e6 / 60:.1f} min of CPU)"
-            )
-            print(_row("synthetic 1M, 256 inst", policy, r, note), flush=True)
-        print("| target | | 1,000,000 | <= 600 | | | | | |")
+    with _checkout(args.baseline) if args.baseline else contextlib.nullcontext() as baseline:
+        _measure(args, baseline)
     return 0
 
 
