@@ -1,8 +1,7 @@
-"""Which form of the hot modules runs: mypyc's compiled build or the plain .py source.
+"""Which form of the hot pure modules runs: mypyc's compiled build or the plain .py source.
 
-`MODULES` (the hot modules that pay and whose classes nothing patches, subclasses, pickles or
-reads `__slots__` of, see README: the pure cores, and the proxy's HTTP front; not its forwarding,
-whose async generators mypyc cannot build) are compiled by setup.py into extension modules beside
+`MODULES` (the hot pure modules that pay and whose classes nothing patches, subclasses, pickles
+or reads `__slots__` of: see README) are compiled by setup.py into extension modules beside
 their sources, and Python's import prefers those. `select_form()`, called by each top-level
 package's `__init__` before any of them loads, makes every one of them load from its .py
 instead when KVHERD_PURE_PYTHON=1 is set, when none is built, or when one is missing or older
@@ -30,7 +29,6 @@ MODULES = (
     "scheduler.core.instance_state",
     "scheduler.core.prefix_index",
     "scheduler.core.router",
-    "scheduler.proxy.http_front",
     "simulator.fast_forward",
     "simulator.loop",
     "simulator.metrics",

@@ -294,12 +294,8 @@ class _FrontProtocol(asyncio.Protocol):
         self._current.headers.append((name, value))
 
     def _new_exchange(self) -> Exchange:
-        # httptools' stub says bytes, but a URL without a query (or, absolute, without a path)
-        # gives None, which the compiled form would refuse as a bytes value: read it untyped.
-        url: Any = httptools.parse_url(self._url)
-        path: bytes | None = url.path
-        query: bytes | None = url.query
-        return Exchange(self, self._parser.get_method(), path or b"", query or b"", True)
+        url = httptools.parse_url(self._url)
+        return Exchange(self, self._parser.get_method(), url.path, url.query or b"", True)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -432,13 +428,10 @@ class FrontServer:
 
     async def start(self, host: str, port: int, backlog: int = 4096) -> None:
         loop = asyncio.get_running_loop()
-        # Untyped: the stub says its sockets are a tuple, uvloop's server gives a list (which
-        # the compiled form would refuse).
-        server: Any = await loop.create_server(
+        self._server = await loop.create_server(
             lambda: _FrontProtocol(self), host, port, backlog=backlog, reuse_address=True
         )
-        self._server = server
-        self.sockname = tuple(server.sockets[0].getsockname()[:2])
+        self.sockname = self._server.sockets[0].getsockname()[:2]
         self._reaper = loop.create_task(self._reap_idle())
         self.started = True
 
