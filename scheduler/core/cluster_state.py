@@ -22,9 +22,7 @@ Contract:
 - `view(now)` returns the `ClusterView` for one decision. Instance views and numpy columns are
   kept up to date incrementally (only instances that changed are re-rendered), so building a view
   of 1,024 instances costs microseconds. `view(now, only=ids)` shows just those instances (the
-  ones serving the request's model): its positions are cached per set until membership changes,
-  and a set holding every instance (one model served by the whole fleet) gets the whole-fleet view
-  as it is, with no columns gathered.
+  ones serving the request's model): its positions are cached per set until membership changes.
 - Block size: each instance has its own (`add_instance(..., block_size=)`, default the cluster's
   `block_size`; `set_block_size` changes it and clears its precise view, to be replayed): the
   size its KV events are indexed at and its prompts charged in, so one cluster holds instances of
@@ -105,7 +103,7 @@ class ClusterState:
         self._dirty: set[str] = set()
         self._phase_only: set[str] = set()  # instances whose role is not "mixed" (`_refresh`)
         self._slot_pos: np.ndarray | None = None
-        self._subsets: dict[frozenset[str], tuple[np.ndarray, dict[str, int]] | None] = {}
+        self._subsets: dict[frozenset[str], tuple[np.ndarray, dict[str, int]]] = {}
 
     # -- registry ----------------------------------------------------------------------------
     def add_instance(
@@ -309,9 +307,7 @@ class ClusterState:
         `only` (None: all) the instances the view shows."""
         self._refresh()
         if only is not None:
-            subset = self._subset(only)
-            if subset is not None:
-                return self._subset_view(now, exclude, *subset)
+            return self._subset_view(now, exclude, only)
         views: Sequence[InstanceView] = self._views
         columns = self._columns
         if exclude:
@@ -337,24 +333,19 @@ class ClusterState:
             views, now, None, columns, self._position, array_matcher, tiers, self._confirmed
         )
 
-    def _subset(self, only: frozenset[str]) -> tuple[np.ndarray, dict[str, int]] | None:
-        """The positions of `only`'s instances (registration order) and their index in the
-        subset view; None when `only` holds every instance (the whole-fleet view is its view)."""
-        if only in self._subsets:
-            return self._subsets[only]
-        if len(self._subsets) > 256:  # sets of a model index no longer current
-            self._subsets.clear()
-        kept = sorted(self._position[i] for i in only if i in self._position)
-        subset = None
-        if len(kept) < len(self._order):
-            subset = np.array(kept, dtype=np.intp), {self._order[p]: k for k, p in enumerate(kept)}
-        self._subsets[only] = subset
-        return subset
-
     def _subset_view(
-        self, now: float, exclude: Collection[str], positions: np.ndarray, index: dict[str, int]
+        self, now: float, exclude: Collection[str], only: frozenset[str]
     ) -> ClusterView:
-        """`view` over the instances at `positions` (`index`: instance id -> position there)."""
+        """`view` over the instances in `only` (in registration order)."""
+        cached = self._subsets.get(only)
+        if cached is None:
+            if len(self._subsets) > 256:  # sets of a model index no longer current
+                self._subsets.clear()
+            kept = sorted(self._position[i] for i in only if i in self._position)
+            positions = np.array(kept, dtype=np.intp)
+            cached = positions, {self._order[p]: k for k, p in enumerate(kept)}
+            self._subsets[only] = cached
+        positions, index = cached
         views = [self._views[p] for p in positions.tolist()]
         columns = {name: column[positions] for name, column in self._columns.items()}
         for instance_id in exclude:

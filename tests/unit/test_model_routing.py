@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from policies import load_dispatch_policy
-from policies.views import COLUMNS
 from scheduler.core.cluster_state import ClusterState
 from scheduler.core.load_report import LoadReport, parse_prometheus
 from scheduler.core.model_index import ModelIndex, UnknownModelError
@@ -94,25 +93,6 @@ def test_router_dispatches_only_among_the_models_instances() -> None:
     assert retry.instance_id == "d"
     cluster.remove_instance("d")  # membership changes drop the cached positions
     assert router.route("y", prompt(21), now=0.0, only=only).instance_id == "b"
-
-
-def test_a_model_every_instance_serves_gets_the_whole_fleet_view() -> None:
-    cluster = ClusterState(block_size=16)
-    for name in ("a", "b", "c"):
-        cluster.add_instance(name)
-    router = Router(cluster, load_dispatch_policy("kvherd"))
-    everyone = frozenset({"a", "b", "c"})
-    routed = router.route("r0", prompt(0), now=0.0, only=everyone)
-    whole, served = cluster.view(1.0), cluster.view(1.0, only=everyone)
-    assert [i.instance_id for i in served.instances] == ["a", "b", "c"]
-    for name in COLUMNS:
-        assert (served.column(name) == whole.column(name)).all(), name
-    assert served.prefix_match(routed.request) == whole.prefix_match(routed.request)
-    # Exclusion still applies, and a later join makes the set a subset again.
-    excluded = cluster.view(1.0, exclude={routed.instance_id}, only=everyone)
-    assert routed.instance_id not in {i.instance_id for i in excluded.dispatchable}
-    cluster.add_instance("d")
-    assert [i.instance_id for i in cluster.view(1.0, only=everyone).instances] == ["a", "b", "c"]
 
 
 def test_vllm_lora_gauge_newest_sample_is_the_current_state() -> None:
