@@ -3,6 +3,10 @@
 Contract: answers ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON, or SSE when the
 body has ``"stream": true``) with a fixed short completion, ``GET /v1/models`` and ``GET /health``,
 over HTTP/1.1 keep-alive, and takes ``POST /v1/traces`` (an OTLP/HTTP sink: 200, body ignored);
+for the peer routers in front of it (bench/proxy_bench.py): sglang-router's probes
+``GET /server_info`` and ``/model_info`` (no model path, so it loads no tokenizer), and
+vllm-router's ``POST /v1/completions/render``, which its cache_aware policy asks on every request
+(one rendered prompt: the prompt's UTF-8 bytes as token ids, kvherd's ``byte`` tokenizer);
 with ``--queued N`` also ``GET /metrics`` in vLLM's names, saying N
 requests wait (a backend that looks saturated to admission: bench/refusal_cost.py). It does no
 model work at all, so a benchmark in front of it measures the proxy's own cost. It is a plain
@@ -59,6 +63,10 @@ _MODELS = json.dumps(
         "data": [{"id": "tiny", "object": "model", "created": 0, "owned_by": "kvherd"}],
     }
 ).encode()
+# SGLang's /server_info and /model_info, without a model path: given one, sglang-router tries to
+# download its tokenizer from the Hugging Face hub.
+_SERVER_INFO = json.dumps({"dp_size": 1}).encode()
+_MODEL_INFO = json.dumps({"is_generation": True}).encode()
 _NOT_FOUND = json.dumps(
     {"error": {"message": "not found", "type": "not_found_error", "param": None, "code": 404}}
 ).encode()
@@ -83,9 +91,19 @@ _RESPONSES = {
     b"/v1/models": _response(b"200 OK", _MODELS),
     b"/health": _response(b"200 OK", b""),
     b"/v1/traces": _response(b"200 OK", b"", b"application/x-protobuf"),
+    b"/server_info": _response(b"200 OK", _SERVER_INFO),
+    b"/model_info": _response(b"200 OK", _MODEL_INFO),
 }
 _STREAM = _response(b"200 OK", _SSE, b"text/event-stream")
 _MISSING = _response(b"404 Not Found", _NOT_FOUND)
+_RENDER = b"/v1/completions/render"
+
+
+def _render(body: bytes) -> bytes:
+    """vLLM's /v1/completions/render answer: one GenerateRequest, the prompt's bytes as tokens."""
+    prompt = json.loads(body).get("prompt", "")
+    tokens = list(prompt.encode()) if isinstance(prompt, str) else prompt
+    return _response(b"200 OK", json.dumps([{"request_id": "fast", "token_ids": tokens}]).encode())
 
 
 class _HTTPProtocol(asyncio.Protocol):
@@ -121,11 +139,13 @@ class _HTTPProtocol(asyncio.Protocol):
                 break
             body = self._buffer[head_end + 4 : total]
             self._buffer = self._buffer[total:]
-            path = head[head.find(b" ") + 1 : head.find(b" HTTP/")]
-            if b'"stream":true' in body.replace(b" ", b"") and path != b"/v1/models":
+            path = head[head.find(b" ") + 1 : head.find(b" HTTP/")].split(b"?")[0]
+            if path == _RENDER:
+                out.append(_render(body))
+            elif b'"stream":true' in body.replace(b" ", b"") and path != b"/v1/models":
                 out.append(_STREAM)
             else:
-                out.append(_RESPONSES.get(path.split(b"?")[0], _MISSING))
+                out.append(_RESPONSES.get(path, _MISSING))
         if out and self._transport is not None:
             self._transport.write(b"".join(out))
 

@@ -1,10 +1,17 @@
-"""Proxy overhead: kvherd vs nginx round-robin vs straight to the backend, from one run.
+"""Proxy overhead: kvherd vs the Rust LLM routers vs nginx vs straight to the backend, one run.
 
 What it does: starts two `bench/fast_backend.py` servers (a trivial OpenAI-compatible backend, so
-only the proxy's own cost shows), ``kvherd serve`` in front of both, and nginx (Debian package,
-installed with apt-get when missing; a plain production round-robin with keep-alive upstreams) in
-front of both, each as a child process on loopback. One load generator (HTTP/1.1 keep-alive, raw
-asyncio) sends the same non-streamed ``/v1/completions`` requests to every target.
+only the proxy's own cost shows) and, in front of both, each as a child process on loopback, the
+targets of `TARGETS`: ``kvherd serve``; nginx (Debian package, installed with apt-get when
+missing; a plain production round-robin with keep-alive upstreams); sglang-router and vllm-router,
+each with its ``cache_aware`` policy (the prefix-aware routing kvherd's is compared with; their
+Python packages start the Rust routers in-process) from the venv python that ``--sglang-router`` /
+``--vllm-router`` name (default: env KVHERD_SGLANG_ROUTER / KVHERD_VLLM_ROUTER; a router whose
+python is not given is skipped, and the run says so). vllm-router's cache_aware asks the backend
+to render every prompt (``/v1/completions/render``) before forwarding it: that round trip is part
+of what it adds. Every router logs at warning level, as kvherd does here. One load generator
+(HTTP/1.1 keep-alive, raw asyncio) sends the same non-streamed ``/v1/completions`` requests (model
+``tiny``, the backends' one model) to every target.
 
 Added latency is a small difference of two noisy numbers on a shared machine, so it is measured in
 many short rounds that interleave the targets (the order rotates each round) and each figure is
@@ -20,8 +27,9 @@ interquartile range of those differences is printed next to it, so the noise is 
   (median over ``--throughput-rounds``);
 - CPU per request of the target's own processes during the sequential rounds (from /proc): unlike
   latency, it barely moves when other work shares the machine.
-Prints the tables side by side and checks the targets: kvherd adds <= 1 ms at p50, at most 3x what
-nginx adds, and sustains >= 1,000 req/s.
+Prints one table and checks the targets: kvherd adds <= 1 ms at p50, at most 3x what nginx adds,
+sustains >= 1,000 req/s, and adds no more than sglang-router on each of the three added-latency
+figures (sequential p50 and p99, p50 under load; issue 27), with the ratios kvherd/sglang-router.
 
 Run: ``python bench/proxy_bench.py`` (``--policy round_robin`` to isolate forwarding from routing;
 ``--traced`` adds a second kvherd with ``--otlp-endpoint`` (every request traced, exported to a
@@ -45,7 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -211,10 +219,9 @@ def children() -> Iterator[list[subprocess.Popen[bytes]]]:
     try:
         yield procs
     finally:
-        for proc in reversed(procs):
+        for proc in reversed(procs):  # one at a time: a proxy's helper outlives the proxy
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        for proc in reversed(procs):
             try:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
@@ -351,79 +358,191 @@ async def run_rounds(targets: list[Target], args: argparse.Namespace) -> list[Re
     return results
 
 
-def ratio(kv: float, ng: float) -> str:
-    return f"{kv / ng:.1f}x" if ng > 0 else f"n/a (nginx adds {ng * 1e3:+.0f} us)"
+def ratio(kv: float, base: float) -> str:
+    return f"{kv / base:.2f}x" if base > 0 else f"n/a ({base * 1e3:+.0f} us)"
+
+
+def figures(r: Result) -> dict[str, float]:
+    """The figures compared between targets: three added latencies (ms), req/s, CPU us/request."""
+    assert r.seq_added is not None and r.load_added is not None
+    return {
+        "added p50 sequential": r.seq_added.p50,
+        "added p99 sequential": r.seq_added.p99,
+        "added p50 under load": r.load_added.p50,
+        "req/s": statistics.median(r.rps),
+        "CPU us/request": r.cpu_us,
+    }
+
+
+LATENCIES = ("added p50 sequential", "added p99 sequential", "added p50 under load")
 
 
 def report(results: list[Result], args: argparse.Namespace) -> dict[str, bool]:
     print(
-        f"\nproxy overhead, non-streamed /v1/completions, {os.cpu_count()} cores, "
-        f"kvherd policy {args.policy!r}; added = median of per-round differences vs direct "
-        "[IQR of those differences]"
+        f"\nproxy overhead, non-streamed /v1/completions, {os.cpu_count()} cores, load average "
+        f"{os.getloadavg()[0]:.2f} at the end, kvherd policy {args.policy!r}; added = median of "
+        "per-round differences vs direct [IQR of those differences]"
     )
     print(
-        f"\nsequential, one connection: {args.rounds} rounds x {args.round_requests} requests"
-        f"\n{'target':<8} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'[IQR]':>17} "
-        f"{'+p99 ms':>8} {'CPU us/req':>10}"
+        f"sequential, one connection: {args.rounds} rounds x {args.round_requests} requests; "
+        f"under load: {args.load_rps:.0f} req/s open loop over <= {args.load_connections} "
+        f"connections, {args.load_rounds} rounds x {args.load_seconds:.1f} s; throughput: "
+        f"{args.concurrency} connections, closed loop, median of {args.throughput_rounds} x "
+        f"{args.duration:.1f} s; CPU: the target's own processes (direct: the backend's)\n"
+    )
+    print(
+        f"{'target':<14} {'seq p50':>8} {'+p50 ms':>8} {'[IQR]':>17} {'+p99 ms':>8} "
+        f"{'load p50':>8} {'+p50 ms':>8} {'[IQR]':>17} {'+p99 ms':>8} {'req/s':>8} {'CPU us':>7}"
     )
     for r in results:
-        a = r.seq_added
-        iqr = f"[{a.p50_q1:+.3f}, {a.p50_q3:+.3f}]" if a else ""
+        seq, load = r.seq_added, r.load_added
+        seq_iqr = f"[{seq.p50_q1:+.3f}, {seq.p50_q3:+.3f}]" if seq else ""
+        load_iqr = f"[{load.p50_q1:+.3f}, {load.p50_q3:+.3f}]" if load else ""
         print(
-            f"{r.target:<8} {statistics.median(r.seq.p50):8.3f} {statistics.median(r.seq.p99):8.3f}"
-            f" {a.p50 if a else 0:+8.3f} {iqr:>17} {a.p99 if a else 0:+8.3f} {r.cpu_us:10.1f}"
+            f"{r.target:<14} {statistics.median(r.seq.p50):8.3f} {seq.p50 if seq else 0:+8.3f} "
+            f"{seq_iqr:>17} {seq.p99 if seq else 0:+8.3f} {statistics.median(r.load.p50):8.3f} "
+            f"{load.p50 if load else 0:+8.3f} {load_iqr:>17} {load.p99 if load else 0:+8.3f} "
+            f"{statistics.median(r.rps):8.0f} {r.cpu_us:7.1f}"
         )
-    print(
-        f"\nunder load: {args.load_rps:.0f} req/s open loop over <= {args.load_connections} "
-        f"connections, {args.load_rounds} rounds x {args.load_seconds:.1f} s"
-        f"\n{'target':<8} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'[IQR]':>17} {'+p99 ms':>8}"
-    )
-    for r in results:
-        a = r.load_added
-        iqr = f"[{a.p50_q1:+.3f}, {a.p50_q3:+.3f}]" if a else ""
-        print(
-            f"{r.target:<8} {statistics.median(r.load.p50):8.3f} "
-            f"{statistics.median(r.load.p99):8.3f} {a.p50 if a else 0:+8.3f} {iqr:>17} "
-            f"{a.p99 if a else 0:+8.3f}"
-        )
-    print(
-        f"\nthroughput: {args.concurrency} connections, closed loop, median of "
-        f"{args.throughput_rounds} x {args.duration:.1f} s"
-    )
-    for r in results:
-        print(f"{r.target:<8} {statistics.median(r.rps):8.0f} req/s")
-    print("(CPU us/req: the target's own processes; for direct, the backend's)")
-    by_name = {r.target: r for r in results}
+    by_name = {r.target: figures(r) for r in results[1:]}
     kv = by_name["kvherd"]
-    assert kv.seq_added is not None and kv.load_added is not None
+    for baseline in ("sglang-router", "vllm-router", "nginx", "traced"):
+        if baseline in by_name:
+            base = by_name[baseline]
+            print(
+                f"kvherd/{baseline}: "
+                + ", ".join(f"{name} {ratio(kv[name], base[name])}" for name in kv)
+            )
     checks = {
-        "kvherd adds <= 1 ms at p50": kv.seq_added.p50 <= 1.0,
-        "kvherd sustains >= 1000 req/s": statistics.median(kv.rps) >= 1000,
+        "kvherd adds <= 1 ms at p50": kv["added p50 sequential"] <= 1.0,
+        "kvherd sustains >= 1000 req/s": kv["req/s"] >= 1000,
     }
-    ng = by_name.get("nginx")
-    if ng is not None and ng.seq_added is not None and ng.load_added is not None:
-        print(
-            f"kvherd/nginx: added p50 sequential {ratio(kv.seq_added.p50, ng.seq_added.p50)}, "
-            f"under load {ratio(kv.load_added.p50, ng.load_added.p50)}; "
-            f"req/s {statistics.median(kv.rps) / statistics.median(ng.rps):.2f}x; "
-            f"CPU per request {kv.cpu_us / ng.cpu_us:.1f}x"
-        )
-        for phase, kv_added, ng_added in (
-            ("sequential", kv.seq_added.p50, ng.seq_added.p50),
-            ("under load", kv.load_added.p50, ng.load_added.p50),
-        ):
-            checks[f"kvherd adds <= 3x nginx at p50 ({phase})"] = kv_added <= 3 * max(ng_added, 0)
-    traced = by_name.get("traced")
-    if traced is not None and traced.seq_added is not None and traced.load_added is not None:
-        print(
-            f"tracing on/off: added p50 sequential {traced.seq_added.p50 - kv.seq_added.p50:+.3f} "
-            f"ms, under load {traced.load_added.p50 - kv.load_added.p50:+.3f} ms; CPU per "
-            f"request {traced.cpu_us / kv.cpu_us:.2f}x; req/s "
-            f"{statistics.median(traced.rps) / statistics.median(kv.rps):.2f}x"
-        )
+    if "nginx" in by_name:
+        for name in ("added p50 sequential", "added p50 under load"):
+            checks[f"kvherd {name} <= 3x nginx's"] = kv[name] <= 3 * max(by_name["nginx"][name], 0)
+    if "sglang-router" in by_name:
+        for name in LATENCIES:
+            checks[f"kvherd {name} <= sglang-router's"] = kv[name] <= by_name["sglang-router"][name]
     for name, ok in checks.items():
         print(f"  [{'ok' if ok else 'MISS'}] {name}")
     return checks
+
+
+@dataclass
+class Fleet:
+    """What every target fronts: the backends' ports, a scratch folder, the run's arguments."""
+
+    backends: list[int]
+    tmp: str
+    args: argparse.Namespace
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{port}" for port in self.backends]
+
+
+@dataclass
+class Launch:
+    """One process to start: its command line, environment, and the port it serves."""
+
+    command: list[str]
+    port: int
+    env: dict[str, str] | None = None
+
+
+def fast_backend(port: int) -> Launch:
+    return Launch(
+        [sys.executable, str(ROOT / "bench" / "fast_backend.py"), "--port", str(port)], port
+    )
+
+
+def kvherd_command(fleet: Fleet, port: int, extra: list[str]) -> Launch:
+    cmd = [sys.executable, "-m", "kvherd", "serve", "--port", str(port)]
+    cmd += ["--admin-port", str(free_port()), "--policy", fleet.args.policy]
+    # The fast backends are not kvherd agents and have no tokenizer of their own: route by byte
+    # tokens (kvherd serve refuses to guess in front of such a fleet).
+    cmd += ["--log-level", "warning", "--tokenizer", "byte"]
+    for url in fleet.urls:
+        cmd += ["--instance", url]
+    env = {**os.environ, "KVHERD_ADMIN_TOKEN": "bench"}
+    return Launch([*cmd, *fleet.args.kvherd_arg, *extra], port, env)
+
+
+# A target's launcher: the processes to start, the target's last (helpers before it), or why the
+# target is skipped.
+Launcher = Callable[[Fleet], list[Launch] | str]
+
+
+def launch_kvherd(fleet: Fleet) -> list[Launch] | str:
+    return [kvherd_command(fleet, free_port(), [])]
+
+
+def launch_traced(fleet: Fleet) -> list[Launch] | str:
+    if not fleet.args.traced:
+        return "not asked (--traced)"
+    sink = fast_backend(free_port())  # the span exporter's collector
+    otlp = ["--otlp-endpoint", f"http://127.0.0.1:{sink.port}"]
+    return [sink, kvherd_command(fleet, free_port(), otlp)]
+
+
+def launch_nginx(fleet: Fleet) -> list[Launch] | str:
+    if fleet.args.no_nginx:
+        return "--no-nginx"
+    port = free_port()
+    conf = nginx_config(fleet.tmp, port, fleet.backends)
+    return [Launch([ensure_nginx(), "-c", conf, "-p", fleet.tmp], port)]
+
+
+def router_launcher(module: str, log_level: str, flag: str) -> Launcher:
+    """A Rust router started by its Python package (`module`) from the venv python `flag` names."""
+
+    def launch(fleet: Fleet) -> list[Launch] | str:
+        python = getattr(fleet.args, flag)
+        if not python:
+            return f"no python given (--{flag.replace('_', '-')} or its env default)"
+        port = free_port()
+        cmd = [python, "-m", module, "--host", "127.0.0.1", "--port", str(port)]
+        cmd += ["--worker-urls", *fleet.urls, "--policy", "cache_aware"]
+        cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+        return [Launch([*cmd, "--log-level", log_level], port)]
+
+    return launch
+
+
+# Every target the bench can front the backends with, in the order of the table.
+TARGETS: tuple[tuple[str, Launcher], ...] = (
+    ("kvherd", launch_kvherd),
+    ("traced", launch_traced),
+    ("sglang-router", router_launcher("sglang_router.launch_router", "warn", "sglang_router")),
+    ("vllm-router", router_launcher("vllm_router.launch_router", "warning", "vllm_router")),
+    ("nginx", launch_nginx),
+)
+
+
+def wait_ready(target: Target, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    """Until the target answers a request with 200 (a router may refuse while it probes)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with (
+            contextlib.suppress(OSError),
+            socket.create_connection(("127.0.0.1", target.port)) as s,
+        ):
+            s.settimeout(5.0)
+            s.sendall(target.payload)
+            if s.recv(12).startswith(b"HTTP/1.1 200"):
+                return
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{target.name} not answering 200 after {timeout}s")
+        time.sleep(0.2)
+
+
+def start(launch: Launch, procs: list[subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(launch.command, env=launch.env, cwd=ROOT, stdout=subprocess.DEVNULL)
+    procs.append(proc)
+    wait_port(launch.port, proc)
+    return proc
 
 
 def main() -> int:
@@ -442,6 +561,16 @@ def main() -> int:
     parser.add_argument("--no-nginx", action="store_true")
     parser.add_argument("--traced", action="store_true", help="also kvherd with tracing on")
     parser.add_argument(
+        "--sglang-router",
+        default=os.environ.get("KVHERD_SGLANG_ROUTER"),
+        help="python of a venv with sglang-router (default: env KVHERD_SGLANG_ROUTER)",
+    )
+    parser.add_argument(
+        "--vllm-router",
+        default=os.environ.get("KVHERD_VLLM_ROUTER"),
+        help="python of a venv with vllm-router (default: env KVHERD_VLLM_ROUTER)",
+    )
+    parser.add_argument(
         "--kvherd-arg", action="append", default=[], help="extra kvherd serve flag; repeatable"
     )
     args = parser.parse_args()
@@ -452,70 +581,21 @@ def main() -> int:
     except ImportError:
         pass
 
+    body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 1}).encode()
     with children() as procs, tempfile.TemporaryDirectory(prefix="kvherd-bench-") as tmp:
-        backends = [free_port(), free_port()]
-        for port in backends:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(ROOT / "bench" / "fast_backend.py"), "--port", str(port)],
-                    stdout=subprocess.DEVNULL,
-                )
-            )
-            wait_port(port, procs[-1])
-        proxy_port, admin_port = free_port(), free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "kvherd",
-            "serve",
-            "--port",
-            str(proxy_port),
-            "--admin-port",
-            str(admin_port),
-            "--policy",
-            args.policy,
-            "--log-level",
-            "warning",
-            # The fast backends are not kvherd agents and have no tokenizer of their own: route
-            # by byte tokens (kvherd serve refuses to guess in front of such a fleet).
-            "--tokenizer",
-            "byte",
-        ]
-        for port in backends:
-            cmd += ["--instance", f"http://127.0.0.1:{port}"]
-        cmd += args.kvherd_arg
-        env = {**os.environ, "KVHERD_ADMIN_TOKEN": "bench"}
-        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT))
-        wait_port(proxy_port, procs[-1])
-        targets = [
-            Target("direct", backends[0], procs[0].pid),
-            Target("kvherd", proxy_port, procs[-1].pid),
-        ]
-        if args.traced:
-            sink = free_port()  # the span exporter's collector: another fast backend
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(ROOT / "bench" / "fast_backend.py"), "--port", str(sink)],
-                    stdout=subprocess.DEVNULL,
-                )
-            )
-            wait_port(sink, procs[-1])
-            traced_port, traced_admin = free_port(), free_port()
-            traced = [*cmd, "--otlp-endpoint", f"http://127.0.0.1:{sink}"]
-            traced[traced.index(str(proxy_port))] = str(traced_port)
-            traced[traced.index(str(admin_port))] = str(traced_admin)
-            procs.append(subprocess.Popen(traced, env=env, cwd=ROOT))
-            wait_port(traced_port, procs[-1])
-            targets.append(Target("traced", traced_port, procs[-1].pid))
-        if not args.no_nginx:
-            nginx_port = free_port()
-            conf = nginx_config(tmp, nginx_port, backends)
-            procs.append(subprocess.Popen([ensure_nginx(), "-c", conf, "-p", tmp]))
-            wait_port(nginx_port, procs[-1])
-            targets.append(Target("nginx", nginx_port, procs[-1].pid))
-        body = json.dumps({"prompt": PROMPT, "max_tokens": 1}).encode()
-        for target in targets:
-            target.payload = request_bytes(target.port, body)
+        fleet = Fleet([free_port(), free_port()], tmp, args)
+        backends = [start(fast_backend(port), procs) for port in fleet.backends]
+        direct = fleet.backends[0]
+        targets = [Target("direct", direct, backends[0].pid, request_bytes(direct, body))]
+        for name, launcher in TARGETS:
+            launches = launcher(fleet)
+            if isinstance(launches, str):
+                print(f"{name}: skipped, {launches}", flush=True)
+                continue
+            for launch in launches:
+                proc = start(launch, procs)
+            targets.append(Target(name, launch.port, proc.pid, request_bytes(launch.port, body)))
+            wait_ready(targets[-1], proc)
         results = asyncio.run(run_rounds(targets, args))
 
     checks = report(results, args)
