@@ -7,16 +7,15 @@ Scenarios (each policy run in a fresh subprocess, so peak RSS is that run's own)
   linear    the Azure trace at 1/4, 1/2 and all of its requests: seconds per request must stay flat.
   million   a synthetic 1M-request trace on 256 instances; `--million-sample K` runs its first K
             requests and extrapolates linearly to 1M (the printout says so).
-`--forms` runs each policy of every scenario but linear as interleaved rounds of the compiled form
-of the hot pure modules (kvherd/compiled.py) and the plain one (KVHERD_PURE_PYTHON=1);
-`--baseline COMMIT` adds (or, without --forms, pairs the installed form with) that commit's code,
-checked out into a temporary git worktree (removed on exit) and run plain from it. The order
-rotates from round to round (`--pairs` rounds); printed: each run as a JSON line on stderr, then
-medians of wall and sim CPU s, the speed-ups as medians of per-round ratios, and whether the runs
-agree on engine steps and mean TTFT (the two forms must; an older commit may legitimately differ,
-and the printout says so). The child runner uses only what the simulator offers since 4e94c9a
-(SimSettings, run_policy, load_trace, head, synthetic generate), so it drives that tree too; it
-reports the form that ran.
+`--baseline COMMIT` pairs the current tree with that commit's code, checked out into a temporary
+git worktree (removed on exit); a commit from the days of the mypyc build (it has a setup.py) is
+compiled in place first (`setup.py build_ext --inplace`), so the current tree is measured against
+the compiled form it replaced. The order rotates from round to round (`--pairs` rounds); printed:
+each run as a JSON line on stderr, then medians of wall and sim CPU s, the speed-up as the median
+of per-round ratios, and whether the runs agree on engine steps and mean TTFT (an older commit may
+legitimately differ, and the printout says so). The child runner uses only what the simulator
+offers since 4e94c9a (SimSettings, run_policy, load_trace, head, synthetic generate), so it drives
+that tree too; it reports the form that ran ("compiled" or "plain" in trees of the mypyc days).
 `--step-by-step` also runs every azure/mooncake policy with the decode fast-forward off (one
 `schedule()` per engine step, the simulator before the fast-forward) and prints the speed-up; both
 runs must report the same steps and mean TTFT.
@@ -26,7 +25,7 @@ figure on a shared machine. Reference printed side by side: Vidur on the same Az
 (<= 5 s and <= 500 MB per policy run, 1M requests in <= 10 min).
 
     python bench/sim_speed.py [--scenarios azure,mooncake,linear,million] [--policies round_robin,kvherd]
-                              [--forms] [--baseline COMMIT] [--pairs 3]
+                              [--baseline COMMIT] [--pairs 3]
 """
 
 from __future__ import annotations
@@ -99,7 +98,7 @@ def _one(
     result = run_policy(trace, settings, policy)
     cpu_s = time.process_time() - cpu_start
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-    form_module = sys.modules.get("kvherd.compiled")  # absent in trees before the compiled form
+    form_module = sys.modules.get("kvherd.compiled")  # only in trees of the mypyc days
     print(
         json.dumps(
             {
@@ -111,7 +110,7 @@ def _one(
                 "steps": result.num_steps,
                 "completed": result.summary["completed"],
                 "ttft_ms_mean": result.summary["ttft_ms_mean"],
-                "form": getattr(form_module, "FORM", "plain (no compiled form)"),
+                "form": getattr(form_module, "FORM", "plain"),
             }
         )
     )
@@ -124,14 +123,12 @@ def _spawn(
     latency: str,
     max_requests: int | None,
     fast_forward: bool = True,
-    pure: bool = False,
     tree: Path | None = None,
 ) -> dict[str, float]:
     """One child run; `tree` (a --baseline checkout) replaces the import path with that tree's."""
     cmd = [sys.executable, __file__, "--child", trace, str(instances), policy, latency]
     cmd += [str(max_requests or 0), str(int(fast_forward))]
     env = {k: v for k, v in os.environ.items() if k != "KVHERD_PURE_PYTHON"}
-    env.update({"KVHERD_PURE_PYTHON": "1"} if pure or tree is not None else {})
     env.update({"PYTHONPATH": str(tree)} if tree is not None else {})
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
@@ -146,6 +143,9 @@ def _checkout(commit: str) -> Iterator[Path]:
     git = ["git", "-C", str(REPO), "worktree"]
     subprocess.run([*git, "add", "--detach", str(tree), commit], check=True, capture_output=True)
     try:
+        if (tree / "setup.py").is_file():  # the mypyc days: measure the compiled form it shipped
+            build = [sys.executable, "setup.py", "-q", "build_ext", "--inplace"]
+            subprocess.run(build, cwd=tree, check=True, capture_output=True)
         yield tree
     finally:
         subprocess.run([*git, "remove", "--force", str(tree)], check=True, capture_output=True)
@@ -173,16 +173,14 @@ def _rounds(
     k: int | None,
     note: Callable[[dict[str, float]], str] = lambda r: "",
 ) -> None:
-    """Interleaved rounds of `forms` ("compiled", "plain", "installed", "baseline"), the order
+    """Interleaved rounds of `forms` ("current", "baseline"), the order
     rotating each round; prints each form's medians (with `note` of them), the speed-ups and the
     agreement."""
     runs: dict[str, list[dict[str, float]]] = {form: [] for form in forms}
     for r in range(rounds):
         for form in forms[r % len(forms) :] + forms[: r % len(forms)]:
             tree = baseline if form == "baseline" else None
-            run = _spawn(trace, instances, policy, latency, k, pure=form == "plain", tree=tree)
-            if form in ("compiled", "plain") and run["form"] != form:
-                raise SystemExit(f"asked for the {form} form, {run['form']} ran (build stale?)")
+            run = _spawn(trace, instances, policy, latency, k, tree=tree)
             runs[form].append(run)
             print(json.dumps({"scenario": name, "round": r, "as": form, **run}), file=sys.stderr)
     medians = {
@@ -190,7 +188,7 @@ def _rounds(
         for form, rs in runs.items()
     }
     for form in forms:
-        label = f"{form}, {runs[form][0]['form']}" if form == "installed" else form
+        label = f"{form}, {runs[form][0]['form']}"
         print(_row(name, f"{policy} ({label})", medians[form], note(medians[form])), flush=True)
     notes = []
     for fast, slow in itertools.combinations(forms, 2):
@@ -207,9 +205,9 @@ def _rounds(
     if any(len(outcome[form]) > 1 for form in forms):
         agree = "runs of one form DIFFER (not deterministic)"
     elif len({o for form in current for o in outcome[form]}) > 1:
-        agree = "the current forms DIFFER in steps or mean TTFT"
+        agree = "the current runs DIFFER in steps or mean TTFT"
     else:
-        agree = "same steps and mean TTFT" + (" across the current forms" if baseline else "")
+        agree = "same steps and mean TTFT"
         if baseline is not None:
             (steps, ttft), (b_steps, b_ttft) = outcome[current[0]].pop(), outcome["baseline"].pop()
             agree += (
@@ -245,9 +243,7 @@ def _runs(
 def _measure(args: argparse.Namespace, baseline: Path | None) -> None:
     scenarios = args.scenarios.split(",")
     policies = args.policies.split(",")
-    forms = (["compiled", "plain"] if args.forms else ["installed"]) + (
-        ["baseline"] if baseline is not None else []
-    )
+    forms = ["current"] + (["baseline"] if baseline is not None else [])
 
     def scenario(
         name: str, policy: str, trace: str, instances: int, latency: str, k: int | None
@@ -327,16 +323,11 @@ def main() -> int:
         "--fraction", type=float, default=1.0, help="run this fraction of azure/mooncake"
     )
     parser.add_argument(
-        "--forms",
-        action="store_true",
-        help="run each scenario but linear as interleaved compiled/plain rounds, with speed-ups",
-    )
-    parser.add_argument(
         "--baseline",
         metavar="COMMIT",
-        help="also run each scenario but linear from COMMIT's code (a temporary worktree, plain)",
+        help="also run each scenario but linear from COMMIT's code (a temporary worktree)",
     )
-    parser.add_argument("--pairs", type=int, default=3, help="rounds with --forms/--baseline")
+    parser.add_argument("--pairs", type=int, default=3, help="rounds with --baseline")
     parser.add_argument(
         "--step-by-step",
         action="store_true",

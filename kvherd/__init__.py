@@ -4,8 +4,5 @@ This package holds only the command-line entry point; the system lives in the to
 `instance_agent`, `scheduler`, `policies`, `migration` and `simulator`.
 """
 
-from kvherd.compiled import select_form
-
-select_form()  # before any compiled module loads (kvherd/compiled.py)
 
 __version__ = "0.1.0"
