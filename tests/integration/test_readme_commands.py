@@ -1,11 +1,12 @@
-"""Every `kvherd sim`, `replay` and `plan` line of the README's bash blocks runs as written.
+"""Every `kvherd sim`, `replay` and `plan` line of the README's and docs/' bash blocks runs.
 
-The lines are read from the README itself, so an example that names a missing file, a placeholder
-or a flag that no longer exists fails here. Each runs in a scratch folder that links the shipped
-`traces/` (its relative paths resolve, its `--out` lands in the scratch folder), cut to a few
-requests by an appended `--max-requests` (argparse keeps the last); a replay's `--url` is a tiny
-`kvherd agent` started here, its arrivals sped up. The file a README `kvherd profile` line writes
-is stood in by a profile of the same form (profiling takes torch ~15 s; tests/unit covers it).
+The lines are read from the README and docs/*.md themselves, so an example that names a missing
+file, a placeholder or a flag that no longer exists fails here. Each runs in a scratch folder that
+links the shipped `traces/` (its relative paths resolve, its `--out` lands in the scratch folder),
+cut to a few requests by an appended `--max-requests` (argparse keeps the last); a replay's `--url`
+is a tiny `kvherd agent` started here, its arrivals sped up. The file a README `kvherd profile`
+line writes is stood in by a profile of the same form (profiling takes torch ~15 s; tests/unit
+covers it).
 """
 
 from __future__ import annotations
@@ -46,8 +47,10 @@ TINY_PROFILE = {
 
 
 def readme_commands() -> list[list[str]]:
-    """Every `kvherd ...` command line of the README's bash blocks, continuations joined."""
-    blocks = re.findall(r"^```bash\n(.*?)^```", (ROOT / "README.md").read_text(), re.M | re.S)
+    """Every `kvherd ...` command line of the README's and docs/' bash blocks, continuations joined."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    text = "\n".join(page.read_text() for page in pages)
+    blocks = re.findall(r"^```bash\n(.*?)^```", text, re.M | re.S)
     commands = []
     for block in blocks:
         for line in block.replace("\\\n", " ").splitlines():
