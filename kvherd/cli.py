@@ -2,7 +2,9 @@
 
 Each subcommand lives in the package that owns it and exposes ``add_arguments(parser)`` and
 ``run(args) -> int``. Modules are imported only for the command being run (and for its ``--help``), so
-``kvherd sim`` never loads torch and ``kvherd --help`` starts instantly.
+``kvherd sim`` never loads torch and ``kvherd --help`` starts instantly. Every command but ``serve``
+and ``up`` (whose files also list instances and keys) takes ``--config FILE``, its flags as YAML
+(`kvherd.cli_config`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from kvherd import __version__
+from kvherd.cli_config import CONFIG_FLAG, add_config_flag, apply_config
 
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -30,7 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def _build_parser(command: str | None) -> argparse.ArgumentParser:
+def _build_parser(command: str | None, argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvherd",
         description="KV-cache-aware cluster scheduler for LLM serving fleets.",
@@ -41,13 +44,16 @@ def _build_parser(command: str | None) -> argparse.ArgumentParser:
         cmd_parser = sub.add_parser(name, help=help_text, description=help_text)
         if name == command:  # only the chosen command's module is imported
             importlib.import_module(module_name).add_arguments(cmd_parser)
+            if not any(CONFIG_FLAG in a.option_strings for a in cmd_parser._actions):
+                add_config_flag(cmd_parser)
+                apply_config(cmd_parser, argv)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in args_list if not a.startswith("-")), None)
-    parser = _build_parser(command if command in COMMANDS else None)
+    parser = _build_parser(command if command in COMMANDS else None, args_list)
     args = parser.parse_args(args_list)
     if args.command is None:
         parser.print_help()
