@@ -40,7 +40,7 @@ import sys
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import TYPE_CHECKING, Any
 
-from scheduler.admission_flags import add_admission_arguments, admission_settings
+from scheduler.core.admission_flags import add_admission_arguments, admission_settings
 
 if TYPE_CHECKING:
     from scheduler.core.prefix_pull import PullSettings

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from scheduler.admission_flags import add_admission_arguments, admission_settings
+from scheduler.core.admission_flags import add_admission_arguments, admission_settings
 from simulator.models import DEFAULT_LORA_LOAD_S
 
 _DEFAULT_MODEL = "roofline:llama-2-70b:a100-80gb:tp4"

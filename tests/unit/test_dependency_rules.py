@@ -6,7 +6,9 @@
   uvicorn, httpx, starlette and transformers unavailable.
 - A ``core/`` module imports, of kvherd's own packages, only other ``core/`` modules, ``policies`` and
   ``kvherd`` (the pure vocabulary).
-- Nothing outside the simulator (and the tests and benchmarks) imports the simulator.
+- Nothing outside the simulator (and the tests and benchmarks) imports the simulator, and the
+  simulator imports of the other packages only their ``core/`` modules, ``policies`` and ``kvherd``:
+  none of the live fleet's I/O modules.
 - kvherd's own modules import each other without a circle.
 """
 
@@ -114,6 +116,20 @@ def test_nothing_imports_the_simulator() -> None:
         if not name.startswith("simulator")
         for imported in _imports(path)
         if imported.split(".")[0] == "simulator"
+    ]
+    assert offenders == []
+
+
+def test_the_simulator_imports_no_module_of_the_live_fleet() -> None:
+    modules = _product_modules()
+    offenders = [
+        f"{name} -> {imported}"
+        for name, path in modules.items()
+        if name.startswith("simulator")
+        for imported in _imports(path)
+        if imported in modules
+        and imported.split(".")[0] in {"scheduler", "instance_agent", "migration"}
+        and "core" not in imported.split(".")
     ]
     assert offenders == []
 
