@@ -22,8 +22,10 @@ Contract:
 - Cross-instance prefix pull (`pull`: `scheduler.core.prefix_pull.PullSettings`; None: off): a
   dispatch policy's pick (never a P/D pairing) is checked against the holder of a deeper prefix
   (`choose_pull`): ROUTE sends the request to the holder, PULL keeps it where the policy chose and
-  charges it as cached up to the holder's depth; `Routed.pull` keeps the choice whenever a
-  holder was worth a look, and the driver moves a PULL's blocks before the prefill.
+  charges it as cached up to the source's end; `Routed.pull` keeps the choice whenever a
+  holder was worth a look, and the driver moves a PULL's blocks before the prefill. `peers`
+  (`scheduler.core.prefix_pull.PullPeer` by instance id; None: all kvherd agents) says which
+  instances can send blocks, of which kind and from which tiers: the rule picks no other.
 - Models: `only` (a `scheduler.core.model_index.ModelIndex` answer) limits the view, and so every
   policy, to the instances that serve the request's model; `adapter` names its LoRA adapter
   (`RequestView.adapter`, counted on the chosen instance while in flight); `block_size` the
@@ -52,7 +54,7 @@ Usage::
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from kvherd.block_hash import block_hash_chain
@@ -60,7 +62,7 @@ from policies.base import DispatchPolicy, PDPolicy
 from policies.views import ClusterView, Decision, NoInstanceError, PDDecision, RequestView
 from scheduler.core.cluster_state import ClusterState
 from scheduler.core.instance_state import Dispatch
-from scheduler.core.prefix_pull import PullAction, PullChoice, PullSettings, choose_pull
+from scheduler.core.prefix_pull import PullAction, PullChoice, PullPeer, PullSettings, choose_pull
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,11 +86,13 @@ class Router:
         policy: DispatchPolicy,
         pd_policy: PDPolicy | None = None,
         pull: PullSettings | None = None,
+        peers: Callable[[str], PullPeer] | None = None,
     ) -> None:
         self.cluster = cluster
         self.policy = policy
         self.pd_policy = pd_policy
         self.pull = pull
+        self.peers = peers
         self._where: dict[str, str] = {}  # request id -> instance id
         self._decode_of: dict[str, str] = {}  # request id -> its decode instance, until handed
 
@@ -147,7 +151,7 @@ class Router:
             decision = self.policy.choose(request, view)
             decode_id = None
             if self.pull is not None:
-                pull = choose_pull(request, view, decision.instance_id, self.pull)
+                pull = choose_pull(request, view, decision.instance_id, self.pull, self.peers)
                 if not pull.estimates:
                     pull = None
                 elif pull.action is PullAction.ROUTE:

@@ -9,7 +9,7 @@ import pytest
 from policies.base import DispatchPolicy
 from policies.views import ClusterView, Decision, InstanceView, RequestView
 from scheduler.core.cluster_state import ClusterState
-from scheduler.core.prefix_pull import PullAction, PullSettings, choose_pull
+from scheduler.core.prefix_pull import PullAction, PullPeer, PullSettings, choose_pull, pull_peer
 from scheduler.core.router import Router
 
 BS = 16
@@ -92,12 +92,52 @@ def test_the_pull_starts_past_the_preferred_gpu_hits_and_replaces_its_lower_tier
     assert choice.estimates[PullAction.RECOMPUTE] == pytest.approx((load + 8192 - 150 * BS) / 1e4)
 
 
-def test_the_holder_s_disk_blocks_add_their_read_time() -> None:
-    # h: 100 GPU, 100 CPU, 200 disk blocks; storage load ratio 0.4 of a prefill token each.
+def test_an_agent_sends_only_its_gpu_blocks_so_only_those_are_priced() -> None:
+    # h: 100 GPU, 100 CPU, 200 disk blocks. An agent's block server sends its GPU cache alone:
+    # the pull plan copies those 100 blocks, and the rest of h's prefix is only worth a route.
     cluster = view([inst("p"), busy("h")], [[0, 100], [0, 100], [0, 200]])
     choice = choose_pull(REQUEST, cluster, "p", SETTINGS)
+    assert (choice.action, choice.first_block, choice.num_blocks) == (PullAction.PULL, 0, 100)
+    transfer = 100 * BS * 1e5 / 50e9 + 50e-6
+    assert choice.estimates[PullAction.PULL] == pytest.approx(transfer + (8192 - 1600) / 1e4)
+    idle = view([inst("p"), inst("h")], [[0, 100], [0, 100], [0, 200]])
+    assert choose_pull(REQUEST, idle, "p", SETTINGS).action is PullAction.ROUTE
+    only_lower = view([inst("p"), busy("h")], [[0, 0], [0, 100], [0, 300]])
+    assert set(choose_pull(REQUEST, only_lower, "p", SETTINGS).estimates) == {
+        PullAction.RECOMPUTE,
+        PullAction.ROUTE,
+    }
+
+
+def test_a_vllm_connector_sends_its_host_and_disk_blocks_and_their_read_time_counts() -> None:
+    # The connector's server sends its host store and disk tier (a copy of every GPU block).
+    peers = {"p": pull_peer(False, None), "h": pull_peer(False, "tcp://h:1")}
+    cluster = view([inst("p"), busy("h")], [[0, 100], [0, 100], [0, 200]])
+    choice = choose_pull(REQUEST, cluster, "p", SETTINGS, peers.__getitem__)
+    assert (choice.action, choice.source, choice.num_blocks) == (PullAction.PULL, "h", 400)
     transfer = 400 * BS * 1e5 / 50e9 + 50e-6 + 200 * BS * 0.4 / 1e4
     assert choice.estimates[PullAction.PULL] == pytest.approx(transfer + 1792 / 1e4)
+
+
+def test_a_holder_without_a_block_server_or_of_another_kind_is_never_a_source() -> None:
+    # h is deepest (400 GPU blocks) but cannot send; s holds 300 and can.
+    cluster = view([inst("p"), busy("h"), busy("s")], [[0, 400, 300], [0, 0, 0], [0, 0, 0]])
+    for h in (pull_peer(True, None), pull_peer(False, "tcp://h:1"), pull_peer(False, None)):
+        peers = {"p": pull_peer(True, "tcp://p:1"), "h": h, "s": pull_peer(True, "tcp://s:1")}
+        choice = choose_pull(REQUEST, cluster, "p", SETTINGS, peers.__getitem__)
+        assert (choice.action, choice.source, choice.num_blocks) == (PullAction.PULL, "s", 300)
+        del peers["s"]  # s gone: only h holds the prefix, and it cannot send it
+        alone = view([inst("p"), busy("h")], [[0, 400], [0, 0], [0, 0]])
+        choice = choose_pull(REQUEST, alone, "p", SETTINGS, peers.__getitem__)
+        assert set(choice.estimates) == {PullAction.RECOMPUTE, PullAction.ROUTE}
+        assert choice.action is PullAction.RECOMPUTE and choice.source is None
+    # A vLLM destination pulls from a vLLM connector, never from an agent.
+    peers = {"p": pull_peer(False, None), "h": pull_peer(True, "tcp://h:1")}
+    alone = view([inst("p"), busy("h")], [[0, 400], [0, 0], [0, 0]])
+    assert (
+        PullAction.PULL
+        not in choose_pull(REQUEST, alone, "p", SETTINGS, peers.__getitem__).estimates
+    )
 
 
 def test_the_holder_is_the_deepest_dispatchable_one_and_never_covers_the_last_token() -> None:
@@ -122,7 +162,9 @@ class _Fixed(DispatchPolicy):
         return Decision(self.instance_id)
 
 
-def _router(preferred: str, holder_busy: bool) -> tuple[Router, ClusterState]:
+def _router(
+    preferred: str, holder_busy: bool, peers: dict[str, PullPeer] | None = None
+) -> tuple[Router, ClusterState]:
     from kvherd.kv_events import BlockStored
     from scheduler.core.load_report import LoadReport
 
@@ -134,7 +176,8 @@ def _router(preferred: str, holder_busy: bool) -> tuple[Router, ClusterState]:
     )
     if holder_busy:
         state.apply_report("h", LoadReport(num_running=10, waiting_prefill_tokens=50_000), 0.0)
-    return Router(state, _Fixed(preferred), pull=SETTINGS), state
+    lookup = None if peers is None else peers.__getitem__
+    return Router(state, _Fixed(preferred), pull=SETTINGS, peers=lookup), state
 
 
 def test_the_router_charges_a_pull_as_cached_and_sends_a_route_to_the_holder() -> None:
@@ -153,6 +196,15 @@ def test_the_router_charges_a_pull_as_cached_and_sends_a_route_to_the_holder() -
     routed = router.route("r", now=0.0, num_tokens=8192, block_hashes=REQUEST.block_hashes)
     assert routed.instance_id == "h" and routed.pull is not None
     assert routed.pull.action is PullAction.ROUTE and routed.decision.reason.startswith("route")
+
+
+def test_the_router_charges_nothing_as_cached_from_a_holder_that_cannot_send() -> None:
+    peers = {"p": pull_peer(True, "tcp://p:1"), "h": pull_peer(True, None)}
+    router, state = _router("p", holder_busy=True, peers=peers)
+    routed = router.route("r", now=0.0, num_tokens=8192, block_hashes=REQUEST.block_hashes)
+    assert routed.instance_id == "p" and routed.pull is not None
+    assert routed.pull.action is PullAction.RECOMPUTE
+    assert state.view(0.0)["p"].pending_prefill_tokens == 8192
 
 
 def test_a_pull_copies_only_what_the_holder_is_known_to_hold() -> None:
