@@ -55,9 +55,9 @@ class LatencyModelError(ValueError):
 
 
 def profiles_dir() -> Path:
-    """Where the measured GPU profiles live: $KVHERD_PROFILES, else the shared traces folder."""
+    """Where the measured GPU profiles live: $KVHERD_PROFILES, else the repository's
+    ``traces/profiles`` (see its README)."""
     env = os.environ.get("KVHERD_PROFILES")
     if env:
         return Path(env)
-    # The repository sits next to ../shared/traces (see the traces README).
-    return Path(__file__).resolve().parents[3] / "shared" / "traces" / "profiles"
+    return Path(__file__).resolve().parents[2] / "traces" / "profiles"

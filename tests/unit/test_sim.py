@@ -19,9 +19,7 @@ from simulator.prompts import synthesize_prompt
 from simulator.synthetic import SyntheticSpec, generate
 from simulator.traces import Trace, TraceRequest, load_trace, scale_rate
 
-MOONCAKE = (
-    Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake" / "synthetic_trace.jsonl"
-)
+MOONCAKE = Path(__file__).resolve().parents[2] / "traces" / "mooncake" / "synthetic_trace_600.jsonl"
 LATENCY = "roofline:llama-2-7b:a100-80gb"
 
 
@@ -119,7 +117,6 @@ def _engine_ideal_hit_rate(trace: Trace, block_size: int) -> float:
     return hit / total
 
 
-@pytest.mark.skipif(not MOONCAKE.is_file(), reason=f"{MOONCAKE} not present")
 def test_unbounded_cache_reaches_the_traces_ideal_hit_rate() -> None:
     full = load_trace(MOONCAKE)
     # One output token per request and arrivals 1000x apart: each request runs alone, so the hit
@@ -140,8 +137,8 @@ def test_unbounded_cache_reaches_the_traces_ideal_hit_rate() -> None:
     assert summary["completed"] == len(trace)
     ideal_engine = _engine_ideal_hit_rate(trace, block_size)
     assert summary["prefix_hit_rate"] == pytest.approx(ideal_engine, abs=1e-12)
-    # ... which is the trace's 64% block hit ratio, less partial blocks and last tokens.
-    assert trace.ideal_block_hit_ratio() == pytest.approx(0.64, abs=0.005)
+    # ... which is the sample's 11% block hit ratio, less partial blocks and last tokens.
+    assert trace.ideal_block_hit_ratio() == pytest.approx(0.11, abs=0.005)
     assert summary["prefix_hit_rate"] == pytest.approx(trace.ideal_block_hit_ratio(), abs=0.03)
 
 
@@ -359,10 +356,7 @@ def test_latency_models_are_sane() -> None:
         "splitwise:llama2-70b:a100:tp4",
         "distserve:opt-13b",
     ):
-        try:
-            model = load_latency_model(spec)
-        except LatencyModelError as exc:  # the measured profiles live outside the repository
-            pytest.skip(str(exc))
+        model = load_latency_model(spec)  # the measured ones from traces/profiles
         prefill = [model.step_time([(n, 0)], []) for n in (128, 1024, 8192)]
         decode = [model.step_time([], [1000] * b) for b in (1, 16, 64)]
         assert 0 < prefill[0] < prefill[1] < prefill[2], spec

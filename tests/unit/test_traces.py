@@ -13,37 +13,38 @@ from simulator.prompts import synthesize_prompt
 from simulator.synthetic import SyntheticSpec, generate, parse_spec
 from simulator.traces import TraceError, head, load_trace, sample, scale_rate, time_window
 
-TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
-MOONCAKE = TRACES / "mooncake" / "synthetic_trace.jsonl"
-AZURE = TRACES / "azure-llm-2023" / "AzureLLMInferenceTrace_conv.csv"
+TRACES = Path(__file__).resolve().parents[2] / "traces"  # the repository's samples (its README)
+MOONCAKE = TRACES / "mooncake" / "synthetic_trace_600.jsonl"
+AZURE = TRACES / "azure-llm-2023" / "AzureLLMInferenceTrace_conv_1500.csv"
+AZURE_CODE = TRACES / "azure-llm-2023" / "AzureLLMInferenceTrace_code_1500.csv"
 
 
-@pytest.mark.skipif(not MOONCAKE.is_file(), reason=f"{MOONCAKE} not present")
 def test_mooncake_trace_facts() -> None:
     trace = load_trace(MOONCAKE)
-    assert len(trace) == 3993
+    assert len(trace) == 600
     assert trace.has_prefix_info and trace.block_size == 512
-    assert trace.duration_s == pytest.approx(1022.025)
+    assert trace.duration_s == pytest.approx(165.837)
     mean_input = sum(r.input_length for r in trace.requests) / len(trace)
-    assert mean_input == pytest.approx(15326, abs=1)
-    # The README's fact: 64% of all blocks repeat an earlier block.
-    assert trace.ideal_block_hit_ratio() == pytest.approx(0.64, abs=0.005)
+    assert mean_input == pytest.approx(12358, abs=1)
+    # The traces README's fact: an ideal cache hits 11% of these 600 requests' blocks.
+    assert trace.ideal_block_hit_ratio() == pytest.approx(0.11, abs=0.005)
     for r in trace.requests[:50]:
         assert len(r.hash_ids) == math.ceil(r.input_length / 512)
 
 
-@pytest.mark.skipif(not AZURE.is_file(), reason=f"{AZURE} not present")
 def test_azure_trace_facts() -> None:
     trace = load_trace(AZURE)
-    assert len(trace) == 19366
+    assert len(trace) == 1500
     assert not trace.has_prefix_info
     assert trace.requests[0].arrival_s == 0.0
     # 18:15:46.6805900 -> 18:15:50.9951690
     assert trace.requests[1].arrival_s == pytest.approx(4.314579, abs=1e-5)
-    assert 3400 < trace.duration_s < 3600
-    assert sum(r.input_length for r in trace.requests) / len(trace) == pytest.approx(1155, rel=0.01)
+    assert trace.duration_s == pytest.approx(309.528, abs=1e-3)  # the README's 310 s
+    assert sum(r.input_length for r in trace.requests) / len(trace) == pytest.approx(1067, abs=1)
     # No prefix information: every request's blocks are its own.
     assert trace.ideal_block_hit_ratio() == 0.0
+    code = load_trace(AZURE_CODE)
+    assert len(code) == 1500 and code.duration_s == pytest.approx(604.198, abs=1e-3)
 
 
 def _write(tmp_path: Path, name: str, text: str) -> Path:
