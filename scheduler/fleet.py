@@ -30,7 +30,10 @@ Contract:
   key and the id the agents see, so a client's ``X-Request-Id`` can neither collide with another
   request's (another tenant's) nor tell whether one is in flight. `request_key(id)` maps a client's
   id of a request in flight back to its key (the first holder of a reused id keeps it), for
-  operators who know only the client's id; the alias table is bounded.
+  operators who know only the client's id; the alias table is bounded. A request is in flight
+  (`in_flight`) while the router places it or while the relay holds its stream open
+  (`stream_opened` .. `stream_closed`): between two attempts (continued after a cut or a lost
+  instance) it is unplaced, and `placement(key, timeout_s)` waits for its next dispatch.
 - Request path (synchronous, no I/O): `dispatch` -> (instance, matched blocks), then exactly one of
   `request_finished` / `request_failed` per dispatch, with `first_token` in between for streams.
   `inflight` (`scheduler.core.inflight.InflightLedger`) accounts them: an instance is saturated
@@ -93,7 +96,7 @@ from scheduler.core.inflight import InflightLedger
 from scheduler.core.load_report import LoadReport
 from scheduler.core.model_index import ModelCard, ModelIndex
 from scheduler.core.outliers import Health
-from scheduler.core.prefix_pull import PullAction, PullSettings
+from scheduler.core.prefix_pull import PullAction, PullPeer, PullSettings, pull_peer
 from scheduler.core.router import Routed, Router
 from scheduler.fleet_health import FleetHealth
 from scheduler.kv_subscriber import KVEventSubscriber
@@ -222,7 +225,9 @@ class Fleet:
         except PolicyLoadError as exc:
             raise FleetError(400, str(exc), "policy") from exc
         self.pd_policy_spec = pd_policy_spec
-        self.router = Router(self.cluster, policy, pd_policy, pull=settings.prefix_pull)
+        self.router = Router(
+            self.cluster, policy, pd_policy, pull=settings.prefix_pull, peers=self._pull_peer
+        )
         self._handoffs: dict[str, str] = {}  # routing key -> its decode instance (P/D)
         self.last_routed: Routed | None = None  # the last dispatch's decision (for traces)
         self._pulls: dict[str, tuple[str, int]] = {}  # routing key -> (holder's address, blocks)
@@ -268,6 +273,8 @@ class Fleet:
         self._key_prefix = os.urandom(6).hex()
         self._key_counter = itertools.count(1)
         self._aliases: OrderedDict[str, str] = OrderedDict()  # client request id -> key
+        # Streams the relay holds open, across attempts -> waiters for their next dispatch.
+        self._streams: dict[str, list[asyncio.Future[None]]] = {}
         # Live migration (``--migration-policy``); None when the policy is "none".
         self.migration: MigrationDriver | None = None
         self.migration_spec = "none"
@@ -640,7 +647,7 @@ class Fleet:
         key = f"{self._key_prefix}-{next(self._key_counter):x}"
         aliases = self._aliases
         held = aliases.get(client_request_id)
-        if held is None or self.router.instance_of(held) is None:
+        if held is None or not self.in_flight(held):
             aliases[client_request_id] = key
             aliases.move_to_end(client_request_id)
             if len(aliases) > MAX_REQUEST_ALIASES:
@@ -649,9 +656,40 @@ class Fleet:
 
     def request_key(self, request_id: str) -> str:
         """The key of a request in flight named by its key or by its client's X-Request-Id."""
-        if self.router.instance_of(request_id) is not None:
+        if self.in_flight(request_id):
             return request_id
         return self._aliases.get(request_id, request_id)
+
+    def in_flight(self, key: str) -> bool:
+        """Placed on an instance, or its stream is open (see the module contract)."""
+        return key in self._streams or self.router.instance_of(key) is not None
+
+    def stream_opened(self, key: str) -> None:
+        """The relay relays `key`'s stream (its attempts may end and be continued)."""
+        self._streams.setdefault(key, [])
+
+    def stream_closed(self, key: str) -> None:
+        """`key`'s stream has ended, for the client too."""
+        for waiter in self._streams.pop(key, ()):
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def placement(self, key: str, timeout_s: float) -> str | None:
+        """The instance `key` runs on; while its stream is open between two attempts, after up
+        to `timeout_s` of waiting for its next dispatch. None: not placed (unknown, ended, or
+        still between attempts)."""
+        where = self.router.instance_of(key)
+        waiters = self._streams.get(key)
+        if where is not None or waiters is None:
+            return where
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiters.append(waiter)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await waiter
+        except TimeoutError:
+            waiters.remove(waiter)
+        return self.router.instance_of(key)
 
     def dispatch(
         self,
@@ -696,24 +734,24 @@ class Fleet:
             raise NoCapacityError(saturated=busy) from None
         inst = self.instances[routed.instance_id]
         self.last_routed = routed
+        waiters = self._streams.get(key)
+        if waiters:  # a stream continued: orders waiting for its placement go on
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+            waiters.clear()
         if routed.decode_id is not None:
             self._handoffs[key] = routed.decode_id
         if routed.tier_blocks:
             self.metrics.tier_hits(routed.tier_blocks)
         pull = routed.pull
-        if pull is not None:
+        if pull is not None and pull.action is PullAction.PULL:  # counted once sent (`pull_for`)
+            assert pull.source is not None  # (the rule's sources have a block server)
+            address = self.instances[pull.source].spec.pull_address
+            assert address is not None
+            self._pulls[key] = (address, pull.first_block + pull.num_blocks)
+        elif pull is not None:
             self.metrics.pull_decided(pull.action.value)
-            if pull.action is PullAction.PULL and pull.source is not None:
-                holder = self.instances.get(pull.source)
-                if (  # blocks move only between engines of one kind (one KV layout)
-                    holder is not None
-                    and holder.spec.pull_address
-                    and holder.spec.kvherd_agent == inst.spec.kvherd_agent
-                ):
-                    self._pulls[key] = (
-                        holder.spec.pull_address,
-                        pull.first_block + pull.num_blocks,
-                    )
         if len(block_hashes) > routed.matched_blocks:  # the engine will store blocks: events due
             self.subscriber.note_traffic(inst.instance_id)
         self.inflight.attach(inst.instance_id, key)
@@ -722,8 +760,19 @@ class Fleet:
 
     def pull_for(self, key: str) -> tuple[str, int] | None:
         """The prefix pull the router chose for `key`: (the holder's block server, the prompt
-        blocks it holds), once; None when it runs on what its instance holds."""
-        return self._pulls.pop(key, None)
+        blocks it holds), once; None when it runs on what its instance holds. The caller sends
+        it: only then does it count as a pull decision."""
+        pull = self._pulls.pop(key, None)
+        if pull is not None:
+            self.metrics.pull_decided(PullAction.PULL.value)
+        return pull
+
+    def _pull_peer(self, instance_id: str) -> PullPeer:
+        """What `instance_id` can do in a prefix pull (the pull rule's `peers`)."""
+        inst = self.instances.get(instance_id)
+        if inst is None:
+            return pull_peer(True, None)
+        return pull_peer(inst.spec.kvherd_agent, inst.spec.pull_address)
 
     def choose_instance(
         self,

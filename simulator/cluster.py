@@ -61,14 +61,14 @@ Contract:
   instance's load ratio (`tier_load_ratio`: tier bytes per token over bandwidth, over the latency
   model's prefill time per token).
 - Cross-instance prefix pull (`prefix_pull`: `simulator.pull.PullConfig`, mixed fleets only): the
-  router asks `scheduler.core.prefix_pull` after the policy. A PULL holds its request back when it
-  reaches its instance: between that instance's steps the blocks past its GPU hits, up to what
-  the holder truly holds then (GPU or lower tiers), are reserved there under a carrier request
-  (the engine core's `pull_carrier`; no room: recompute), copied on the pair's NICs (`PullLinks`:
-  contention, the holder's blocks read without stalling its steps, its disk-held ones at its disk
-  bandwidth first), then cached there by the engine's `cache_full_blocks` (KV events and all)
-  and the request is admitted; the carrier lets go once the request is scheduled (it hit them)
-  or ends. Counts go to `pull_stats`.
+  router asks `scheduler.core.prefix_pull` after the policy, every instance a kvherd agent (its
+  block server sends its GPU cache alone). A PULL holds its request back when it reaches its
+  instance: between that instance's steps, as the agent does, the blocks past its GPU hits up to
+  the choice's end are reserved there under a carrier request (the engine core's `pull_carrier`;
+  no room: recompute), the holder's GPU-cached run of them then is copied on the pair's NICs
+  (`PullLinks`: contention, read without stalling the holder's steps), cached there by the
+  engine's `cache_full_blocks` (KV events and all) and the request is admitted; the carrier lets
+  go once the request is scheduled (it hit them) or ends. Counts go to `pull_stats`.
 - Models and LoRA adapters (a trace with `model`s; `models`: `simulator.models.FleetModels`,
   default one base model on every instance): each request goes only to the instances serving its
   model, through production's model index (`ModelIndex.route`, the router's `only`), and an
@@ -99,7 +99,7 @@ from instance_agent.engine.core.request import (
     RequestStatus,
     pull_carrier,
 )
-from kvherd.kv_events import MEDIUM_CPU, KVEvent
+from kvherd.kv_events import KVEvent
 from migration.core.handoff import handoff_stages, holds_first_token
 from migration.core.protocol import AbortReason
 from migration.core.session import (
@@ -593,37 +593,35 @@ class SimCluster:
         self._run_between_steps(instance, lambda: self._start_pull(instance, request))
 
     def _start_pull(self, dst: SimInstance, request: Request) -> None:
-        """Reserve the blocks the holder still holds past `dst`'s GPU hits and queue their copy;
-        without any, or without room, the request is admitted to recompute."""
+        """As an agent pulls (`instance_agent.prefix_pull`): hold `dst`'s GPU hits, reserve the
+        blocks past them up to the choice's end (no room: recompute), then copy what the holder's
+        block server sends, its GPU-cached run from there (none left: recompute)."""
         rid = request.request_id
         choice = self._pull_plans.pop(rid)
         assert choice.source is not None
-        holder = self.instances[choice.source]
+        holder = self.instances[choice.source].block_manager
         hashes = request.block_hashes[: choice.first_block + choice.num_blocks]
         bm = dst.block_manager
         shared = bm.lookup_cached_prefix(hashes)
-        on_gpu, end = _held_prefix(holder, hashes)
         first = len(shared)
-        reason = HOLDER_LOST if end <= first else None
         owner = f"pull:{rid}"
-        if reason is None:
-            bm.share_cached_blocks(owner, shared)
-            if bm.reserve_blocks(owner, end - first) is None:
-                bm.free_owner(owner)
-                reason = NO_ROOM
+        bm.share_cached_blocks(owner, shared)
+        reason = None
+        if bm.reserve_blocks(owner, len(hashes) - first) is None:
+            reason = NO_ROOM
+        end = first + len(holder.lookup_cached_prefix(hashes[first:]))
+        if reason is None and end <= first:
+            reason = HOLDER_LOST
         if reason is not None:
+            bm.free_owner(owner)
             self.pull_stats.count(self.pull_stats.fallback, reason)
             self._pull_done(dst, request)
             return
-        bs = bm.block_size
-        kv_bytes = self.latency.kv_bytes_per_token or 0.0
-        nbytes = (end - first) * bs * kv_bytes
-        disk = max(0, end - max(first, on_gpu + _on_cpu(holder, hashes, on_gpu, end)))
+        nbytes = (end - first) * bm.block_size * (self.latency.kv_bytes_per_token or 0.0)
         assert self.config.prefix_pull is not None  # (only pulls reach here)
         seconds = self.config.prefix_pull.time(nbytes)
-        seconds += disk * bs * kv_bytes / holder.config.disk_bandwidth
         now = self.loop.now
-        lands = self._pull_links.reserve(holder.instance_id, dst.instance_id, now, seconds)
+        lands = self._pull_links.reserve(choice.source, dst.instance_id, now, seconds)
         stats = self.pull_stats
         stats.started += 1
         stats.bytes_pulled += nbytes
@@ -1137,31 +1135,6 @@ class SimCluster:
         key = abort.reason.value
         m.stats.aborted[key] = m.stats.aborted.get(key, 0) + 1
         m.on_done(rid, key)
-
-
-def _held_prefix(holder: SimInstance, hashes: list[int]) -> tuple[int, int]:
-    """How many of the leading `hashes` the holder caches on GPU, and how deep its prefix goes
-    on any tier (the KV a pull can read there now)."""
-    bm = holder.block_manager
-    on_gpu = len(bm.lookup_cached_prefix(hashes))
-    end = on_gpu
-    if bm.tiers is not None:
-        while end < len(hashes) and bm.tiers.locate(hashes[end]) is not None:
-            end += 1
-    return on_gpu, end
-
-
-def _on_cpu(holder: SimInstance, hashes: list[int], start: int, end: int) -> int:
-    """Of the holder's lower-tier blocks at positions [start, end), the leading ones in host
-    DRAM (the rest sit on its disk)."""
-    tiers = holder.block_manager.tiers
-    count = 0
-    while tiers is not None and start + count < end:
-        hit = tiers.locate(hashes[start + count])
-        if hit is None or tiers.tiers[hit.level].medium != MEDIUM_CPU:
-            break
-        count += 1
-    return count
 
 
 def tier_load_ratio(config: InstanceConfig, latency: LatencyModel) -> tuple[float, float]:

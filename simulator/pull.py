@@ -12,8 +12,8 @@ Contract:
 - The destination holds a pull's blocks under the engine core's `pull_carrier` (the agents'
   pulls do too), so caching them once landed is the block manager's own `cache_full_blocks`.
 - `PullStats`: decisions by action, pulls started, landed, and fallbacks by reason (``no_room``:
-  the destination could not reserve the blocks; ``holder_lost``: the holder no longer held any
-  of them), bytes and seconds on the links, tokens landed and tokens the request then hit.
+  the destination could not reserve the blocks; ``holder_lost``: the holder's GPU no longer held
+  the first of them), bytes and seconds on the links, tokens landed and tokens the request then hit.
 """
 
 from __future__ import annotations

@@ -46,7 +46,8 @@ Contract (what ``GET /metrics`` on the proxy exposes):
   (``GPU``, ``CPU``, ``STORAGE``), summed over the decisions (once some instance reports a tier
   below its GPU pool).
 - Prefix pulls (``--prefix-pull``): ``kvherd_prefix_pull_decisions_total{action}`` (the router's
-  ``recompute``/``route``/``pull`` where a holder was worth a look), ``kvherd_prefix_pulls_total
+  ``recompute``/``route`` where a holder was worth a look; ``pull`` once the pull is sent to the
+  chosen instance: the rule picks only sources that can send), ``kvherd_prefix_pulls_total
   {outcome}`` (what the chosen agent reported: ``landed``, ``partial``, ``nothing_to_pull``,
   ``no_room``, ``failed``: recomputed), ``kvherd_prefix_pull_bytes_total`` and
   ``kvherd_prefix_pull_seconds_total``.

@@ -97,3 +97,28 @@ def test_pulls_queue_on_the_nics_they_share() -> None:
     assert links.reserve("a", "c", 0.5, 1.0) == 2.0  # a's egress is busy until 1.0
     assert links.reserve("d", "c", 0.5, 1.0) == 3.0  # c's ingress until 2.0
     assert links.reserve("d", "e", 5.0, 1.0) == 6.0
+
+
+def test_a_prefix_only_on_the_holder_s_lower_tiers_is_routed_there_never_pulled() -> None:
+    # inst-0 computes the prefix, then three other prompts push it out of its GPU pool into its
+    # host tier. An agent's block server sends only GPU blocks, so for the request sharing it
+    # (preferred: inst-1) there is nothing to pull: it runs on inst-0, loading it from there.
+    prefix = tuple(range(16))
+    requests = [TraceRequest(0, 0.0, 16 * ID_BLOCK, 8, prefix)]
+    requests += [
+        TraceRequest(i, 1.0 * i, 16 * ID_BLOCK, 8, tuple(range(100 * i, 100 * i + 16)))
+        for i in range(1, 4)
+    ]
+    requests.append(TraceRequest(4, 10.0, 20 * ID_BLOCK, 8, (*prefix, 90, 91, 92, 93)))
+    config = ClusterConfig(
+        2, InstanceConfig(num_blocks=1024, num_cpu_blocks=2048), prefix_pull=PullConfig()
+    )
+    cluster = SimCluster(config, load_latency_model("roofline:llama-2-7b:a100-80gb"), _Pinned())
+    metrics = cluster.run(Trace("tiers", requests, ID_BLOCK, has_prefix_info=True))
+    stats = cluster.pull_stats
+    assert stats.decided == {"route": 1} and stats.started == 0
+    cols = metrics.columns()
+    last = list(cols["index"]).index(4)
+    assert cols["cached_tokens"][last] == 16 * ID_BLOCK  # loaded from inst-0's host tier
+    holder = cluster.instances["inst-0"].block_manager
+    assert holder.tiers is not None and holder.tiers.tiers[0].counters.hits == 16 * ID_BLOCK // 16
