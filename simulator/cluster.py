@@ -142,6 +142,7 @@ from simulator.pd import FINISHED_FIRST, SimHandoffs
 from simulator.pull import (
     HOLDER_LOST,
     NO_ROOM,
+    NOTHING_TO_PULL,
     PullConfig,
     PullLinks,
     PullStats,
@@ -595,21 +596,27 @@ class SimCluster:
     def _start_pull(self, dst: SimInstance, request: Request) -> None:
         """As an agent pulls (`instance_agent.prefix_pull`): hold `dst`'s GPU hits, reserve the
         blocks past them up to the choice's end (no room: recompute), then copy what the holder's
-        block server sends, its GPU-cached run from there (none left: recompute)."""
+        block server sends, its GPU-cached run from there (none left: recompute; `dst` holding
+        them all already: nothing to pull)."""
         rid = request.request_id
         choice = self._pull_plans.pop(rid)
         assert choice.source is not None
-        holder = self.instances[choice.source].block_manager
+        source = self.instances[choice.source]
+        holder = source.block_manager
         hashes = request.block_hashes[: choice.first_block + choice.num_blocks]
         bm = dst.block_manager
         shared = bm.lookup_cached_prefix(hashes)
         first = len(shared)
         owner = f"pull:{rid}"
-        bm.share_cached_blocks(owner, shared)
         reason = None
-        if bm.reserve_blocks(owner, len(hashes) - first) is None:
-            reason = NO_ROOM
-        end = first + len(holder.lookup_cached_prefix(hashes[first:]))
+        if first >= len(hashes):
+            reason = NOTHING_TO_PULL
+        else:
+            bm.share_cached_blocks(owner, shared)
+            if bm.reserve_blocks(owner, len(hashes) - first) is None:
+                reason = NO_ROOM
+        sent = holder.lookup_cached_prefix(hashes[first:]) if reason is None else []
+        end = first + len(sent)
         if reason is None and end <= first:
             reason = HOLDER_LOST
         if reason is not None:
@@ -617,18 +624,24 @@ class SimCluster:
             self.pull_stats.count(self.pull_stats.fallback, reason)
             self._pull_done(dst, request)
             return
+        pinned = f"pull-out:{rid}"  # the holder's block server pins them while it reads them
+        holder.share_cached_blocks(pinned, sent)
         nbytes = (end - first) * bm.block_size * (self.latency.kv_bytes_per_token or 0.0)
         assert self.config.prefix_pull is not None  # (only pulls reach here)
         seconds = self.config.prefix_pull.time(nbytes)
         now = self.loop.now
-        lands = self._pull_links.reserve(choice.source, dst.instance_id, now, seconds)
+        lands = self._pull_links.reserve(source.instance_id, dst.instance_id, now, seconds)
         stats = self.pull_stats
         stats.started += 1
         stats.bytes_pulled += nbytes
         stats.link_s += lands - now
-        self.loop.call_at(lands, self._pull_landed, dst, request, first, end)
+        self.loop.call_at(lands, self._pull_landed, source, dst, request, first, end)
 
-    def _pull_landed(self, dst: SimInstance, request: Request, first: int, end: int) -> None:
+    def _pull_landed(
+        self, src: SimInstance, dst: SimInstance, request: Request, first: int, end: int
+    ) -> None:
+        pinned = f"pull-out:{request.request_id}"
+        self._run_between_steps(src, lambda: src.block_manager.free_owner(pinned))
         self._run_between_steps(dst, lambda: self._finish_pull(dst, request, first, end))
 
     def _finish_pull(self, dst: SimInstance, request: Request, first: int, end: int) -> None:

@@ -13,7 +13,8 @@ Contract:
   pulls do too), so caching them once landed is the block manager's own `cache_full_blocks`.
 - `PullStats`: decisions by action, pulls started, landed, and fallbacks by reason (``no_room``:
   the destination could not reserve the blocks; ``holder_lost``: the holder's GPU no longer held
-  the first of them), bytes and seconds on the links, tokens landed and tokens the request then hit.
+  the first of them; ``nothing_to_pull``: the destination's GPU held them all by then), bytes and
+  seconds on the links, tokens landed and tokens the request then hit.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from simulator.latency.base import LatencyModel
 
 NO_ROOM = "no_room"
 HOLDER_LOST = "holder_lost"
+NOTHING_TO_PULL = "nothing_to_pull"
 
 
 @dataclass(frozen=True, slots=True)
