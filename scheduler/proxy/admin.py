@@ -31,7 +31,8 @@ object; bodies are JSON; errors are ``{"error": {"message", "type", "param", "co
   client's ``X-Request-Id`` of it, see `Fleet.request_key`): live-migrate a request in flight to
   instance ``to`` and return the source agent's outcome (200 whether it committed or aborted; the
   body says which and why); 404 for an unknown request or instance, 409 if it is already
-  migrating, 502 if the source agent could not be asked.
+  migrating, 502 if the source agent could not be asked. A stream between two attempts (being
+  continued elsewhere) is waited for up to ``ORDER_WAIT_S`` until it is placed again, then 409.
 - ``GET /admin/v1/policy`` / ``PUT /admin/v1/policy`` ``{"policy": spec, "parameters": {...}}``:
   show or switch the dispatch policy without restarting: a registry name, a ``kvherd.policies``
   entry point, ``module:attr`` of a module the operator allow-listed (``--policy-module``) or a
@@ -69,6 +70,8 @@ from scheduler.proxy.model_tokenizers import ModelTokenizers
 from scheduler.proxy.rate_gate import RateGate
 
 LOOPBACK_PATTERNS: tuple[str, ...] = ("127.0.0.0/8", "::1", "localhost")
+# How long a migration order waits for a stream being continued to be placed on its next instance.
+ORDER_WAIT_S = 10.0
 
 
 def _error(status: int, message: str, type: str, param: str | None = None) -> Response:
@@ -299,7 +302,14 @@ def build_admin_app(
             raise FleetError(400, "'to' must be an instance id", "to")
         if fleet.migration is None:
             raise FleetError(503, "live migration is not running on this scheduler")
-        outcome = await fleet.migration.migrate(fleet.request_key(request_id), dst)
+        key = fleet.request_key(request_id)
+        if await fleet.placement(key, ORDER_WAIT_S) is None and fleet.in_flight(key):
+            raise FleetError(
+                409,
+                f"request {request_id!r} is being continued on another instance; try again",
+                "request_id",
+            )
+        outcome = await fleet.migration.migrate(key, dst)
         if outcome is None:
             raise FleetError(502, f"the agent running {request_id!r} could not be asked")
         return _json(outcome.to_json())

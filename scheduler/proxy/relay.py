@@ -13,7 +13,8 @@ Contract:
   never relayed); the relay POSTs its ``resume`` to ``URL/kvherd/v1/requests/{id}/resume`` on the
   destination (a fleet instance only) and relays that stream from the next token, as often as the
   request moves. A stream that breaks at a destination fails that destination; every instance
-  but it, the former source included, may continue it.
+  but it, the former source included, may continue it. The fleet counts a stream in flight for
+  as long as it is relayed, across its attempts (`Fleet.stream_opened` .. `stream_closed`).
 - Response headers: the upstream's, with ``X-Request-Id`` the client's, ``X-Kvherd-Instance``
   only with ``expose_instance``, and the job's `reply_headers` (a limited tenant's rate limits).
   A job that `count_output` gets its `output_tokens` once relayed (the JSON's usage, the stream's
@@ -185,7 +186,11 @@ class Relay:
             ledger = StreamLedger.from_vllm(
                 job.request.body, job.request.chat, job.request.tokenizer.decode
             )
-        status = await self._stream(exchange, job, attempt, upstream, ledger)
+        self.fleet.stream_opened(job.key)  # in flight for the fleet across its attempts
+        try:
+            status = await self._stream(exchange, job, attempt, upstream, ledger)
+        finally:
+            self.fleet.stream_closed(job.key)
         if job.count_output:
             job.output_tokens = ledger.output_tokens()
         return status

@@ -269,6 +269,51 @@ async def test_drain_moves_every_running_request_elsewhere(
     await assert_agents_clean(pair)
 
 
+async def test_an_order_for_a_stream_between_instances_waits_for_its_next_one(
+    pair: list[AgentProcess],
+) -> None:
+    """A stream whose instance left is placed nowhere until its continuation is dispatched (held
+    back here: the only other instance is full). The stream is still in flight: an order given
+    meanwhile is not answered 404 "no request in flight" but waits for that dispatch and moves
+    the stream from there; the client still gets exactly the unmoved output."""
+    flags = ("--migration-policy", "none", "--max-inflight-per-instance", "1")
+    async with running_proxy(pair, *flags) as proxy, httpx.AsyncClient(timeout=60) as client:
+        fleet = proxy.fleet
+        expected = await Completion(client, proxy.url, body(GREEDY, True, LONG)).result()
+        moving = Completion(client, proxy.url, body(GREEDY, True, LONG))
+        src = await running_on(proxy, moving.request_id, 5)
+        other = next(i for i in fleet.instances if i != src)
+        # Another request in the fleet's accounting fills `other` (one in flight per instance).
+        holder, _ = fleet.dispatch("holder", 1, [], only=frozenset({other}))
+        key = fleet.request_key(moving.request_id)
+        spec = fleet.instances[src].spec
+        await fleet.remove_instance(src)  # its streams fail over at once
+        await fleet.add_instance(spec)  # back, but the stream's continuation will not go there
+        assert fleet.router.instance_of(key) is None  # between its attempts
+        order = asyncio.ensure_future(
+            client.post(
+                f"{proxy.admin_url}/admin/v1/migrate",
+                json={"request_id": moving.request_id, "to": src},
+                headers=ADMIN,
+            )
+        )
+        await asyncio.sleep(0.5)
+        assert not order.done(), (await order).text  # waiting for the continuation's dispatch
+        assert not moving.task.done()
+        fleet.request_finished("holder", holder)  # room on `other`: the continuation starts
+        response = await asyncio.wait_for(order, 30)
+        assert response.status_code == 200, response.text
+        got = await moving.result()
+        assert got.tokens == expected.tokens and got.text == expected.text
+        answer = await client.post(
+            f"{proxy.admin_url}/admin/v1/migrate",
+            json={"request_id": moving.request_id, "to": src},
+            headers=ADMIN,
+        )
+        assert answer.status_code == 404, answer.text  # ended: no longer in flight
+    await assert_agents_clean(pair)
+
+
 def test_a_notice_split_across_chunks_is_held_back_only_while_it_may_be_one() -> None:
     from scheduler.proxy.relay import _NOTICE, _notice_prefix, _split
 
@@ -300,6 +345,35 @@ async def test_fleet_counts_a_migrated_request_where_it_runs() -> None:
         fleet.request_finished("r", src)  # the proxy reports the instance it dispatched to
         assert (count(src.instance_id), count(dst.instance_id)) == (0, 0)
         assert fleet.inflight.instance_of("r") is None
+    finally:
+        await fleet.stop()
+
+
+async def test_a_stream_is_in_flight_between_its_attempts() -> None:
+    from scheduler.fleet import Fleet, FleetSettings, InstanceSpec
+    from scheduler.proxy.metrics import ProxyMetrics
+
+    fleet = Fleet("round_robin", FleetSettings(block_size=16), ProxyMetrics())
+    try:
+        await fleet.add_instance(InstanceSpec("a", "http://127.0.0.1:9"))
+        key = fleet.new_key("client-id")
+        inst, _ = fleet.dispatch(key, 64, [])
+        fleet.stream_opened(key)
+        fleet.request_failed(key, inst)  # its attempt ended; the stream is to be continued
+        assert fleet.in_flight(key) and fleet.request_key("client-id") == key
+        fleet.new_key("client-id")  # another request reusing the id: the first holder keeps it
+        assert fleet.request_key("client-id") == key
+        assert await fleet.placement(key, 0.05) is None  # not placed yet
+        waiting = asyncio.ensure_future(fleet.placement(key, 30))
+        await asyncio.sleep(0)
+        fleet.dispatch(key, 64, [])  # the continuation
+        assert await asyncio.wait_for(waiting, 5) == "a"
+        fleet.request_finished(key, inst)
+        waiting = asyncio.ensure_future(fleet.placement(key, 30))
+        await asyncio.sleep(0)
+        fleet.stream_closed(key)  # the stream ended before it was placed again
+        assert await asyncio.wait_for(waiting, 5) is None
+        assert not fleet.in_flight(key)
     finally:
         await fleet.stop()
 
