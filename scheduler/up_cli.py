@@ -1,7 +1,8 @@
 """``kvherd up``: N local agents plus the proxy, in one command.
 
 Starts the proxy and its admin API in this process, then N ``kvherd agent`` child processes on free
-loopback ports, each publishing KV events (ephemeral ZMQ ports) and registering with the admin API.
+loopback ports below the kernel's ephemeral range (`agent_port`), each publishing KV events
+(ephemeral ZMQ ports) and registering with the admin API.
 Waits until all N are registered and healthy, prints the URLs (and the admin token when it was
 generated), and runs until Ctrl-C or SIGTERM. Stopping is orderly: agents get SIGTERM (they drain
 and deregister), any still alive after ``--stop-timeout`` seconds get SIGKILL, then the proxy stops.
@@ -23,6 +24,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import random
 import secrets
 import signal
 import socket
@@ -63,10 +65,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_proxy_arguments(parser)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def _ephemeral_floor() -> int:
+    with (
+        contextlib.suppress(OSError, ValueError, IndexError),
+        open("/proc/sys/net/ipv4/ip_local_port_range") as f,
+    ):
+        return int(f.read().split()[0])
+    return 32768  # Linux's default
+
+
+def agent_port(handed: set[int]) -> int:
+    """A loopback port for an agent: free now, not in `handed` (added to it), below the kernel's
+    ephemeral range. A port bind(0) picks is in that range, free only until the agent binds it
+    seconds of imports later, and any outgoing connection may take it meanwhile; below it only
+    another explicit bind competes."""
+    floor = _ephemeral_floor()
+    ports = range(15000, floor) if floor > 16000 else range(1024, max(floor, 2048))
+    for _ in range(1000):
+        port = random.choice(ports)
+        if port in handed:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        handed.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port in {ports.start}-{ports.stop - 1}")
 
 
 def _die_with_parent() -> None:
@@ -95,8 +121,9 @@ class AgentGroup:
     def start(self) -> None:
         scheduler_url = f"http://{self._admin_host()}:{self.args.admin_port}"
         env = {**os.environ, ADMIN_TOKEN_ENV: self.token, FLEET_TOKEN_ENV: self.fleet_token}
+        handed = {self.args.port, self.args.admin_port}
         for index, role in enumerate(self.args.roles):
-            port = _free_port()
+            port = agent_port(handed)
             cmd = [
                 sys.executable, "-m", "kvherd", "agent",
                 "--model", self.args.model,

@@ -14,6 +14,11 @@ import pytest
 from agent_process import free_port
 
 
+def _ephemeral_floor() -> int:
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+        return int(handle.read().split()[0])
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -57,6 +62,9 @@ def test_up_starts_serves_and_stops_cleanly(stop_signal: signal.Signals) -> None
         banner = _wait_ready(proc, timeout=240)
         pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", banner)]
         assert len(pids) == 2 and all(_alive(p) for p in pids)
+        # Agents' ports lie below the ephemeral range, which outgoing connections draw from.
+        agent_ports = [int(p) for p in re.findall(r"agent-\d+ http://127.0.0.1:(\d+)", banner)]
+        assert len(agent_ports) == 2 and all(p < _ephemeral_floor() for p in agent_ports), banner
         token = re.search(r"admin token (\S+)", banner)
         assert token is not None  # generated, since none was given
         base = f"http://127.0.0.1:{port}"
