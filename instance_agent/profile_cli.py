@@ -1,6 +1,8 @@
 """`kvherd profile`: measure the built-in engine's step time and fit the simulator's latency model.
 
 Contract:
+- ``--url URL`` profiles a running OpenAI-compatible server instead (vLLM, a kvherd agent), from
+  outside, through its API: `instance_agent.remote_profile`. The rest is the built-in engine's.
 - Runs the real `LLMEngine` (``--model tiny|small|PATH``) over a grid of workloads: cold prefills
   of several lengths, prefills after a cached prefix (chunks with context), and decode batches of
   several sizes and context lengths (mixed prefill+decode steps occur naturally between them).
@@ -39,7 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvherd.profile_format import FEATURES, PROFILE_FORMAT, step_features
+from kvherd.profile_format import FEATURES, PROFILE_FORMAT, fastest_per_shape, fit_steps
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,6 +70,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--torch-threads 1 on CPU; robust on a busy machine)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    remote = parser.add_argument_group(
+        "a running server (--url): vLLM or any OpenAI-compatible one"
+    )
+    remote.add_argument("--url", default=None, help="profile this server instead of the engine")
+    remote.add_argument("--served-model", default=None, help="model name (default: its first)")
+    remote.add_argument("--api-key", default=None)
+    remote.add_argument("--request-timeout", type=float, default=120.0, help="seconds a request")
+    remote.add_argument("--decode-tokens", type=int, default=16, help="tokens of a decode point")
+    remote.add_argument(
+        "--vocab-limit", type=int, default=256, help="prompts draw token ids in [3, this)"
+    )
 
 
 def _fail(message: str) -> int:
@@ -159,35 +172,11 @@ def _workloads(prof: _Profiler, args: argparse.Namespace, max_len: int) -> None:
                 prof.drain()
 
 
-def _fastest_per_shape(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    best: dict[str, dict[str, Any]] = {}
-    for point in points:
-        key = json.dumps([point["prefill"], point["decode"]])
-        if key not in best or point["measured_s"] < best[key]["measured_s"]:
-            best[key] = point
-    return list(best.values())
-
-
-def _fit(points: list[dict[str, Any]]) -> tuple[list[float], dict[str, float], list[float]]:
-    import numpy as np
-
-    x = np.array([step_features(p["prefill"], p["decode"]) for p in points])
-    y = np.array([p["measured_s"] for p in points])
-    # Relative least squares: long and short steps weigh alike (weights 1/y).
-    w = 1.0 / np.maximum(y, 1e-6)
-    coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
-    pred = np.maximum(x @ coef, 1e-5)
-    residual = y - pred
-    stats = {
-        "num_points": len(y),
-        "rmse_ms": float(np.sqrt(np.mean(residual**2)) * 1000.0),
-        "mean_abs_pct_error": float(np.mean(np.abs(residual) / y) * 100.0),
-        "r2": float(1.0 - np.sum(residual**2) / np.sum((y - y.mean()) ** 2)),
-    }
-    return [float(c) for c in coef], stats, [float(v) for v in pred]
-
-
 def run(args: argparse.Namespace) -> int:
+    if args.url is not None:
+        from instance_agent.remote_profile import run_remote
+
+        return run_remote(args)
     if args.repeats < 1 or args.max_context < 32 or args.max_batch < 1:
         return _fail("--repeats >= 1, --max-context >= 32 and --max-batch >= 1 are required")
     if args.torch_threads is not None and args.torch_threads < 1:
@@ -235,8 +224,8 @@ def _profile(args: argparse.Namespace) -> int:
     prof.drain(record=False)
     started = time.perf_counter()
     _workloads(prof, args, engine.max_model_len)
-    points = _fastest_per_shape(prof.points)
-    coef, stats, predicted = _fit(points)
+    points = fastest_per_shape(prof.points)
+    coef, stats, predicted = fit_steps(points)
     for point, pred in zip(points, predicted, strict=True):
         point["predicted_s"] = pred
     cfg = engine.config

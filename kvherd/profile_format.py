@@ -1,11 +1,12 @@
 """The features an engine step's time is modelled on: one definition for fit and prediction.
 
-Contract: `kvherd profile` times real engine steps and fits one linear model over `FEATURES`; the
-simulator's calibrated latency model predicts with the same coefficients. Both compute the features
-with `step_features(prefill, decode_contexts)`, for a step that prefills the chunks `prefill`
-(``(new tokens, tokens computed before)`` each) and decodes one token for sequences with
-`decode_contexts` tokens of context, so fit and prediction cannot disagree. A profile file names
-its format `PROFILE_FORMAT` (readers accept every format of `PROFILE_FORMATS`). Pure: no torch.
+Contract: `kvherd profile` times real engine steps and fits one linear model over `FEATURES`
+(`fit_steps`); the simulator's calibrated latency model predicts with the same coefficients. Both
+compute the features with `step_features(prefill, decode_contexts)`, for a step that prefills the
+chunks `prefill` (``(new tokens, tokens computed before)`` each) and decodes one token for
+sequences with `decode_contexts` tokens of context, so fit and prediction cannot disagree. A
+profile file names its format `PROFILE_FORMAT` (readers accept every format of `PROFILE_FORMATS`).
+Pure: no torch.
 
 Besides the engine's fit a profile file may carry a ``host`` section (`HOST_SECTION`): the host the
 fleet runs on, what the request path and co-located instances add to the engine's time
@@ -19,7 +20,9 @@ fleet, and one may be written by hand.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from typing import Any
 
 PROFILE_FORMAT = "kvherd-latency-profile/v2"
 PROFILE_FORMATS = ("kvherd-latency-profile/v1", PROFILE_FORMAT)
@@ -58,3 +61,48 @@ def step_features(
         float(len(decode_contexts)),
         float(sum(decode_contexts)),
     ]
+
+
+def fastest_per_shape(points: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Of the points measured for one batch shape, the fastest: the usual defence against
+    interference from other processes on a shared machine."""
+    best: dict[str, dict[str, Any]] = {}
+    for point in points:
+        key = json.dumps([point["prefill"], point["decode"]])
+        if key not in best or point["measured_s"] < best[key]["measured_s"]:
+            best[key] = point
+    return list(best.values())
+
+
+def fit_steps(
+    points: Sequence[dict[str, Any]],
+    extra: Sequence[str] = (),
+    unfitted: Sequence[str] = (),
+) -> tuple[list[float], dict[str, float], list[float]]:
+    """Least squares of `FEATURES` over measured steps (``prefill``, ``decode``, ``measured_s``
+    each), and of the `extra` columns a point may carry (absent: 0); the `unfitted` features,
+    which the points cannot tell apart from others, weigh 0. Returns the coefficients (s, in
+    `FEATURES` then `extra` order), the fit's quality, and each point's prediction."""
+    import numpy as np
+
+    x = np.array(
+        [
+            step_features(p["prefill"], p["decode"]) + [float(p.get(e, 0.0)) for e in extra]
+            for p in points
+        ]
+    )
+    y = np.array([p["measured_s"] for p in points])
+    kept = [i for i in range(x.shape[1]) if i >= len(FEATURES) or FEATURES[i] not in unfitted]
+    # Relative least squares: long and short steps weigh alike (weights 1/y).
+    w = 1.0 / np.maximum(y, 1e-6)
+    coef = np.zeros(x.shape[1])
+    coef[kept] = np.linalg.lstsq(x[:, kept] * w[:, None], y * w, rcond=None)[0]
+    pred = np.maximum(x @ coef, 1e-5)
+    residual = y - pred
+    stats = {
+        "num_points": len(y),
+        "rmse_ms": float(np.sqrt(np.mean(residual**2)) * 1000.0),
+        "mean_abs_pct_error": float(np.mean(np.abs(residual) / y) * 100.0),
+        "r2": float(1.0 - np.sum(residual**2) / np.sum((y - y.mean()) ** 2)),
+    }
+    return [float(c) for c in coef], stats, [float(v) for v in pred]
