@@ -38,6 +38,7 @@ from kvherd.fleet_token import FLEET_TOKEN_ENV, resolve
 from scheduler.serve_cli import ADMIN_TOKEN_ENV, add_proxy_arguments
 
 if TYPE_CHECKING:
+    from scheduler.autoscaler import AutoscaleLoop
     from scheduler.fleet import Fleet
 
 
@@ -58,6 +59,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="ARG",
         help="extra argument for every agent (e.g. --agent-arg=--max-num-seqs=8); repeatable",
+    )
+    scaling = parser.add_argument_group(
+        "autoscaling (--autoscale): agents started and removed by load, scheduler/autoscaler.py"
+    )
+    scaling.add_argument("--autoscale", action="store_true", help="grow and shrink the fleet")
+    scaling.add_argument("--min", type=int, default=1, help="fewest agents (default 1)")
+    scaling.add_argument("--max", type=int, default=4, help="most agents (default 4)")
+    scaling.add_argument(
+        "--target-utilization",
+        type=float,
+        default=0.75,
+        help="requests in flight per agent's batch slot to size the fleet for (default 0.75)",
+    )
+    scaling.add_argument(
+        "--autoscale-slots",
+        type=int,
+        default=None,
+        help="batch slots of one agent (default: what the agents report)",
+    )
+    scaling.add_argument(
+        "--scale-in-delay", type=float, default=10.0, help="seconds of low load before one goes"
+    )
+    scaling.add_argument(
+        "--scale-cooldown", type=float, default=5.0, help="seconds after a change before the next"
     )
     parser.add_argument("--log-dir", default=None, help="agent logs (default: a temp directory)")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
@@ -106,7 +131,7 @@ def _die_with_parent() -> None:
 
 
 class AgentGroup:
-    """The child agents: start, watch, stop."""
+    """The child agents: start, watch, stop (all, or one: the autoscaler's `Launcher`)."""
 
     def __init__(
         self, args: argparse.Namespace, token: str, fleet_token: str, log_dir: str
@@ -115,56 +140,70 @@ class AgentGroup:
         self.token = token
         self.fleet_token = fleet_token
         self.log_dir = log_dir
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.log_paths: list[str] = []
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}  # instance id -> its process
+        self.log_paths: dict[str, str] = {}
+        self._handed = {args.port, args.admin_port}
+        self._next = 0
 
     def start(self) -> None:
-        scheduler_url = f"http://{self._admin_host()}:{self.args.admin_port}"
+        for role in self.args.roles:
+            self.launch(role)
+
+    def launch(self, role: str = "mixed") -> str:
+        instance_id = f"agent-{self._next}"
+        self._next += 1
         env = {**os.environ, ADMIN_TOKEN_ENV: self.token, FLEET_TOKEN_ENV: self.fleet_token}
-        handed = {self.args.port, self.args.admin_port}
-        for index, role in enumerate(self.args.roles):
-            port = agent_port(handed)
-            cmd = [
-                sys.executable, "-m", "kvherd", "agent",
-                "--model", self.args.model,
-                "--host", "127.0.0.1",
-                "--port", str(port),
-                "--instance-id", f"agent-{index}",
-                "--kv-events-endpoint", "tcp://127.0.0.1:*",
-                "--kv-events-replay-endpoint", "tcp://127.0.0.1:*",
-                "--scheduler", scheduler_url,
-                "--role", role,
-                *self.args.agent_arg,
-            ]  # fmt: skip
-            path = os.path.join(self.log_dir, f"agent-{index}.log")
-            with open(path, "wb") as log_file:
-                self.procs.append(
-                    subprocess.Popen(
-                        cmd,
-                        stdout=log_file,
-                        stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL,
-                        env=env,
-                        preexec_fn=_die_with_parent,
-                    )
-                )
-            self.log_paths.append(path)
+        cmd = [
+            sys.executable, "-m", "kvherd", "agent",
+            "--model", self.args.model,
+            "--host", "127.0.0.1",
+            "--port", str(agent_port(self._handed)),
+            "--instance-id", instance_id,
+            "--kv-events-endpoint", "tcp://127.0.0.1:*",
+            "--kv-events-replay-endpoint", "tcp://127.0.0.1:*",
+            "--scheduler", f"http://{self._admin_host()}:{self.args.admin_port}",
+            "--role", role,
+            *self.args.agent_arg,
+        ]  # fmt: skip
+        path = os.path.join(self.log_dir, f"{instance_id}.log")
+        with open(path, "wb") as log_file:
+            self.procs[instance_id] = subprocess.Popen(
+                cmd,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                preexec_fn=_die_with_parent,
+            )
+        self.log_paths[instance_id] = path
+        return instance_id
 
     def _admin_host(self) -> str:
         host = self.args.admin_host
         return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
-    def dead(self) -> list[int]:
-        return [i for i, proc in enumerate(self.procs) if proc.poll() is not None]
+    def alive(self, instance_id: str) -> bool:
+        proc = self.procs.get(instance_id)
+        return proc is not None and proc.poll() is None
+
+    def dead(self) -> list[str]:
+        return [i for i, proc in self.procs.items() if proc.poll() is not None]
+
+    async def retire(self, instance_id: str) -> None:
+        await self._stop([self.procs[instance_id]], self.args.stop_timeout)
 
     async def stop(self, timeout: float) -> None:
-        for proc in self.procs:
+        await self._stop(list(self.procs.values()), timeout)
+
+    @staticmethod
+    async def _stop(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+        for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        while any(proc.poll() is None for proc in self.procs) and time.monotonic() < deadline:
+        while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)  # children exit on their own schedule; no event to await
-        for proc in self.procs:
+        for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
@@ -194,7 +233,7 @@ async def _up(args: argparse.Namespace) -> int:
             dead = agents.dead()
             if dead or time.monotonic() > deadline or stop.is_set():
                 if dead:
-                    failure.append(f"agent {dead[0]} exited; see {agents.log_paths[dead[0]]}")
+                    failure.append(f"{dead[0]} exited; see {agents.log_paths[dead[0]]}")
                 elif not stop.is_set():
                     failure.append(f"agents not ready after {args.startup_timeout}s ({log_dir})")
                 stop.set()
@@ -209,14 +248,23 @@ async def _up(args: argparse.Namespace) -> int:
         ]
         if generated:
             lines.append(f"  admin token {token}  (set {ADMIN_TOKEN_ENV} to choose one)")
-        for index, proc in enumerate(agents.procs):
-            inst = fleet.instances[f"agent-{index}"]
-            lines.append(f"  agent       {inst.instance_id} {inst.url} (pid {proc.pid})")
+        for instance_id, proc in agents.procs.items():
+            inst = fleet.instances[instance_id]
+            lines.append(f"  agent       {instance_id} {inst.url} (pid {proc.pid})")
         lines.append(f"  agent logs  {log_dir}")
+        if args.autoscale:
+            scaler = await _autoscaler(args, fleet, agents)
+            scaling.append(asyncio.create_task(scaler.run()))
+            slots = scaler.core.settings.slots
+            lines.append(f"  autoscale   {args.min}..{args.max} agents, {slots} batch slots each")
         lines.append("Ctrl-C or SIGTERM stops everything.")
         print("\n".join(lines), flush=True)
 
+    scaling: list[asyncio.Task[None]] = []
+
     async def before_shutdown() -> None:
+        for task in scaling:
+            task.cancel()
         await agents.stop(args.stop_timeout)
 
     try:
@@ -231,9 +279,47 @@ async def _up(args: argparse.Namespace) -> int:
     return code
 
 
+async def _autoscaler(args: argparse.Namespace, fleet: Fleet, agents: AgentGroup) -> AutoscaleLoop:
+    from scheduler.autoscaler import AutoscaleLoop
+    from scheduler.core.autoscale import AutoscaleSettings
+
+    deadline = time.monotonic() + 10.0
+    while not args.autoscale_slots and time.monotonic() < deadline:
+        if all(fleet.cluster.get(i).report_time is not None for i in agents.procs):
+            break
+        await asyncio.sleep(0.05)  # the agents' first load reports state their batch slots
+    reported = sorted(fleet.cluster.get(i).view().batch_slots for i in agents.procs)
+    slots = args.autoscale_slots or reported[len(reported) // 2] or 8
+    settings = AutoscaleSettings(
+        min_instances=args.min,
+        max_instances=args.max,
+        slots=slots,
+        target_utilization=args.target_utilization,
+        scale_out_cooldown_s=args.scale_cooldown,
+        scale_in_delay_s=args.scale_in_delay,
+        scale_in_cooldown_s=args.scale_cooldown,
+    )
+    scaler = AutoscaleLoop(fleet, agents, settings, start_timeout_s=args.startup_timeout)
+    scaler.owned.update(agents.procs)
+    return scaler
+
+
 def run(args: argparse.Namespace) -> int:
     from scheduler.serve_cli import configure_logging, run_loop
 
+    if args.autoscale:
+        if args.prefill or args.decode:
+            print("kvherd up: --autoscale starts mixed agents only", file=sys.stderr)
+            return 2
+        try:
+            from scheduler.core.autoscale import AutoscaleSettings
+
+            AutoscaleSettings(args.min, args.max, target_utilization=args.target_utilization)
+        except ValueError as exc:
+            print(f"kvherd up: --autoscale: {exc}", file=sys.stderr)
+            return 2
+        if args.num_instances is None:
+            args.num_instances = args.min
     if args.num_instances is None:
         args.num_instances = 0 if args.prefill or args.decode else 2
     if min(args.num_instances, args.prefill, args.decode) < 0:

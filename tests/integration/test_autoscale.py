@@ -1,0 +1,156 @@
+"""``kvherd up --autoscale``: a load step up grows the fleet, the step down shrinks it, nothing fails.
+
+Real agents, started and stopped by the autoscaler as child processes; one client load of greedy
+requests through the proxy. Under the step the fleet grows from 1 to 3 agents (4 batch slots each,
+sized for 2 in flight each; the admission wait is raised so that requests queue while agents
+start instead of being refused); once the load falls back to one stream, agents are removed one at a
+time (drained, SIGTERM: each migrates what it runs) down to 1. Every request answers 200 with the
+same greedy text for the same prompt, across the agents it landed on, before and after each change.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import httpx
+import pytest
+from agent_process import free_port
+
+pytestmark = pytest.mark.timeout(420)
+
+TOKEN = "autoscale-admin-token"
+PROMPTS = [f"Tell me about autoscaling, part {i}." for i in range(4)]
+
+
+def _wait_ready(proc: subprocess.Popen[str], timeout: float) -> str:
+    assert proc.stdout is not None
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("Ctrl-C or SIGTERM stops everything"):
+            return "".join(seen)
+        if time.monotonic() > deadline:
+            break
+    raise AssertionError("kvherd up did not become ready:\n" + "".join(seen))
+
+
+class Load:
+    """`threads` clients, each sending greedy requests back to back until told to stop."""
+
+    def __init__(self, base: str, threads: int) -> None:
+        self.base = base
+        self.stop = threading.Event()
+        self.answers: list[tuple[str, int, str, str]] = []  # prompt, status, text, instance
+        self._lock = threading.Lock()
+        self._threads = [
+            threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(threads)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _client(self, index: int) -> None:
+        with httpx.Client(timeout=120) as client:
+            n = 0
+            while not self.stop.is_set():
+                prompt = PROMPTS[(index + n) % len(PROMPTS)]
+                n += 1
+                body = {"prompt": prompt, "max_tokens": 96, "temperature": 0.0}
+                try:
+                    r = client.post(f"{self.base}/v1/completions", json=body)
+                    text = r.json()["choices"][0]["text"] if r.status_code == 200 else r.text
+                    instance = r.headers.get("x-kvherd-instance", "")
+                    status = r.status_code
+                except httpx.HTTPError as exc:
+                    status, text, instance = 0, repr(exc), ""
+                with self._lock:
+                    self.answers.append((prompt, status, text, instance))
+
+    def join(self) -> None:
+        self.stop.set()
+        for t in self._threads:
+            t.join(timeout=150)
+
+
+def _until(check: Callable[[], bool], timeout: float, what: str, log: Callable[[], str]) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} within {timeout} s\n{log()}")
+        time.sleep(0.25)
+
+
+def test_a_load_step_scales_the_fleet_out_and_back_in_without_a_failed_request() -> None:
+    port, admin_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if k != "KVHERD_ADMIN_TOKEN"}
+    cmd = [sys.executable, "-m", "kvherd", "up", "--autoscale", "--min", "1", "--max", "3",
+           "--port", str(port), "--admin-port", str(admin_port), "--admin-token", TOKEN,
+           "--agent-arg=--max-num-seqs=4", "--target-utilization", "0.5",
+           "--scale-in-delay", "3", "--scale-cooldown", "2", "--stop-timeout", "30",
+           "--load-interval", "0.2", "--log-level", "info", "--expose-instance",
+           # Requests wait while agents start rather than being refused: an autoscaled fleet.
+           "--max-queue-wait", "60", "--standing-queue-wait", "60"]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    output: list[str] = []
+    base = f"http://127.0.0.1:{port}"
+    admin = f"http://127.0.0.1:{admin_port}/admin/v1/instances"
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+
+    def serving() -> list[str]:
+        listed = httpx.get(admin, headers=auth, timeout=10).json()["data"]
+        return sorted(
+            i["instance_id"] for i in listed if i["health"] == "healthy" and not i["draining"]
+        )
+
+    def log() -> str:
+        return "".join(output[-80:])
+
+    try:
+        banner = _wait_ready(proc, timeout=240)
+        assert "autoscale   1..3 agents, 4 batch slots each" in banner, banner
+        assert proc.stdout is not None
+        stdout = proc.stdout
+        reader = threading.Thread(target=lambda: output.extend(stdout), daemon=True)
+        reader.start()
+        assert serving() == ["agent-0"]
+
+        step = Load(base, threads=8)
+        _until(lambda: len(serving()) == 3, 180, "3 agents serving under the step", log)
+        time.sleep(2.0)  # the step keeps running on the grown fleet
+        step.join()
+        trickle = Load(base, threads=1)  # one stream: one agent's worth of load
+        _until(lambda: len(serving()) == 1, 120, "back to 1 agent after the step", log)
+        time.sleep(1.0)
+        trickle.join()
+
+        metrics = httpx.get(f"{base}/metrics", timeout=10).text
+        outs = re.search(
+            r'kvherd_scale_events_total\{direction="out",reason="\w+"\} (\S+)', metrics
+        )
+        ins = re.search(r'kvherd_scale_events_total\{direction="in",reason="load"\} (\S+)', metrics)
+        assert outs and float(outs.group(1)) >= 1 and ins and float(ins.group(1)) >= 2, metrics
+        answers = step.answers + trickle.answers
+        failed = [a for a in answers if a[1] != 200]
+        assert not failed, failed[:5]
+        texts: dict[str, set[str]] = {}
+        for prompt, _, text, _ in answers:
+            texts.setdefault(prompt, set()).add(text)
+        assert all(len(t) == 1 for t in texts.values()), texts  # greedy: one text per prompt
+        landed = {instance for *_, instance in step.answers}
+        assert len(landed) >= 2, landed  # the grown agents served part of the step
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
