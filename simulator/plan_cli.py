@@ -59,7 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     space.add_argument(
         "--cpu-tokens", default="0", help="host-DRAM KV tier sizes per instance, tokens (0)"
     )
-    space.add_argument("--block-size", default="16", help="KV block sizes (default 16)")
+    space.add_argument(
+        "--block-size",
+        default=None,
+        help="KV block sizes (default: a calibrated profile's engine block size, else 16)",
+    )
     sim = parser.add_argument_group("the simulated fleet, as for `kvherd sim`")
     sim.add_argument(
         "--latency-model", default=_DEFAULT_MODEL, help=f"{SPEC_HELP} (default {_DEFAULT_MODEL})"
@@ -69,6 +73,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="GPU KV capacity per instance in tokens (default: the latency model's)",
+    )
+    sim.add_argument(
+        "--profile",
+        default=None,
+        metavar="FILE",
+        help="the host (request path) from a profile's host section, as `kvherd sim --profile` "
+        "(`kvherd profile --url` of a running vLLM writes one)",
     )
     sim.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate")
     sim.add_argument("--max-requests", type=int, default=None, help="first K requests only")
@@ -116,12 +127,12 @@ def _count_range(text: str) -> tuple[int, int]:
     return bounds
 
 
-def configs_of(args: argparse.Namespace) -> list[FleetConfig]:
+def configs_of(args: argparse.Namespace, engine_block_size: int = 16) -> list[FleetConfig]:
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     if not policies:
         raise ValueError("--policy names no policy")
     tiers = _ints(args.cpu_tokens, "--cpu-tokens")
-    blocks = _ints(args.block_size, "--block-size")
+    blocks = _ints(args.block_size or str(engine_block_size), "--block-size")
     if min(tiers) < 0 or min(blocks) < 1:
         raise ValueError("--cpu-tokens must be >= 0 and --block-size >= 1")
     return [
@@ -156,6 +167,7 @@ def _executor(args: argparse.Namespace) -> Executor:
 def run(args: argparse.Namespace) -> int:
     from policies.registry import PolicyLoadError, load_dispatch_policy
     from simulator.experiment import SimSettings
+    from simulator.host_model import HostModel
     from simulator.instance import InstanceConfig
     from simulator.latency import LatencyModelError, load_latency_model
     from simulator.latency.calibrated import CalibratedModel
@@ -168,9 +180,11 @@ def run(args: argparse.Namespace) -> int:
         return _fail("--workers must be at least 1")
     try:
         lo, hi = _count_range(args.instances)
-        configs = configs_of(args)
         slos, targets = _slos(args)
         latency = load_latency_model(args.latency_model)
+        engine = latency.engine if isinstance(latency, CalibratedModel) else {}
+        configs = configs_of(args, int(engine.get("block_size") or 16))
+        host = HostModel() if args.profile is None else HostModel.from_file(args.profile)
         for config in configs:
             load_dispatch_policy(config.policy)
         if args.trace.startswith("synthetic:"):
@@ -185,10 +199,11 @@ def run(args: argparse.Namespace) -> int:
     kv_tokens = args.kv_tokens or latency.kv_capacity_tokens
     if not kv_tokens:
         return _fail("the latency model does not know the KV capacity; pass --kv-tokens")
-    engine = latency.engine if isinstance(latency, CalibratedModel) else {}
     knobs: dict[str, Any] = {k: engine[k] for k in _ENGINE_KNOBS if k in engine}
     instance = dataclasses.replace(InstanceConfig(num_blocks=kv_tokens // 16), **knobs)
-    base = SimSettings(num_instances=lo, latency=latency, instance=instance, seed=args.seed)
+    base = SimSettings(
+        num_instances=lo, latency=latency, instance=instance, seed=args.seed, host=host
+    )
     start = time.perf_counter()
     executor = _executor(args)
     try:

@@ -63,3 +63,12 @@ def test_a_profile_taken_through_the_api_drives_the_simulator(tmp_path: Path) ->
     too_long = sum(int(r.split(",")[1]) + int(r.split(",")[2]) > 2048 for r in rows)
     assert too_long > 0 and result["failed"] == too_long
     assert result["completed"] == 30 - too_long and result["ttft_ms_mean"] > 0
+
+    # `kvherd plan` sizes a fleet of these engines: the profile's block size and host section.
+    plan_json = tmp_path / "plan.json"
+    spec = "synthetic:requests=40,rate=4,input_mean=200,output_mean=16,seed=1"
+    plan = ["plan", spec, "--latency-model", f"calibrated:{profile_path}"]
+    plan += ["--profile", str(profile_path), "--instances", "1:3", "--workers", "1"]
+    assert main([*plan, "--slo", "ttft_p99=30", "--json", str(plan_json)]) == 0
+    cheapest = json.loads(plan_json.read_text())["cheapest"]
+    assert cheapest["block_size"] == 16 and 1 <= cheapest["instances"] <= 3

@@ -46,3 +46,12 @@ def test_a_vllm_profile_from_outside_drives_the_simulator(
     assert main(sim) == 0
     result = json.loads((out / "summary.json").read_text())["results"]["kvherd"]
     assert result["completed"] + result["failed"] == 20 and result["completed"] > 0
+
+    # `kvherd plan` sizes a fleet of these engines: the profile's block size and host section.
+    plan_json = tmp_path / "plan.json"
+    spec = "synthetic:requests=40,rate=4,input_mean=200,output_mean=16,seed=1"
+    plan = ["plan", spec, "--latency-model", f"calibrated:{path}"]
+    plan += ["--profile", str(path), "--instances", "1:3", "--workers", "1"]
+    assert main([*plan, "--slo", "ttft_p99=30", "--json", str(plan_json)]) == 0
+    cheapest = json.loads(plan_json.read_text())["cheapest"]
+    assert cheapest["block_size"] == VLLM_BLOCK_SIZE and 1 <= cheapest["instances"] <= 3
