@@ -92,10 +92,13 @@ class InstanceView:
     waiting_prefill_tokens: int = 0
     head_waiting_blocks: int = 0  # blocks the head-of-line waiting request needs (0: none waits)
     num_preemptions: int = 0  # cumulative, as reported
-    # Capacity as the engine states it: its batch slots (max_num_seqs; 0 unknown) and the
-    # requests it reported queued at its last report (no router estimate mixed in).
+    # Capacity as the engine states it: its batch slots (max_num_seqs; 0 unknown), the most
+    # requests it was seen running at once (a lower bound on its slots, learned from its reports)
+    # and the requests it reports queued: waiting for room (not for a pull), in two reports in a
+    # row (a request that arrived between two steps is no queue; no router estimate mixed in).
     batch_slots: int = 0
     reported_waiting: int = 0
+    running_peak: int = 0
     healthy: bool = True
     draining: bool = False
     has_kv_events: bool = False

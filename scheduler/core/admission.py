@@ -4,8 +4,11 @@ Contract:
 - A request waits only where an engine queues it (`queued_at`): what is there beyond its batch
   slots (``InstanceView.batch_slots``, when known; the engine's count, or the proxy's requests in
   flight there when more) or, while its KV pool cannot take the queue's
-  head, what it reports waiting (all it reports, when its slots are unknown). A scrape that has
-  not yet seen a request start is no queue, nor a long generation in a batch with free slots.
+  head, what it reports waiting. Slots unknown (vLLM without ``--max-num-seqs``): what it reports
+  waiting (a queue seen in two reports in a row, less those deferred for a pull:
+  `InstanceState`), unless it runs fewer than the most it was seen running (`running_peak`).
+  A scrape that has not yet seen a request start is no queue, nor a long generation in a batch
+  with free slots.
   `can_start(view)`: a new request would start at once there.
 - `fleet_queue(views, saturated)`: over the dispatchable instances, the requests they queue and
   the batch slots free for new requests on those not saturated (``math.inf`` where unknown).
@@ -45,11 +48,17 @@ def _occupied(view: InstanceView) -> int:
     return max(view.num_running + view.num_waiting, view.inflight)
 
 
+def _below_peak(view: InstanceView) -> bool:
+    """Slots unknown: the engine runs fewer than it was seen running at once (its slots are at
+    least that many), and its KV pool is not what holds its queue: what waits there is starting."""
+    return view.num_running < view.running_peak and not _kv_bound(view)
+
+
 def queued_at(view: InstanceView) -> int:
     """Requests queued at one instance (module contract)."""
     slots = view.batch_slots
     if slots <= 0:
-        return view.reported_waiting
+        return 0 if _below_peak(view) else view.reported_waiting
     # With its slots known, what the engine reported waiting counts only while its KV pool is
     # what holds the queue: a request that arrived between two steps waits for no one.
     beyond = _occupied(view) - slots
@@ -60,7 +69,7 @@ def can_start(view: InstanceView) -> bool:
     """A new request would start at once on this (dispatchable) instance."""
     slots = view.batch_slots
     if slots <= 0:
-        return view.reported_waiting <= 0
+        return view.reported_waiting <= 0 or _below_peak(view)
     return _occupied(view) < slots and not _kv_bound(view)
 
 

@@ -21,7 +21,10 @@ Contract:
   is then adopted here), falls back, or the request ends.
 - Role (P/D disaggregation): the operator's `role` when given (``--instance URL,role=...``), else
   the role the instance reports, else ``mixed``. Batch slots likewise: the operator's
-  ``max_num_seqs=``, else the reported ``max_num_seqs``, else unknown (0).
+  ``max_num_seqs=``, else the reported ``max_num_seqs``, else unknown (0); `running_peak`, the most
+  requests any report showed running, bounds them from below (learned from a plain vLLM). The
+  view's `reported_waiting` is the reported queue (waiting less deferred: a pull in flight is not
+  a queue) only when the previous report showed one too; a one-report blip is 0.
 - LoRA: the view's `active_adapters` are the reported ones plus those of the router's dispatches
   in flight here (a burst for one adapter sees it held before the next scrape).
 """
@@ -82,6 +85,9 @@ class InstanceState:
         self.draining = False
         self.report: LoadReport = LoadReport()
         self.report_time: float | None = None
+        self.running_peak = 0  # the most requests a report showed running
+        self._queue = 0  # the queue the last report showed (waiting for room, not deferred)
+        self.standing_queue = 0  # that queue when the report before showed one too, else 0
         self.inflight: dict[str, Dispatch] = {}
         self._adapters: dict[str, int] = {}  # LoRA adapter -> its dispatches in flight here
         # Router totals over all in-flight dispatches.
@@ -113,6 +119,7 @@ class InstanceState:
                 changed = merged != previous
         self.report = report
         self.report_time = now
+        changed |= self._note_queue(report)
         cutoff = now if taken_at is None else taken_at
         log = self._log
         if self._log_overflowed:  # the deque dropped changes its running sums still hold
@@ -134,6 +141,17 @@ class InstanceState:
             self._delta_blocks -= blocks
             self._delta_prefill_tokens -= tokens
         return True
+
+    def _note_queue(self, report: LoadReport) -> bool:
+        """Learn the running peak and the standing queue from a report; True if either moved."""
+        peak, standing = self.running_peak, self.standing_queue
+        if report.num_running is not None:
+            self.running_peak = max(peak, report.num_running)
+        if report.num_waiting is not None:
+            queue = max(0, report.num_waiting - (report.num_deferred or 0))
+            self.standing_queue = queue if self._queue > 0 else 0
+            self._queue = queue
+        return (peak, standing) != (self.running_peak, self.standing_queue)
 
     def _change(self, now: float, waiting: int, running: int, blocks: int, tokens: int) -> None:
         if len(self._log) == self._log.maxlen:
@@ -258,7 +276,8 @@ class InstanceState:
             head_waiting_blocks=head,
             num_preemptions=rep.num_preemptions or 0,
             batch_slots=self.batch_slots or rep.max_num_seqs or 0,
-            reported_waiting=rep.num_waiting or 0,
+            reported_waiting=self.standing_queue,
+            running_peak=self.running_peak,
             healthy=self.healthy if healthy_override is None else healthy_override,
             draining=self.draining,
             has_kv_events=self.has_kv_events,

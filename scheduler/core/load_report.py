@@ -18,7 +18,9 @@ Contract:
   computed them (`instance_agent.engine.core.load`, the simulator's one definition too); only a
   snapshot without them gets them derived from its request lists.
 - `parse_prometheus(text, block_size)` reads vLLM (v1 and older) and SGLang metric names:
-  ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
+  ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` (of which
+  ``vllm:num_requests_waiting_by_reason{reason="deferred"}``, those waiting for a KV pull or a
+  LoRA slot rather than for room, become ``num_deferred``), ``vllm:kv_cache_usage_perc``
   (old: ``vllm:gpu_cache_usage_perc``), ``vllm:num_preemptions_total``,
   ``vllm:cache_config_info{num_gpu_blocks=...,block_size=...}`` (the engine's block size becomes
   the report's ``block_size``); ``sglang:num_running_reqs``,
@@ -66,6 +68,8 @@ class LoadReport:
     active_adapters: tuple[str, ...] | None = None  # LoRA adapters running or waiting
     lora_slots: int | None = None  # LoRA adapters the engine holds at once (vLLM's max_loras)
     tiers: tuple[TierUse, ...] | None = None  # KV blocks held and capacity per tier, GPU first
+    # Of `num_waiting`, those deferred (a KV pull in flight, a LoRA slot): waiting, not queued.
+    num_deferred: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +235,7 @@ def parse_prometheus(text: str, block_size: int = 16) -> LoadReport:
     total_blocks: int | None = None
     fields: dict[str, Any] = {}
     lora_at = -math.inf
+    deferred = 0.0
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
@@ -246,6 +251,10 @@ def parse_prometheus(text: str, block_size: int = 16) -> LoadReport:
                     engine_block_size = sample.labels.get("block_size", "")
                     if engine_block_size.isdigit() and int(engine_block_size) > 0:
                         fields["block_size"] = int(engine_block_size)
+                elif name == "vllm:num_requests_waiting_by_reason":
+                    if sample.labels.get("reason") == "deferred" and math.isfinite(sample.value):
+                        deferred += sample.value
+                        fields["num_deferred"] = max(0, int(deferred))
                 elif name == "sglang:max_total_num_tokens":
                     total_blocks = int(sample.value) // block_size
                 elif math.isfinite(sample.value):

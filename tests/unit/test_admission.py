@@ -202,6 +202,21 @@ def test_a_request_waits_only_where_an_engine_queues_it() -> None:
     assert queued_at(decoding) == 0 and can_start(decoding)
 
 
+def test_slots_unknown_a_request_waits_only_where_the_engine_runs_its_most() -> None:
+    # vLLM started without --max-num-seqs (the ordinary case): the most it was seen running bounds
+    # its slots from below; waiting while it runs fewer is a request between two steps.
+    below = InstanceView("a", num_running=8, num_waiting=1, reported_waiting=1, running_peak=12)
+    assert queued_at(below) == 0 and can_start(below)
+    at_peak = InstanceView("a", num_running=12, num_waiting=3, reported_waiting=3, running_peak=12)
+    assert queued_at(at_peak) == 3 and not can_start(at_peak)
+    # Its KV pool holding the queue is a queue below the peak too.
+    kv_full = InstanceView(
+        "a", num_running=8, num_waiting=2, reported_waiting=2, running_peak=12,
+        free_blocks=1, head_waiting_blocks=8,
+    )  # fmt: skip
+    assert queued_at(kv_full) == 2 and not can_start(kv_full)
+
+
 def test_nothing_is_refused_while_some_instance_would_start_it() -> None:
     admission = busy_fleet(rate=40.0, seconds=5.0)
     assert admission.refusal(400) is not None

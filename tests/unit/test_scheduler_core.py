@@ -217,6 +217,32 @@ def test_a_report_says_whether_the_view_can_have_changed() -> None:
     assert state.view().num_waiting == 1
 
 
+def test_the_view_reports_a_standing_queue_less_deferred_and_the_running_peak() -> None:
+    state = InstanceState("i0", block_size=16)
+    # One report with a request waiting is a blip (it arrived between two engine steps).
+    state.apply_report(LoadReport(num_running=8, num_waiting=1), now=0.0)
+    assert state.view().reported_waiting == 0 and state.view().running_peak == 8
+    # Two in a row: a queue.
+    state.apply_report(LoadReport(num_running=8, num_waiting=2), now=0.5)
+    assert state.view().reported_waiting == 2
+    # Those deferred (waiting for a KV pull) are not queued for room.
+    state.apply_report(LoadReport(num_running=6, num_waiting=2, num_deferred=2), now=1.0)
+    assert state.view().reported_waiting == 0 and state.view().running_peak == 8
+    state.apply_report(LoadReport(num_running=11, num_waiting=0), now=1.5)
+    assert state.view().running_peak == 11
+
+
+def test_prometheus_waiting_by_reason_deferred() -> None:
+    text = (
+        "vllm:num_requests_running 3\nvllm:num_requests_waiting 5\n"
+        'vllm:num_requests_waiting_by_reason{reason="capacity"} 3\n'
+        'vllm:num_requests_waiting_by_reason{reason="deferred"} 2\n'
+    )
+    report = parse_prometheus(text)
+    assert (report.num_running, report.num_waiting, report.num_deferred) == (3, 5, 2)
+    assert parse_prometheus("vllm:num_requests_waiting 5\n").num_deferred is None
+
+
 def test_an_overflowing_change_log_is_recounted_at_the_next_report() -> None:
     state = InstanceState("i0", block_size=16, max_log=2)
     state.apply_report(LoadReport(num_running=0, num_waiting=0, num_free_blocks=50), now=0.0)
