@@ -310,7 +310,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
     try:
         pulls = PrefixPulls(
-            engine_loop, args.host, advertise_host, args.pull_port, args.pull_timeout
+            engine_loop, args.host, advertise_host, args.pull_port, args.pull_timeout, fleet_token
         )
     except OSError as exc:
         log.error("cannot bind the prefix-pull block server on port %d: %s", args.pull_port, exc)

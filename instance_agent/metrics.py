@@ -18,6 +18,8 @@ Contract:
 - Prefix pulls into this agent (`instance_agent.prefix_pull`): ``kvherd_prefix_pulls_total`` by
   ``outcome``, ``kvherd_prefix_pull_bytes_total``, ``kvherd_prefix_pull_seconds_total``, fed by
   `pulled`; blocks served to other agents: ``kvherd_prefix_pull_served_blocks_total``.
+- KV loads refused for want of the fleet token: ``kvherd_kv_untrusted_total`` by ``kind``
+  (`UNTRUSTED_KINDS`), fed by `untrusted`.
 - Each `AgentMetrics` owns its own `CollectorRegistry` (several agents may live in one test process).
 - Every method is thread-safe (prometheus-client's own locking); the engine thread calls them.
 """
@@ -25,6 +27,10 @@ Contract:
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# What failed the fleet token's check: a pull or handoff header without it (401), a block request
+# to this agent's server without its MAC (refused), a pulled block whose MAC fails (dropped).
+UNTRUSTED_KINDS = ("pull_header", "handoff_header", "block_request", "pulled_block")
 
 # vLLM's buckets, so histograms from kvherd and vLLM aggregate in one dashboard.
 _TTFT_BUCKETS = (
@@ -135,6 +141,11 @@ class AgentMetrics:
             "kvherd_prefix_pull_served_blocks", "KV blocks sent to other instances' pulls.",
             labels, registry=reg,
         ).labels(*values)  # fmt: skip
+        untrusted = Counter(
+            "kvherd_kv_untrusted", "KV loads refused or dropped without the fleet token, by kind.",
+            [*labels, "kind"], registry=reg,
+        )  # fmt: skip
+        self._untrusted = {kind: untrusted.labels(*values, kind) for kind in UNTRUSTED_KINDS}
 
     def set_load(self, running: int, waiting: int, kv_usage: float) -> None:
         self.num_requests_running.set(running)
@@ -159,6 +170,9 @@ class AgentMetrics:
         self._pulls.labels(*self._values, outcome).inc()
         self._pull_bytes.inc(num_bytes)
         self._pull_seconds.inc(seconds)
+
+    def untrusted(self, kind: str) -> None:
+        self._untrusted[kind].inc()
 
     def request_finished(self, finish_reason: str) -> None:
         self._request_success.labels(*self._values, finish_reason).inc()

@@ -15,6 +15,10 @@ Contract:
   output is that of a local hit, bit-identical to recomputing.
 - A holder that refuses, stalls past `timeout_s`, dies or sends a short stream costs a
   recompute of what did not land, never an error; nothing stays reserved (`Pulled.outcome`).
+- With a fleet token both ends authenticate the block wire with it (`kvherd.kv_pull`'s trust
+  rules): a request to this server without its MAC is refused, a pulled block whose MAC fails is
+  dropped with the rest of the pull, each counted (``kvherd_kv_untrusted_total``), and
+  `authorized` says whether a request's ``Authorization`` may ask for a pull at all.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from instance_agent.engine.core.request import Request, SamplingParams, pull_carrier
+from kvherd.fleet_token import authorized
 from kvherd.kv_pull import BlockServer, PullAsk, PullError, fetch_blocks
 
 if TYPE_CHECKING:
@@ -91,8 +96,10 @@ class PrefixPulls:
         advertise_host: str,
         port: int = 0,
         timeout_s: float = 10.0,
+        fleet_token: str | None = None,
     ) -> None:
         self.engine_loop = engine_loop
+        self.fleet_token = fleet_token
         engine = engine_loop.engine
         self.views = kv_views(engine)
         self.block_bytes = sum(v[0].numel() * v.element_size() for v in self.views)
@@ -100,11 +107,29 @@ class PrefixPulls:
         self.timeout_s = timeout_s
         self._owners = itertools.count()
         self._releases: set[asyncio.Future[None]] = set()  # of pulls whose client left
-        self._server = BlockServer(self, self.layout, host, port, io_timeout_s=timeout_s)
+        self._server = BlockServer(
+            self,
+            self.layout,
+            host,
+            port,
+            io_timeout_s=timeout_s,
+            token=fleet_token,
+            on_refused=lambda: self._untrusted("block_request"),
+        )
         self.address = f"tcp://{advertise_host}:{self._server.port}"
 
     def close(self) -> None:
         self._server.close()
+
+    def authorized(self, presented: str | None) -> bool:
+        """May a request with this ``Authorization`` value ask this agent to pull?"""
+        if self.fleet_token is None:
+            return True
+        return authorized(presented.encode() if presented else None, self.fleet_token)
+
+    def _untrusted(self, kind: str) -> None:
+        if self.engine_loop.metrics is not None:
+            self.engine_loop.metrics.untrusted(kind)
 
     # -- the holder (`kvherd.kv_pull.BlockSource`, on the block server's threads) ----------------
     def prefix(self, hashes: Sequence[bytes]) -> list[bytes]:
@@ -212,7 +237,14 @@ class PrefixPulls:
             landed = i + 1
 
         fetch = asyncio.to_thread(
-            fetch_blocks, ask.address, self.layout, hashes, self.block_bytes, sink, self.timeout_s
+            fetch_blocks,
+            ask.address,
+            self.layout,
+            hashes,
+            self.block_bytes,
+            sink,
+            self.timeout_s,
+            self.fleet_token,
         )
         outcome = "landed"
         try:
@@ -220,6 +252,8 @@ class PrefixPulls:
         except PullError as exc:
             log.warning("pull of %s from %s: %s (recomputing)", request_id, ask.address, exc)
             outcome = "failed"
+            if exc.reason == "untrusted":
+                self._untrusted("pulled_block")
         except Exception:
             log.exception("pull of %s from %s failed (recomputing)", request_id, ask.address)
             outcome = "failed"

@@ -41,7 +41,8 @@ Contract (`create_app(agent)` returns the FastAPI app):
   decode instance at URL as it is admitted and is handed to it after its first token
   (`instance_agent.pd_handoff`; 401 without the fleet token when the agent has one); `Agent.role`
   (``prefill``, ``decode``, ``mixed``) is reported in the state snapshot.
-- Prefix pull: ``X-Kvherd-Pull: tcp://HOST:PORT blocks=N`` loads the prompt's leading blocks
+- Prefix pull: ``X-Kvherd-Pull: tcp://HOST:PORT blocks=N`` (401 without the fleet token when
+  the agent has one, as the handoff header) loads the prompt's leading blocks
   from that agent's block server before the request is added (`instance_agent.prefix_pull`; a
   failed pull recomputes); ``X-Kvherd-Pull-Outcome`` says what landed. The state snapshot names
   this agent's own block server (``pull_address``).
@@ -429,6 +430,15 @@ def _pull_ask(request: Request) -> PullAsk | None:
         raise bad_request(str(exc), param=PULL_HEADER) from None
 
 
+def _needs_fleet_token(header: str) -> OpenAIError:
+    return OpenAIError(
+        401,
+        f"{header} needs the fleet token (Authorization: Bearer FLEET_TOKEN)",
+        type="authentication_error",
+        code="invalid_fleet_token",
+    )
+
+
 def _wants_ledger(request: Request) -> bool:
     return request.headers.get(wire.TOKEN_IDS_HEADER) == "1"
 
@@ -439,17 +449,17 @@ async def _generate(
     request_id = _request_id(request)
     headers = {"X-Request-Id": request_id}
     handoff_dst = request.headers.get(pd_handoff.HANDOFF_HEADER)
-    if handoff_dst and (
-        agent.handoffs is None
-        or not agent.handoffs.authorized(request.headers.get("authorization"))
+    presented = request.headers.get("authorization")
+    if handoff_dst and (agent.handoffs is None or not agent.handoffs.authorized(presented)):
+        agent.metrics.untrusted("handoff_header")
+        return _error_response(_needs_fleet_token(pd_handoff.HANDOFF_HEADER), headers)
+    if (
+        PULL_HEADER in request.headers
+        and agent.pulls is not None
+        and not agent.pulls.authorized(presented)
     ):
-        refusal = OpenAIError(
-            401,
-            f"{pd_handoff.HANDOFF_HEADER} needs the fleet token (Authorization: Bearer ...)",
-            type="authentication_error",
-            code="invalid_fleet_token",
-        )
-        return _error_response(refusal, headers)
+        agent.metrics.untrusted("pull_header")
+        return _error_response(_needs_fleet_token(PULL_HEADER), headers)
     tracing = agent.engine_loop.tracing
     if tracing is not None:
         traceparent = request.headers.get("traceparent")

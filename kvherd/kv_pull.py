@@ -5,25 +5,37 @@ Contract:
   layout), LRU by put, never above its capacity; thread-safe. `prefix(hashes)` is the longest
   stored prefix; `put` returns what it evicted, `touch` is a put of a held hash without its bytes.
   `BlockIndex(capacity_blocks)` is the same policy on hashes alone: a mirror.
-- `BlockServer(source, layout, host, port)` serves any `BlockSource` (a `BlockStore`, an engine's
+- `BlockServer(source, layout, host, port, token=)` serves any `BlockSource` (a `BlockStore`, an engine's
   cache) and answers each connection's one request (a frame: the
   layout key and up to `MAX_PULL_BLOCKS` hashes) with a header (``count`` blocks it holds, in
   order, from the first) and then those blocks. A layout other than its own gets ``count`` 0 and an
   error. At most `MAX_CONNECTIONS` are served at once; a stalled peer is dropped after `io_timeout_s`.
-- `fetch_blocks(address, layout, hashes, sink, timeout_s)` asks ``tcp://host:port`` for `hashes`
+- `fetch_blocks(address, layout, hashes, sink, timeout_s, token=)` asks ``tcp://host:port`` for `hashes`
   and calls ``sink(i, block)`` per block as it arrives (one block buffered at a time); it returns
   how many came, raises `PullError` on a refusal, a short stream, or `timeout_s` passing overall.
+- Trust (``token``, the fleet token, on both ends): the request carries a fresh nonce and
+  HMAC-SHA256(key, nonce, layout, hashes); a server with a token refuses a request without that
+  MAC (``refused``, counted in `BlockServer.refused`). Each block sent is followed by
+  HMAC(key, nonce, index, the hash asked at that index, its bytes); a fetcher with a token calls
+  `sink` only for a block whose MAC checks out, and raises `PullError` reason ``untrusted`` at the
+  first that does not (or at a server that sends no MACs): what landed before it stays, the rest
+  recomputes. The key is derived from the token, which never crosses the wire. No token on either
+  end: the wire is open, as the control routes are.
 - `Pull.from_params(kv_transfer_params)` reads ``{"kvherd_pull": {"from": ADDR, "tokens": N?}}``
   (vLLM's connector); between kvherd agents the proxy asks in `PULL_HEADER` (`PullAsk`) and the
   agent answers what happened in `PULL_OUTCOME_HEADER` (`parse_outcome`).
 Frames are a 4-byte big-endian length and a JSON object (hashes in hex: vLLM's python has no
-msgpack); blocks follow as raw bytes of the layout's block size. Only the standard library is used.
+msgpack); blocks follow as raw bytes of the layout's block size, each then its 32-byte MAC when
+authenticated. Only the standard library is used.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import json
+import secrets
 import socket
 import struct
 import threading
@@ -37,6 +49,9 @@ MAX_PULL_BLOCKS = 4096  # one request's hashes: a 512k-token prompt at block siz
 MAX_FRAME_BYTES = 1 << 20  # a request of MAX_PULL_BLOCKS hex 32-byte hashes fits with room
 MAX_CONNECTIONS = 4  # concurrent pulls served; each buffers at most one block
 _LENGTH = struct.Struct(">I")
+_INDEX = struct.Struct(">I")
+MAC_BYTES = 32  # HMAC-SHA256
+_NONCE_BYTES = 16
 
 
 PULL_HEADER = "x-kvherd-pull"  # "tcp://HOST:PORT blocks=N": the holder and its depth in blocks
@@ -46,7 +61,8 @@ PULL_OUTCOMES = ("landed", "partial", "nothing_to_pull", "no_room", "failed")
 
 class PullError(Exception):
     """A pull that did not deliver what it asked for; the caller recomputes. `reason` is a
-    metric label: timeout, stream_cut, refused, protocol, unreachable (or the caller's own)."""
+    metric label: timeout, stream_cut, refused, protocol, unreachable, untrusted (a block or a
+    server that failed the fleet token's check), or the caller's own."""
 
     def __init__(self, message: str, reason: str = "protocol") -> None:
         super().__init__(message)
@@ -243,6 +259,37 @@ def _recv_frame(sock: socket.socket, deadline: float | None) -> dict[str, Any]:
     return frame
 
 
+def wire_key(token: str | None) -> bytes | None:
+    """The block wire's MAC key for a fleet token (None: an open wire)."""
+    if not token:
+        return None
+    return hashlib.sha256(b"kvherd-block-wire\0" + token.encode()).digest()
+
+
+def _request_mac(key: bytes, nonce: bytes, layout: str, hashes_hex: Sequence[str]) -> str:
+    message = b"\0".join((b"request", nonce, layout.encode(), ",".join(hashes_hex).encode()))
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
+def _block_mac(key: bytes, nonce: bytes, index: int, block_hash: bytes, block: Any) -> bytes:
+    mac = hmac.new(key, b"block\0" + nonce + _INDEX.pack(index) + block_hash, hashlib.sha256)
+    mac.update(block)
+    return mac.digest()
+
+
+def _authenticated(key: bytes, ask: dict[str, Any], layout: str, hashes: list[str]) -> bytes | None:
+    """The request's nonce when its MAC checks out under `key`, else None."""
+    nonce, mac = ask.get("nonce"), ask.get("mac")
+    if not isinstance(nonce, str) or not isinstance(mac, str):
+        return None
+    try:
+        raw = bytes.fromhex(nonce)
+    except ValueError:
+        return None
+    expected = _request_mac(key, raw, layout, hashes)
+    return raw if hmac.compare_digest(expected, mac) else None
+
+
 class BlockServer:
     """Serves a `BlockSource`'s blocks to `fetch_blocks` callers from a daemon thread."""
 
@@ -253,11 +300,16 @@ class BlockServer:
         host: str = "127.0.0.1",
         port: int = 0,
         io_timeout_s: float = 10.0,
+        token: str | None = None,
+        on_refused: Callable[[], None] | None = None,
     ) -> None:
         self.store = store
         self.layout = layout
         self.io_timeout_s = io_timeout_s
         self.served_blocks = 0
+        self.refused = 0  # requests without the fleet token's MAC
+        self._key = wire_key(token)
+        self._on_refused = on_refused
         self._listener = socket.create_server((host, port), reuse_port=False)
         self.port = self._listener.getsockname()[1]
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
@@ -283,18 +335,36 @@ class BlockServer:
             with conn:
                 conn.settimeout(self.io_timeout_s)
                 ask = _recv_frame(conn, time.monotonic() + self.io_timeout_s)
-                hashes = ask.get("hashes")
-                if ask.get("layout") != self.layout:
+                hashes, layout = ask.get("hashes"), ask.get("layout")
+                if (
+                    not isinstance(hashes, list)
+                    or len(hashes) > MAX_PULL_BLOCKS
+                    or not all(isinstance(h, str) for h in hashes)
+                    or not isinstance(layout, str)
+                ):
+                    _send_frame(conn, {"count": 0, "error": "bad request"})
+                    return
+                # The token first: a peer without it learns nothing, not even the layout.
+                key, nonce = self._key, None
+                if key is not None:
+                    nonce = _authenticated(key, ask, layout, hashes)
+                    if nonce is None:
+                        self.refused += 1
+                        if self._on_refused is not None:
+                            self._on_refused()
+                        _send_frame(conn, {"count": 0, "error": "unauthenticated"})
+                        return
+                if layout != self.layout:
                     _send_frame(conn, {"count": 0, "error": f"layout {self.layout}"})
                     return
-                if not isinstance(hashes, list) or len(hashes) > MAX_PULL_BLOCKS:
-                    _send_frame(conn, {"count": 0, "error": "bad hashes"})
-                    return
-                blocks = self.store.prefix([bytes.fromhex(h) for h in hashes])
-                _send_frame(conn, {"count": len(blocks)})
-                for block in blocks:
+                wanted = [bytes.fromhex(h) for h in hashes]
+                blocks = self.store.prefix(wanted)
+                _send_frame(conn, {"count": len(blocks), "mac": nonce is not None})
+                for i, block in enumerate(blocks):
                     self.served_blocks += 1  # counted first: the peer may read it before we return
                     conn.sendall(block)
+                    if key is not None and nonce is not None:
+                        conn.sendall(_block_mac(key, nonce, i, wanted[i], block))
         except Exception:  # a dead peer, a bad frame, a source that failed: the peer's fetch fails
             return  # on its side and it recomputes
         finally:
@@ -315,25 +385,39 @@ def fetch_blocks(
     block_bytes: int,
     sink: Callable[[int, memoryview], None],
     timeout_s: float,
+    token: str | None = None,
 ) -> int:
     """Pull `hashes` from the server at `address` (see the module contract); returns the count."""
     if len(hashes) > MAX_PULL_BLOCKS:
         raise PullError(f"{len(hashes)} blocks asked, at most {MAX_PULL_BLOCKS}")
     deadline = time.monotonic() + timeout_s
     host, port = parse_address(address)
+    key = wire_key(token)
+    hashes_hex = [h.hex() for h in hashes]
+    ask: dict[str, Any] = {"layout": layout, "hashes": hashes_hex}
+    nonce = secrets.token_bytes(_NONCE_BYTES)  # unused on an open wire
+    if key is not None:
+        ask["nonce"], ask["mac"] = nonce.hex(), _request_mac(key, nonce, layout, hashes_hex)
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
-            _send_frame(sock, {"layout": layout, "hashes": [h.hex() for h in hashes]})
+            _send_frame(sock, ask)
             header = _recv_frame(sock, deadline)
             if "error" in header:
                 raise PullError(f"{address} refused: {header['error']}", "refused")
             count = header.get("count")
             if not isinstance(count, int) or not 0 <= count <= len(hashes):
                 raise PullError(f"{address} sent a bad header {header!r}")
-            buffer = memoryview(bytearray(block_bytes))
+            if key is not None and count and header.get("mac") is not True:
+                raise PullError(f"{address} sends blocks without the fleet's MAC", "untrusted")
+            buffer = memoryview(bytearray(block_bytes + (MAC_BYTES if key is not None else 0)))
+            block, mac = buffer[:block_bytes], buffer[block_bytes:]
             for i in range(count):
                 _recv_exact(sock, buffer, deadline)
-                sink(i, buffer)
+                if key is not None and not hmac.compare_digest(
+                    _block_mac(key, nonce, i, hashes[i], block), mac
+                ):
+                    raise PullError(f"block {i} from {address} fails its MAC", "untrusted")
+                sink(i, block)
             return count
     except (OSError, ValueError) as exc:
         reason = "timeout" if isinstance(exc, TimeoutError) else "unreachable"

@@ -16,6 +16,10 @@ Contract (loaded by vLLM's own python; see vllm_connector.md for the flags and t
 - Any failed load (refused, unreachable, short stream, missing block, ``pull_timeout_s``) recomputes
   (``kv_load_failure_policy`` must be "recompute"); a request loads at most once; nothing stays
   pinned. Its response says ``{"kvherd_pull"|"kvherd_host": {"outcome": ..., "tokens": n}}``.
+- Trust: with a fleet token (`fleet_token.FLEET_TOKEN_ENV` in vLLM's environment, else
+  ``fleet_token`` in the extra config) the block wire is authenticated (`kv_pull`): a peer that
+  fails the check is refused as a source (the load fails ``untrusted``, recomputes) and as a
+  client (``vllm:kvherd_connector_refused_requests_total``). Without one the wire is open.
 - Metrics through vLLM's `KVConnectorStats` route: ``vllm:kvherd_connector_*`` on ``/metrics``.
 """
 
@@ -53,6 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.core.kv_cache_utils import DEFAULT_NONE_HASH_SEED, maybe_convert_block_hash
 
+from kvherd.fleet_token import FLEET_TOKEN_ENV
 from kvherd.kv_disk import DiskStore, entries
 from kvherd.kv_pull import BlockIndex, BlockServer, BlockStore, Pull, PullError, fetch_blocks
 
@@ -92,7 +97,8 @@ class KvherdConnectorMetadata(KVConnectorMetadata):
 @dataclass
 class KvherdConnectorStats(KVConnectorStats):
     """Sums since the worker's last report: ``data`` maps "loads|TIER|OUTCOME|REASON" and
-    "blocks|TIER", "bytes|TIER", "seconds|TIER" (TIER: peer, cpu, disk) to numbers."""
+    "blocks|TIER", "bytes|TIER", "seconds|TIER" (TIER: peer, cpu, disk), and "refused" (block
+    requests without the fleet token's MAC) to numbers."""
 
     def reset(self) -> None:
         self.data.clear()
@@ -113,7 +119,8 @@ class KvherdConnectorStats(KVConnectorStats):
 
 
 class KvherdPromMetrics(KVConnectorPromMetrics):
-    """``vllm:kvherd_connector_{loads,load_blocks,load_bytes,load_seconds}_total`` per tier."""
+    """``vllm:kvherd_connector_{loads,load_blocks,load_bytes,load_seconds}_total`` per tier,
+    ``vllm:kvherd_connector_refused_requests_total``."""
 
     def __init__(
         self,
@@ -144,6 +151,11 @@ class KvherdPromMetrics(KVConnectorPromMetrics):
                 name="vllm:kvherd_connector_load_seconds",
                 documentation="Seconds kvherd connector loads took (failed ones too), by tier",
                 labelnames=tier,
+            ),
+            "refused": self._counter_cls(
+                name="vllm:kvherd_connector_refused_requests",
+                documentation="Block requests refused: no valid fleet token MAC",
+                labelnames=labelnames,
             ),
         }
 
@@ -283,6 +295,7 @@ class KvherdConnector(KVConnectorBase_V1):
         self._host = str(extra.get("host", "127.0.0.1"))
         self._port = int(extra.get("port", 0))
         self._pull_timeout_s = float(extra.get("pull_timeout_s", DEFAULT_PULL_TIMEOUT_S))
+        self._token: str | None = os.environ.get(FLEET_TOKEN_ENV) or extra.get("fleet_token")
         self._layers: list[torch.Tensor] = []
         self._layout = ""
         self._block_bytes = 0
@@ -513,8 +526,25 @@ class KvherdConnector(KVConnectorBase_V1):
         self._loader = ThreadPoolExecutor(PARALLEL_PULLS, thread_name_prefix="kvherd-pull")
         if self._port:
             source = _Tiers(self._store, self._disk)
-            self._server = BlockServer(source, self._layout, self._host, self._port)
-            logger.info("kvherd connector serving blocks on %s:%d", self._host, self._port)
+            self._server = BlockServer(
+                source,
+                self._layout,
+                self._host,
+                self._port,
+                token=self._token,
+                on_refused=self._refused,
+            )
+            logger.info(
+                "kvherd connector serving blocks on %s:%d (%s)",
+                self._host,
+                self._port,
+                "fleet token required" if self._token else "open: no fleet token",
+            )
+
+    def _refused(self) -> None:
+        logger.warning("kvherd block server refused a request without the fleet token's MAC")
+        with self._done_lock:
+            self._stats.add("refused", 1)
 
     def _block_bytes_of(self, block_id: int) -> bytes:
         parts = [layer[block_id].reshape(-1).view(torch.uint8) for layer in self._layers]
@@ -556,6 +586,7 @@ class KvherdConnector(KVConnectorBase_V1):
                     self._block_bytes,
                     sink,
                     self._pull_timeout_s,
+                    self._token,
                 )
                 if count < len(load.hashes):
                     raise PullError(

@@ -20,6 +20,8 @@ import pytest
 from agent_process import agent_processes
 from serve_process import serve_process
 
+from kvherd.fleet_token import FLEET_TOKEN_ENV, auth_headers
+
 pytestmark = pytest.mark.timeout(240)
 
 BLOCK = 16
@@ -44,10 +46,17 @@ async def wait_until(check: Any, timeout: float = 30.0) -> None:
         await asyncio.sleep(0.05)
 
 
-async def test_the_proxy_pulls_a_long_prefix_to_the_idle_agent() -> None:
+@pytest.mark.parametrize("fleet_token", [None, "pull-fleet-token"], ids=["open", "fleet-token"])
+async def test_the_proxy_pulls_a_long_prefix_to_the_idle_agent(fleet_token: str | None) -> None:
+    # With a fleet token the agents refuse a pull header without it and authenticate the block
+    # wire with it: the proxy's own pull still lands.
+    env = None if fleet_token is None else {FLEET_TOKEN_ENV: fleet_token}
+    token_flags = () if fleet_token is None else ("--fleet-token", fleet_token)
+    agent_headers = auth_headers(fleet_token)
     async with contextlib.AsyncExitStack() as stack:
-        a, b = stack.enter_context(agent_processes(2, "--block-size", str(BLOCK)))
-        served = stack.enter_context(serve_process([a.instance_spec(), b.instance_spec()], *FLAGS))
+        a, b = stack.enter_context(agent_processes(2, "--block-size", str(BLOCK), env=env))
+        specs = [a.instance_spec(), b.instance_spec()]
+        served = stack.enter_context(serve_process(specs, *FLAGS, *token_flags))
         client = await stack.enter_async_context(httpx.AsyncClient(timeout=120))
         instances = await admin(served, client)
         assert all(i["pull_address"] for i in instances.values())
@@ -85,7 +94,8 @@ async def test_the_proxy_pulls_a_long_prefix_to_the_idle_agent() -> None:
         assert 'kvherd_prefix_pull_decisions_total{action="pull"} 1.0' in metrics, metrics
         assert 'kvherd_prefix_pulls_total{outcome="landed"} 1.0' in metrics, metrics
         for agent in (a, b):
-            state = (await client.get(f"{agent.url}/kvherd/v1/state?check_integrity=true")).json()
+            url = f"{agent.url}/kvherd/v1/state?check_integrity=true"
+            state = (await client.get(url, headers=agent_headers)).json()
             assert state["integrity"] == "ok" and state["block_owners"] == []
         # The admin API shows each instance's KV tiers as it reports them (here the GPU pool).
         tiers = (await admin(served, client))[b.url]["tiers"]

@@ -136,3 +136,73 @@ def test_pull_params_and_addresses() -> None:
             parse_address(bad)
     with pytest.raises(PullError, match="at most"):
         _fetch("tcp://127.0.0.1:1", [b"x"] * (MAX_PULL_BLOCKS + 1))
+
+
+def _store() -> BlockStore:
+    store = BlockStore(capacity_blocks=10)
+    for i in range(4):
+        store.put(bytes([i]), _block(i))
+    return store
+
+
+def _fetch_with(address: str, token: str | None, hashes: list[bytes]) -> dict[int, bytes]:
+    got: dict[int, bytes] = {}
+    fetch_blocks(address, LAYOUT, hashes, BLOCK, lambda i, b: got.__setitem__(i, bytes(b)), 5.0,
+                 token)  # fmt: skip
+    return got
+
+
+def test_the_fleet_token_authenticates_both_ways_of_the_wire() -> None:
+    refused: list[int] = []
+    srv = BlockServer(_store(), LAYOUT, token="tok", on_refused=lambda: refused.append(1))
+    address = f"tcp://127.0.0.1:{srv.port}"
+    try:
+        got = _fetch_with(address, "tok", [bytes([0]), bytes([1])])
+        assert got == {0: _block(0), 1: _block(1)}
+        for token in (None, "other"):  # no MAC, or the MAC of another token
+            with pytest.raises(PullError) as exc:
+                _fetch_with(address, token, [bytes([0])])
+            assert exc.value.reason == "refused"
+        # Refused before the layout is checked: a peer without the token learns nothing.
+        with pytest.raises(PullError, match="unauthenticated"):
+            fetch_blocks(address, "other:layout", [bytes([0])], BLOCK, lambda i, b: None, 5.0)
+        assert len(refused) == srv.refused == 3 and srv.served_blocks == 2
+    finally:
+        srv.close()
+    # A fetcher with the token refuses a server that sends blocks without MACs.
+    open_srv = BlockServer(_store(), LAYOUT)
+    try:
+        with pytest.raises(PullError) as exc:
+            _fetch_with(f"tcp://127.0.0.1:{open_srv.port}", "tok", [bytes([0])])
+        assert exc.value.reason == "untrusted"
+    finally:
+        open_srv.close()
+
+
+def test_a_block_whose_mac_does_not_bind_the_hash_asked_is_dropped() -> None:
+    # The MAC binds the nonce, the index, the hash asked and the bytes: a man in the middle that
+    # changes one byte of a block cannot make it land.
+    srv = BlockServer(_store(), LAYOUT, token="tok")
+    address = f"tcp://127.0.0.1:{srv.port}"
+    host, port = parse_address(address)
+    relay = socket.create_server(("127.0.0.1", 0))
+
+    def tamper() -> None:
+        conn, _ = relay.accept()
+        with conn, socket.create_connection((host, port)) as up:
+            up.sendall(conn.recv(1 << 16))
+            data = b""
+            while chunk := up.recv(1 << 16):
+                data += chunk
+            flipped = bytearray(data)
+            flipped[-40] ^= 0xFF  # inside the block's bytes, before its 32-byte MAC
+            conn.sendall(bytes(flipped))
+
+    threading.Thread(target=tamper, daemon=True).start()
+    try:
+        with pytest.raises(PullError) as exc:
+            _fetch_with(f"tcp://127.0.0.1:{relay.getsockname()[1]}", "tok", [bytes([2])])
+        assert exc.value.reason == "untrusted"
+    finally:
+        relay.close()
+        srv.close()
