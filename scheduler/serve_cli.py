@@ -243,6 +243,12 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         "open-file limit, which start-up raises to its hard limit, less a reserve)",
     )
     add_admission_arguments(parser)
+    parser.add_argument(
+        "--no-door",
+        action="store_true",
+        help="no door: every request reaches admission, even while it refuses most of a flood "
+        "(default: those are answered 429 from the request head, scheduler/core/door.py)",
+    )
     parser.add_argument("--connect-timeout", type=float, default=2.0)
     parser.add_argument(
         "--request-timeout", type=float, default=600.0, help="seconds until the response head"
@@ -574,6 +580,7 @@ async def serve_fleet(
     from kvherd.fleet_token import auth_headers, resolve
     from policies.registry import PolicyAllowList
     from scheduler.core.deadlines import DeadlineSettings
+    from scheduler.core.door import DoorSettings
     from scheduler.core.tenancy import SALT_SECRET_ENV, build_registry
     from scheduler.fleet import Fleet, FleetError, FleetSettings
     from scheduler.proxy.admin import LOOPBACK_PATTERNS, RegistrationPolicy, build_admin_app
@@ -714,6 +721,7 @@ async def serve_fleet(
             max_continuations=args.max_continuations,
             admission=admission,
             max_connections=args.max_connections or connection_cap(fd_limit),
+            door=None if args.no_door else DoorSettings(),
             deadlines=DeadlineSettings(
                 first_byte_floor_s=args.first_byte_deadline[0],
                 first_byte_cap_s=args.first_byte_deadline[1],

@@ -7,7 +7,9 @@ Contract:
   comments), every request must carry ``Authorization: Bearer KEY`` for a known key, else 401. A spec
   is ``KEY[=TENANT]`` or ``KEY TENANT``, then options ``weight=W`` (fair share, > 0, default 1),
   ``priority=P`` (the default priority class, an int), ``rpm=N`` and ``tpm=N`` (requests and
-  tokens a minute, `scheduler.core.rate_limit`); a bad spec, or differing options for one
+  tokens a minute, `scheduler.core.rate_limit`), ``kv_transfer_params=allow`` (its requests'
+  own ``kv_transfer_params`` reach the engines; every other request's are stripped: they make
+  vLLM's KV connector load KV from a peer they name); a bad spec, or differing options for one
   tenant's keys, is a `ValueError`. A key without a tenant name is its own tenant.
 - Each tenant has a cache salt ``HMAC-SHA256(secret, tenant name)`` (``--tenant-salt-secret`` or
   `SALT_SECRET_ENV`; generated when not given: `TenantRegistry.salt_secret_generated`), the same in
@@ -36,6 +38,7 @@ class TenantOptions:
     priority: int | None = None  # its requests' class when they name none
     rpm: int | None = None  # requests a minute (None: unlimited)
     tpm: int | None = None  # tokens a minute, prompt and output (None: unlimited)
+    kv_transfer_params: bool = False  # its requests' own kv_transfer_params are forwarded
 
     @property
     def limits(self) -> RateLimits:
@@ -109,7 +112,7 @@ class TenantRegistry:
         return self._by_key.get(authorization[7:].strip())
 
 
-_OPTIONS = ("weight", "priority", "rpm", "tpm")
+_OPTIONS = ("weight", "priority", "rpm", "tpm", "kv_transfer_params")
 
 
 def _option(spec: str, item: str, values: dict[str, float | int]) -> None:
@@ -117,8 +120,13 @@ def _option(spec: str, item: str, values: dict[str, float | int]) -> None:
     if not sep or name not in _OPTIONS or name in values:
         raise ValueError(
             f"bad API key spec {spec!r}: {item!r} is not one of weight=W, priority=P, rpm=N, "
-            "tpm=N (each at most once)"
+            "tpm=N, kv_transfer_params=allow (each at most once)"
         )
+    if name == "kv_transfer_params":
+        if text != "allow":
+            raise ValueError(f"bad API key spec {spec!r}: kv_transfer_params takes only allow")
+        values[name] = True
+        return
     try:
         value: float | int = float(text) if name == "weight" else int(text)
     except ValueError:

@@ -21,6 +21,9 @@ Contract:
   idle or slow clients cannot take every descriptor the process has (its admin API and
   upstream connections need some too).
   `refused_connections` counts them.
+- `door`, when given, sees each POST head to a route while nothing else is pending on its
+  connection; a 429 it returns is written at once and the body is dropped as it arrives (the
+  connection stays open per keep-alive; after ``Expect: 100-continue`` it closes).
 - A body over `max_body_bytes` is not buffered: the handler sees `Exchange.too_large` set and an
   empty body. Unparsable requests get 400 and the connection closes.
 - A client that disconnects before its response completed cancels the request's task with
@@ -52,6 +55,8 @@ import httptools
 log = logging.getLogger("kvherd.http")
 
 Handler = Callable[["Exchange"], Coroutine[Any, Any, None]]
+# The door (`scheduler.proxy.door_gate`): a route's request head in, None or a 429's headers and body.
+DoorCheck = Callable[[list[tuple[bytes, bytes]]], tuple[list[tuple[bytes, bytes]], bytes] | None]
 ASGIApp = Callable[
     [
         MutableMapping[str, Any],
@@ -215,6 +220,7 @@ class _FrontProtocol(asyncio.Protocol):
         self._write_paused: asyncio.Future[None] | None = None
         self._closed = False
         self._bad_request = False  # answer the request in flight, then 400 and close
+        self._shed = False  # the request being read was answered at the door: drop its body
         self.idle_since = time.monotonic()
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
@@ -301,11 +307,32 @@ class _FrontProtocol(asyncio.Protocol):
         self._in_head = False
         if self._current is None:  # a request without headers
             self._current = self._new_exchange()
-        self._current.keep_alive = self._parser.should_keep_alive() and self._server.accepting
+        exchange = self._current
+        exchange.keep_alive = self._parser.should_keep_alive() and self._server.accepting
+        server = self._server
+        if (
+            server.door is not None
+            and self._active is None
+            and not self._queue
+            and exchange.method == b"POST"
+            and exchange.path in server.routes
+        ):
+            answer = server.door(exchange.headers)
+            if answer is not None:
+                # Refused from the head, in this callback: no task, no body kept, no parse.
+                self._shed = True
+                if self._expect_continue:  # its body will not come: close once answered
+                    exchange.keep_alive = False
+                exchange.respond(429, *answer)
+                if self._expect_continue:
+                    self.close()
+                return
         if self._expect_continue and self._active is None and not self._queue:
             self.write(_CONTINUE)
 
     def on_body(self, body: bytes) -> None:
+        if self._shed:
+            return
         self._body_size += len(body)
         if self._body_size <= self._server.max_body_bytes:
             self._body.append(body)
@@ -317,6 +344,12 @@ class _FrontProtocol(asyncio.Protocol):
         if exchange is None:
             return
         self._current = None
+        if self._shed:
+            self._shed = False
+            self.idle_since = time.monotonic()
+            if not exchange.keep_alive or not self._server.accepting:
+                self.close()
+            return
         if self._body_size > self._server.max_body_bytes:
             exchange.too_large = True
         elif self._body:
@@ -409,6 +442,7 @@ class FrontServer:
         max_body_bytes: int,
         keep_alive_s: float = 30.0,
         max_connections: int = 4096,
+        door: DoorCheck | None = None,
     ) -> None:
         if max_connections < 1:
             raise ValueError("max_connections must be >= 1")
@@ -417,6 +451,7 @@ class FrontServer:
         self.max_body_bytes = max_body_bytes
         self.keep_alive_s = keep_alive_s
         self.max_connections = max_connections
+        self.door = door
         self.refused_connections = 0
         self.connections: set[_FrontProtocol] = set()
         self.accepting = True

@@ -51,6 +51,8 @@ Contract (what ``GET /metrics`` on the proxy exposes):
   {outcome}`` (what the chosen agent reported: ``landed``, ``partial``, ``nothing_to_pull``,
   ``no_room``, ``failed``: recomputed), ``kvherd_prefix_pull_bytes_total`` and
   ``kvherd_prefix_pull_seconds_total``.
+- ``kvherd_kv_transfer_params_stripped_total``: client ``kv_transfer_params`` the proxy dropped
+  (only a tenant with ``kv_transfer_params=allow`` may send them, `scheduler.core.tenancy`).
 
 The per-request metrics (requests, the three histograms, in-flight) are plain Python numbers that a
 collector turns into metric families at scrape time: prometheus_client's locked counters and
@@ -250,6 +252,10 @@ class ProxyMetrics:
         self._pull_seconds = Counter(
             "kvherd_prefix_pull_seconds", "Seconds the agents spent pulling", registry=r
         )
+        self.kv_transfer_params_stripped = Counter(
+            "kvherd_kv_transfer_params_stripped",
+            "Client kv_transfer_params dropped: the tenant may not send them", registry=r,
+        )  # fmt: skip
 
     def tier_hits(self, blocks: tuple[int, ...]) -> None:
         """One decision's hit blocks per tier (`policies.views.TIERS` order)."""

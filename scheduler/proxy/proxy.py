@@ -25,7 +25,7 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -39,12 +39,14 @@ from kvherd.wire import OpenAIError
 from scheduler.core.admission import AdmissionSettings
 from scheduler.core.admission_queue import QueueSettings
 from scheduler.core.deadlines import Deadlines, DeadlineSettings
+from scheduler.core.door import DoorSettings
 from scheduler.core.tenancy import Tenant, TenantRegistry
 from scheduler.fleet import Fleet, FleetInstance
 from scheduler.proxy import pd
 from scheduler.proxy.admission_gate import AdmissionGate, Refused
 from scheduler.proxy.attempt import Attempt, Upstream, UpstreamStatus
 from scheduler.proxy.continuation import Continued, with_token_ids
+from scheduler.proxy.door_gate import DoorGate
 from scheduler.proxy.forwarding import UpstreamError, UpstreamPool, UpstreamTimeout
 from scheduler.proxy.http_front import Exchange, FrontServer
 from scheduler.proxy.loop_lag import LoopLag
@@ -86,6 +88,7 @@ class ProxyConfig:
     fleet_token: str | None = None  # the agents' control routes (resume) require it
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     max_connections: int = 4096  # client connections the front server holds at once
+    door: DoorSettings | None = field(default_factory=DoorSettings)  # None: no door
 
 
 class Proxy:
@@ -123,6 +126,7 @@ class Proxy:
             fleet, config.admission, config.queue, metrics, tenants.weight
         )
         self.limits = RateGate(tenants, metrics)
+        self.door = DoorGate(tenants, self.admission, metrics, config.door)
         self.relay = Relay(
             fleet, self.pool, self.deadlines, metrics, self.continue_stream,
             max_continuations=config.max_continuations,
@@ -158,6 +162,7 @@ class Proxy:
         auth: bytes | None = None
         priority: bytes | None = None
         tenant_name: str | None = None
+        klass = 0
         admitted = False  # by `admission.check`: `admission.finished` when it ends
         lease: Lease | None = None  # a limited tenant's: settled or given back when it ends
         traceparent: bytes | None = None
@@ -219,8 +224,11 @@ class Proxy:
                     lease = self.limits.admit(tenant_name)
                     self.admission.check(tenant_name, klass)
             admitted = True
+            self.door.admitted(tenant_name, klass)
             started = time.perf_counter()
             request = await self.reader.read(exchange.body, path, chat, tenant, asked)
+            if "kv_transfer_params" in request.body:
+                request = self._kv_transfer_params_checked(request)
             if lease is not None:
                 lease.reserve(request.num_tokens, request.max_new_tokens)
             if request.lora_load is not None and self.lora is not None:
@@ -232,6 +240,8 @@ class Proxy:
             status = exc.status
             if lease is not None:  # the proxy's own answer: nothing of it was served
                 lease.give_back()
+            if isinstance(exc, Refused):
+                self.door.refused(tenant_name, klass, exc)
             _respond_error(exchange, exc, request_id)
         except asyncio.CancelledError:
             if not exchange.gone:
@@ -256,6 +266,16 @@ class Proxy:
         if trace is not None:
             trace.end(status)
         self.metrics.request_done(status)
+
+    def _kv_transfer_params_checked(self, request: RoutedRequest) -> RoutedRequest:
+        """`request` without the client's ``kv_transfer_params`` unless its tenant may send them
+        (``kv_transfer_params=allow``): they make vLLM's KV connector load KV from the peer they
+        name. The proxy's own pull asks are added later (`_with_vllm_pull`)."""
+        if request.tenant is not None and request.tenant.options.kv_transfer_params:
+            return request
+        self.metrics.kv_transfer_params_stripped.inc()
+        body = {k: v for k, v in request.body.items() if k != "kv_transfer_params"}
+        return replace(request, body=body, raw=orjson.dumps(body))
 
     def _authenticate(self, auth: bytes | None) -> Tenant | None:
         if not self.tenants.enabled:
@@ -325,6 +345,8 @@ class Proxy:
             pull = self.fleet.pull_for(key)
             if pull is not None and instance.spec.kvherd_agent:  # blocks land before prefill
                 sent = [*sent, (PULL_HEADER.encode(), PullAsk(*pull).header().encode())]
+                if self.config.fleet_token and decode is None:  # a handoff sent it already
+                    sent.append((b"authorization", b"Bearer " + self.config.fleet_token.encode()))
             elif pull is not None:  # a vLLM with kvherd's connector: asked in the body
                 address, num_blocks = pull
                 payload = _with_vllm_pull(payload, address, num_blocks * request.block_size)
@@ -626,6 +648,7 @@ def build_front(proxy: Proxy) -> FrontServer:
         build_app(proxy),
         proxy.config.max_body_bytes,
         max_connections=proxy.config.max_connections,
+        door=None if proxy.config.door is None else proxy.door.refusal,
     )
 
 
