@@ -14,7 +14,7 @@ Contract:
 - Migrations (`migration_policy` other than `none`): `scheduler.core.migration_loop.MigrationLoop` asks
   the migration policy every `migration_interval_s`; each accepted order runs Llumnix's multi-stage
   copy through the agents' own sessions (`migration.core.session`: the same checks in the same
-  order, the destination's share-then-reserve answer, the request state crossing as
+  order, the destination's steps from `migration.core.destination`, the request state crossing as
   `Request.to_state()`), stage transfer time = bytes / `migration_bandwidth` +
   `migration_stage_latency_s`; the request keeps decoding during live stages and is suspended only
   for the stop-and-copy stage (between engine steps, never mid-step), then adopted by the
@@ -100,6 +100,14 @@ from instance_agent.engine.core.request import (
     pull_carrier,
 )
 from kvherd.kv_events import KVEvent
+from migration.core.destination import (
+    Accept,
+    DestinationProtocol,
+    Refuse,
+    ReserveAction,
+    ReserveBlocks,
+    ShareCached,
+)
 from migration.core.handoff import handoff_stages, holds_first_token
 from migration.core.protocol import AbortReason
 from migration.core.session import (
@@ -107,7 +115,6 @@ from migration.core.session import (
     AheadBlocks,
     Commit,
     Copy,
-    DestinationSession,
     Done,
     Release,
     RequestSnapshot,
@@ -246,15 +253,17 @@ class MigrationStats:
 class _Migration:
     order: MigrationOrder
     session: SourceSession
-    destination: DestinationSession
+    destination: DestinationProtocol  # the destination's steps (`migration.core.destination`)
     owner: str  # the destination's reservation owner id
     stats: MigrationStats
     link: TransferLink  # times each stage's copy
     on_done: Callable[[str, str | None], None]  # (request id, abort reason or None: committed)
     suspended_at: float = math.nan
-    # Blocks stage 0 reserved on the destination for later stages (`Stage.expected_blocks`);
-    # held under `owner` with the rest, so freeing the owner frees them.
-    ahead: AheadBlocks = field(default_factory=AheadBlocks)
+
+    @property
+    def ahead(self) -> AheadBlocks:
+        """The blocks stage 0 reserved on the destination for later stages (held under `owner`)."""
+        return self.destination.ahead
 
 
 class SimCluster:
@@ -969,7 +978,7 @@ class SimCluster:
         m = _Migration(
             order,
             SourceSession(rid, block_size, stages or self.config.migration_stages, prefill_tokens),
-            DestinationSession(rid, dst.block_manager.block_size),
+            DestinationProtocol(rid, dst.block_manager.block_size, self.loop.now),
             owner=f"migration:{rid}",
             stats=stats,
             link=link,
@@ -1051,41 +1060,30 @@ class SimCluster:
                     return
 
     def _reserve_on_dst(self, m: _Migration, dst: SimInstance, stage: Stage) -> SourceAction:
-        """The destination's answer to one stage's reservation (as `migration.destination`)."""
+        """Perform the destination's steps for one stage's reservation (as `migration.destination`);
+        blocks are held under `m.owner`, so freeing it frees those reserved ahead too."""
         bm = dst.block_manager
-        hashes = DestinationSession.hashes_to_share(
-            stage.index, max(stage.num_blocks, stage.expected_blocks), stage.block_hashes
+        action: ReserveAction = m.destination.on_reserve(
+            stage.index, stage.num_blocks, stage.expected_blocks, stage.block_hashes, self.loop.now
         )
-        shared = bm.lookup_cached_prefix(hashes) if hashes else []
-        if shared:
-            bm.share_cached_blocks(m.owner, shared)
-        reserved = self._take_blocks(m, dst, stage, len(shared))
-        answer = DestinationSession.answer(stage.num_blocks, shared, reserved)
-        if not answer.accepted:
-            bm.free_owner(m.owner)
-        else:
-            m.stats.blocks_shared += len(shared)
-            m.stats.bytes_shared += (
-                len(shared) * bm.block_size * (self.latency.kv_bytes_per_token or 0.0)
-            )
-        return m.session.on_reserved(
-            answer.accepted,
-            len(answer.shared_block_ids),
-            len(answer.reserved_block_ids),
-            answer.reason,
-        )
-
-    @staticmethod
-    def _take_blocks(
-        m: _Migration, dst: SimInstance, stage: Stage, num_shared: int
-    ) -> list[int] | None:
-        """The stage's blocks past the `num_shared` cached ones (None: no room), taken as
-        `migration.destination` takes them (`AheadBlocks`)."""
-        count = m.ahead.to_reserve(stage.index, stage.num_blocks, stage.expected_blocks, num_shared)
-        fresh = [] if count is None else dst.block_manager.reserve_blocks(m.owner, count)
-        if fresh is None:
-            return None
-        return m.ahead.take(stage.index, stage.num_blocks, num_shared, fresh)
+        while True:
+            match action:
+                case ShareCached(hashes):
+                    shared = bm.lookup_cached_prefix(list(hashes))
+                    if shared:
+                        bm.share_cached_blocks(m.owner, shared)
+                    action = m.destination.on_shared(shared)
+                case ReserveBlocks(count):
+                    action = m.destination.on_reserved(bm.reserve_blocks(m.owner, count))
+                case Accept(shared_ids, reserved_ids):
+                    m.stats.blocks_shared += len(shared_ids)
+                    m.stats.bytes_shared += (
+                        len(shared_ids) * bm.block_size * (self.latency.kv_bytes_per_token or 0.0)
+                    )
+                    return m.session.on_reserved(True, len(shared_ids), len(reserved_ids))
+                case Refuse(detail=detail):
+                    bm.free_owner(m.owner)
+                    return m.session.on_reserved(False, 0, 0, detail)
 
     def _stage_landed(self, m: _Migration) -> None:
         action = m.session.on_landed()
@@ -1100,19 +1098,16 @@ class SimCluster:
         request = src.scheduler.requests.get(session.request_id)
         if request is None:
             return session.fail(AbortReason.REQUEST_FINISHED, "finished or aborted on the source")
-        unfilled = m.ahead.commit_refusal()
-        if unfilled is not None:
-            dst.block_manager.free_owner(m.owner)
-            return session.on_commit_answer(False, unfilled)
         state = request.to_state()
-        refusal = m.destination.commit_refusal(
+        action = m.destination.on_commit(
             state["request_id"],
             state["num_computed_tokens"],
             len(dst.block_manager.block_ids(m.owner)),
+            self.loop.now,
         )
-        if refusal is not None:
+        if isinstance(action, Refuse):
             dst.block_manager.free_owner(m.owner)
-            return session.on_commit_answer(False, refusal)
+            return session.on_commit_answer(False, action.detail)
         adopted = Request.from_state(state, dst.block_manager.block_size)
         dst.block_manager.transfer_owner(m.owner, adopted.request_id)
         dst.scheduler.adopt(adopted)
