@@ -1,9 +1,9 @@
 """The destination side of live migration: reserve, receive, commit or abort, and expire.
 
 Contract:
-- The decisions (which hashes to share, the answer, whether a commit fits) are
-  `migration.core.session.DestinationSession`'s, shared with the simulator; this module adds the
-  wire, the engine thread, the transport and the reservation table.
+- The protocol's steps (which hashes to share, what to reserve, the answer, whether a commit
+  fits) are `migration.core.destination.DestinationProtocol`'s, driven here and by the simulator;
+  this module adds the wire, the engine thread, the transport and the reservation table.
 - `reserve` answers each stage: stage 0 checks the KV geometry and that the request's model and
   LoRA adapter are served here, opens a reservation (refused when busy), shares the cached leading blocks by
   reference, reserves the rest and offers a transport endpoint; every stage then receives its
@@ -31,6 +31,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from migration.core.destination import (
+    Accept,
+    DestinationProtocol,
+    Refuse,
+    ReserveAction,
+    ReserveBlocks,
+    ShareCached,
+)
 from migration.core.protocol import (
     AbortReason,
     AbortRequest,
@@ -41,7 +49,6 @@ from migration.core.protocol import (
     ReserveResponse,
 )
 from migration.core.reservations import Reservation, ReservationError, ReservationTable
-from migration.core.session import AheadBlocks, DestinationSession
 from migration.kv_copy import recv_blocks
 from migration.transport import TransferError, TransportHub
 
@@ -70,9 +77,9 @@ class MigrationDestination:
         self._tags: dict[str, tuple[str, int]] = {}  # migration -> (pair group, message tag)
         self._views: Sequence[Any] | None = None  # the engine's KV cache, by block id
         self._landing: set[str] = set()  # migrations whose bytes are being received right now
-        # Blocks reserved ahead for a migration's later stages (`expected_blocks`); held under
-        # the migration id with the rest, so freeing the reservation frees them.
-        self._ahead: dict[str, AheadBlocks] = {}
+        # Each open migration's protocol steps; blocks it reserves ahead for later stages
+        # (`expected_blocks`) are held under the migration id, so freeing it frees them.
+        self._sessions: dict[str, DestinationProtocol] = {}
         self.committed = 0
         self.aborted: dict[str, int] = {}  # reason -> count
 
@@ -94,12 +101,9 @@ class MigrationDestination:
                 self.table.open(mid, msg.request_id, msg.src, self.clock())
             except ReservationError as e:
                 return ReserveResponse(False, reason=str(e))
-            hashes = DestinationSession.hashes_to_share(
-                msg.stage, max(msg.num_blocks, msg.expected_blocks), msg.block_hashes
+            session = self._sessions[mid] = DestinationProtocol(
+                msg.request_id, self.block_size, self.clock()
             )
-            shared: list[int] = []
-            if hashes:
-                shared = await self.call(lambda e: e.share_cached_prefix(mid, hashes))
         else:
             reservation = self.table.get(mid)
             if reservation is None:
@@ -108,12 +112,23 @@ class MigrationDestination:
             if failure is not None:
                 await self._drop(mid, AbortReason.TRANSFER_FAILED)
                 return ReserveResponse(False, reason=failure)
-            shared = []
-        reserved = await self._take_blocks(mid, msg, len(shared))
-        answer = DestinationSession.answer(msg.num_blocks, shared, reserved)
-        if reserved is None:
-            await self._drop(mid, AbortReason.DST_REFUSED)
-            return ReserveResponse(False, reason=answer.reason)
+            session = self._sessions[mid]
+        action: ReserveAction = session.on_reserve(
+            msg.stage, msg.num_blocks, msg.expected_blocks, msg.block_hashes, self.clock()
+        )
+        while not isinstance(action, Accept):
+            match action:
+                case ShareCached(hashes):
+                    found = await self.call(lambda e: e.share_cached_prefix(mid, list(hashes)))
+                    action = session.on_shared(found)
+                case ReserveBlocks(count):
+                    action = session.on_reserved(
+                        await self.call(lambda e: e.reserve_blocks(mid, count))
+                    )
+                case Refuse(reason, detail):
+                    await self._drop(mid, reason)
+                    return ReserveResponse(False, reason=detail)
+        shared, reserved = list(action.shared_block_ids), list(action.reserved_block_ids)
         try:
             reservation = self.table.begin_stage(mid, msg.stage, shared, reserved, self.clock())
         except ReservationError as e:
@@ -137,19 +152,14 @@ class MigrationDestination:
         if failure is not None:
             await self._drop(mid, AbortReason.TRANSFER_FAILED)
             return AckResponse(False, failure)
-        unfilled = self._ahead[mid].commit_refusal() if mid in self._ahead else None
-        if unfilled is not None:
-            await self._drop(mid, AbortReason.DST_FAILED)
-            return AckResponse(False, unfilled)
         state = msg.state
         block_ids = reservation.block_ids
-        session = DestinationSession(reservation.request_id, self.block_size)
-        refusal = session.commit_refusal(
-            state.request_id, state.num_computed_tokens, len(block_ids)
+        answer = self._sessions[mid].on_commit(
+            state.request_id, state.num_computed_tokens, len(block_ids), self.clock()
         )
-        if refusal is not None:
-            await self._drop(mid, AbortReason.DST_FAILED)
-            return AckResponse(False, refusal)
+        if isinstance(answer, Refuse):
+            await self._drop(mid, answer.reason)
+            return AckResponse(False, answer.detail)
         # Popped before adopting: once the engine owns the blocks, an expiry must not free them.
         self.table.pop(mid)
         self._forget(mid)
@@ -163,7 +173,9 @@ class MigrationDestination:
         return AckResponse(True)
 
     async def abort(self, msg: AbortRequest) -> AckResponse:
-        await self._drop(msg.migration_id, AbortReason.SRC_CANCELLED)
+        session = self._sessions.get(msg.migration_id)
+        if session is not None:  # none: unknown, already freed (answered all the same)
+            await self._drop(msg.migration_id, session.on_abort().reason)
         return AckResponse(True)
 
     # -- expiry ----------------------------------------------------------------------------------
@@ -206,20 +218,6 @@ class MigrationDestination:
         # The engine runs the adopted request with no client; the agent's engine loop buffers
         # its outputs until a follower attaches (`EngineLoop.attach`).
         return await self.call(lambda e: e.adopt_request(state, block_ids, owner_id))
-
-    async def _take_blocks(
-        self, mid: str, msg: ReserveRequest, num_shared: int
-    ) -> list[int] | None:
-        """The stage's blocks past the `num_shared` cached ones: first the blocks reserved ahead,
-        then fresh ones (None: no room). Stage 0 with `expected_blocks` reserves them all now."""
-        ahead = self._ahead.setdefault(mid, AheadBlocks())
-        count = ahead.to_reserve(msg.stage, msg.num_blocks, msg.expected_blocks, num_shared)
-        fresh: list[int] | None = []
-        if count is not None:
-            fresh = await self.call(lambda e: e.reserve_blocks(mid, count))
-        if fresh is None:
-            return None
-        return ahead.take(msg.stage, msg.num_blocks, num_shared, fresh)
 
     def _check_geometry(self, msg: ReserveRequest) -> str | None:
         if msg.block_size != self.block_size:
@@ -290,7 +288,7 @@ class MigrationDestination:
         # A receive still in flight finishes on its own and drops its bytes (see `_receive`).
         self._tags.pop(migration_id, None)
         self._receiving.pop(migration_id, None)
-        self._ahead.pop(migration_id, None)
+        self._sessions.pop(migration_id, None)
 
     def _count(self, reason: AbortReason) -> None:
         self.aborted[reason.value] = self.aborted.get(reason.value, 0) + 1

@@ -10,7 +10,8 @@ Contract:
   not match the blocks held); `on_abort` answers `Refuse(SRC_CANCELLED)`.
 - Every `Refuse` means: the driver frees everything the migration holds, then answers it refused.
 - `expired(now, timeout_s)`: the source has been silent for longer than `timeout_s`.
-- Pure: no engine, no wire, no clock of its own. Driven by `simulator.cluster`.
+- Pure: no engine, no wire, no clock of its own. Drivers: `migration.destination` (agents),
+  `simulator.cluster`.
 """
 
 from __future__ import annotations
