@@ -244,10 +244,11 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_admission_arguments(parser)
     parser.add_argument(
-        "--no-door",
+        "--door",
         action="store_true",
-        help="no door: every request reaches admission, even while it refuses most of a flood "
-        "(default: those are answered 429 from the request head, scheduler/core/door.py)",
+        help="answer 429 from the request head for a tenant and class admission is refusing most "
+        "of (scheduler/core/door.py; off by default: it slowed recovery after floods of long "
+        "requests in the overload suite)",
     )
     parser.add_argument("--connect-timeout", type=float, default=2.0)
     parser.add_argument(
@@ -721,7 +722,7 @@ async def serve_fleet(
             max_continuations=args.max_continuations,
             admission=admission,
             max_connections=args.max_connections or connection_cap(fd_limit),
-            door=None if args.no_door else DoorSettings(),
+            door=DoorSettings() if args.door else None,
             deadlines=DeadlineSettings(
                 first_byte_floor_s=args.first_byte_deadline[0],
                 first_byte_cap_s=args.first_byte_deadline[1],

@@ -88,7 +88,7 @@ class ProxyConfig:
     fleet_token: str | None = None  # the agents' control routes (resume) require it
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     max_connections: int = 4096  # client connections the front server holds at once
-    door: DoorSettings | None = field(default_factory=DoorSettings)  # None: no door
+    door: DoorSettings | None = None  # None: no door (``kvherd serve --door``)
 
 
 class Proxy:
