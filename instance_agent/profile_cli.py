@@ -41,7 +41,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvherd.profile_format import FEATURES, PROFILE_FORMAT, fastest_per_shape, fit_steps
+from kvherd.profile_format import (
+    FEATURES,
+    PROFILE_FORMAT,
+    doubling_grid,
+    fastest_per_shape,
+    fit_steps,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,14 +92,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _fail(message: str) -> int:
     print(f"kvherd profile: error: {message}", file=sys.stderr)
     return 2
-
-
-def _grid(limit: int, start: int) -> list[int]:
-    values, v = [], start
-    while v < limit:
-        values.append(v)
-        v *= 2
-    return [*values, limit]
 
 
 class _Profiler:
@@ -150,7 +148,7 @@ class _Profiler:
 
 def _workloads(prof: _Profiler, args: argparse.Namespace, max_len: int) -> None:
     max_ctx = min(args.max_context, max_len - 16)
-    lengths = _grid(max_ctx, 16)
+    lengths = doubling_grid(max_ctx, 16)
     for _ in range(args.repeats):
         for length in lengths:  # cold prefills (chunked beyond the token budget)
             prof.add(prof.tokens(length), 1)
@@ -163,7 +161,7 @@ def _workloads(prof: _Profiler, args: argparse.Namespace, max_len: int) -> None:
                 if len(prefix) + new < max_len:
                     prof.add(prefix + prof.tokens(new), 1)
                     prof.drain()
-        for batch in _grid(args.max_batch, 1):  # decode batches at several contexts
+        for batch in doubling_grid(args.max_batch, 1):  # decode batches at several contexts
             for context in (16, *lengths[2::2]):
                 if context + 8 >= max_len:
                     continue

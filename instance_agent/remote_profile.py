@@ -36,6 +36,7 @@ from kvherd.profile_format import (
     FEATURES,
     HOST_SECTION,
     PROFILE_FORMAT,
+    doubling_grid,
     fastest_per_shape,
     fit_steps,
 )
@@ -189,14 +190,6 @@ class _Workloads:
             )
 
 
-def _grid(limit: int, start: int) -> list[int]:
-    values, v = [], start
-    while v < limit:
-        values.append(v)
-        v *= 2
-    return [*values, limit]
-
-
 def profile_server(args: argparse.Namespace) -> dict[str, Any]:
     """Measure the server at `args.url` and return the profile (format `PROFILE_FORMAT`)."""
     server = RemoteServer(args.url, args.served_model, args.api_key, args.request_timeout)
@@ -204,7 +197,7 @@ def profile_server(args: argparse.Namespace) -> dict[str, Any]:
     num_blocks_text = server.cache_info.get("num_gpu_blocks") or args.num_blocks
     work = _Workloads(server, args.seed, (3, args.vocab_limit))
     work.server.complete(work.tokens(64), 4)  # warm-up: first calls allocate and compile
-    lengths = _grid(args.max_context, 32)
+    lengths = doubling_grid(args.max_context, 32)
     for _ in range(args.repeats):
         for length in lengths:
             work.prefill([], length)
@@ -214,7 +207,7 @@ def profile_server(args: argparse.Namespace) -> dict[str, Any]:
                 if prefix and len(prefix) + new <= args.max_context:
                     work.prefill(prefix, new)
                     prefix = work.tokens(len(prefix))  # fresh, so the next one pays its prefix
-        for batch in _grid(args.max_batch, 1):
+        for batch in doubling_grid(args.max_batch, 1):
             for context in (32, *lengths[2::2]):
                 work.decode(batch, context, args.decode_tokens)
     names = [*FEATURES, REQUEST_COLUMN]

@@ -63,6 +63,15 @@ def step_features(
     ]
 
 
+def doubling_grid(limit: int, start: int) -> list[int]:
+    """`start`, doubled while below `limit`, then `limit`: the profiles' lengths and batch sizes."""
+    values, v = [], start
+    while v < limit:
+        values.append(v)
+        v *= 2
+    return [*values, limit]
+
+
 def fastest_per_shape(points: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Of the points measured for one batch shape, the fastest: the usual defence against
     interference from other processes on a shared machine."""

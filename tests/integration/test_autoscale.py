@@ -21,24 +21,12 @@ from collections.abc import Callable
 import httpx
 import pytest
 from agent_process import free_port
+from test_up import _wait_ready
 
 pytestmark = pytest.mark.timeout(420)
 
 TOKEN = "autoscale-admin-token"
 PROMPTS = [f"Tell me about autoscaling, part {i}." for i in range(4)]
-
-
-def _wait_ready(proc: subprocess.Popen[str], timeout: float) -> str:
-    assert proc.stdout is not None
-    seen: list[str] = []
-    deadline = time.monotonic() + timeout
-    for line in proc.stdout:
-        seen.append(line)
-        if line.startswith("Ctrl-C or SIGTERM stops everything"):
-            return "".join(seen)
-        if time.monotonic() > deadline:
-            break
-    raise AssertionError("kvherd up did not become ready:\n" + "".join(seen))
 
 
 class Load:

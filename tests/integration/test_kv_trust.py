@@ -10,17 +10,13 @@ agent's own block server refuses a request without the token's MAC. Through the 
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import struct
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 from agent_process import AgentProcess, agent_processes
+from rogue_block_server import RogueBlockServer
 from test_proxy import running_proxy
 
 from kvherd.fleet_token import FLEET_TOKEN_ENV, auth_headers
@@ -94,38 +90,6 @@ def test_a_pull_header_needs_the_fleet_token(pair: list[AgentProcess]) -> None:
     assert landed.json()["choices"][0]["text"] == expected.json()["choices"][0]["text"]
     assert_clean(holder)
     assert_clean(puller)
-
-
-class RogueBlockServer:
-    """Answers every block request with `count` blocks of junk, with (wrong) MACs or none."""
-
-    def __init__(self, count: int, claims_mac: bool) -> None:
-        self.count = count
-        self.claims_mac = claims_mac
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.address = f"tcp://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.asked = 0
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                try:
-                    (length,) = struct.unpack(">I", conn.recv(4, socket.MSG_WAITALL))
-                    conn.recv(length, socket.MSG_WAITALL)
-                    self.asked += 1
-                    header = json.dumps({"count": self.count, "mac": self.claims_mac}).encode()
-                    conn.sendall(struct.pack(">I", len(header)) + header)
-                    conn.sendall(os.urandom(1 << 20))  # junk: more than a block and its MAC
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 @pytest.mark.parametrize("claims_mac", [False, True], ids=["no-mac", "forged-mac"])

@@ -11,17 +11,13 @@ without the token's MAC, counted in ``vllm:kvherd_connector_refused_requests_tot
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import struct
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from rogue_block_server import RogueBlockServer
 from vllm_fleet import KvherdFactory, Prompts, VllmServer, VllmSpec, poll_until, vllm_servers
 
 from kvherd.fleet_token import FLEET_TOKEN_ENV
@@ -30,38 +26,9 @@ from kvherd.kv_pull import PullError, fetch_blocks
 TOKEN = "vllm-fleet-token"
 
 
-class RogueBlockServer:
-    """Counts the block requests it gets and answers each with junk (a MAC claimed, none valid)."""
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.address = f"tcp://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.asked = 0
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                try:
-                    (length,) = struct.unpack(">I", conn.recv(4, socket.MSG_WAITALL))
-                    conn.recv(length, socket.MSG_WAITALL)
-                    self.asked += 1
-                    header = json.dumps({"count": 2, "mac": True}).encode()
-                    conn.sendall(struct.pack(">I", len(header)) + header + os.urandom(1 << 21))
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 @pytest.fixture
 def rogue() -> Iterator[RogueBlockServer]:
-    server = RogueBlockServer()
+    server = RogueBlockServer(2, claims_mac=True)
     yield server
     server.close()
 
