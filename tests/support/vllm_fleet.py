@@ -14,8 +14,9 @@ Contract:
   that emits BOS itself), saved into one directory. Deterministic; no network.
 - `start_vllm` launches ``PYTHON -m vllm.entrypoints.openai.api_server`` (the wheel's ``vllm``
   command is broken) in its own process group with the flags that work on the CPU build
-  (``--dtype float32``, prefix caching, ``--enable-prompt-tokens-details`` so usage reports
-  ``cached_tokens``, ``--trust-request-chat-template`` for the corpus's own templates) and a
+  (``--dtype float32``, ``--max-num-seqs`` from `VllmSpec` (16; None: vLLM's default), prefix
+  caching, ``--enable-prompt-tokens-details`` so usage reports ``cached_tokens``,
+  ``--trust-request-chat-template`` for the corpus's own templates) and a
   ``--kv-events-config`` per `VllmSpec`: ``tcp://*:P`` makes vLLM bind its PUB (``kv_bind``), a
   host endpoint makes it connect (the consumer binds), and a replay ROUTER always binds.
   ``VLLM_CPU_KVCACHE_SPACE=1`` and one OpenMP core per server (``VLLM_CPU_OMP_THREADS_BIND``).
@@ -29,6 +30,7 @@ Contract:
   replay buffer (from sequence 0), folded (stored minus removed, cleared on ``AllBlocksCleared``;
   events of another ``medium`` than GPU, the kvherd connector's host tier, left out), decoded
   with msgpack here rather than with kvherd's decoder, so it is an independent oracle.
+  `VllmServer.metric(name, **labels)` sums vLLM's own ``/metrics`` samples (`metric_sum`).
 - `kvherd_serve(*args)` runs ``python -m kvherd serve`` on free ports with an admin token, waits
   for both ports, and on exit SIGTERMs it (SIGKILL after a timeout); `KvherdServe.log()` is its
   output for failure messages; `matched_blocks()` reads ``kvherd_matched_prefix_blocks``' sum
@@ -104,6 +106,22 @@ def build_tiny_llama(path: str | Path, seed: int = 0, hidden: int = 64, layers: 
     return out
 
 
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples called `name` in Prometheus `text` whose labels include `labels`
+    (0 when none)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        sample, _, value = line.rpartition(" ")
+        metric, _, label_text = sample.partition("{")
+        if metric != name:
+            continue
+        if all(f'{key}="{val}"' in label_text for key, val in labels.items()):
+            total += float(value)
+    return total
+
+
 @dataclass(frozen=True)
 class VllmSpec:
     """One server to start: its name, publisher topology and block size (None: vLLM's default).
@@ -114,6 +132,7 @@ class VllmSpec:
     name: str
     kv_bind: bool = True  # True: ``tcp://*:P`` (vLLM binds); False: ``tcp://127.0.0.1:P``
     block_size: int | None = None
+    max_num_seqs: int | None = 16  # batch slots; None: vLLM's default (what users start)
     extra_args: tuple[str, ...] = ()
     connector: bool = False  # load kvherd's KV connector, serving its blocks on a port of its own
     connector_options: tuple[tuple[str, object], ...] = ()  # more kv_connector_extra_config
@@ -154,6 +173,11 @@ class VllmServer:
     def log(self, tail: int = 6000) -> str:
         with open(self.log_path, errors="replace") as handle:
             return handle.read()[-tail:]
+
+    def metric(self, name: str, **labels: str) -> float:
+        """vLLM's own `/metrics`, summed as `metric_sum` does."""
+        text = httpx.get(self.url + "/metrics", timeout=10.0, trust_env=False).text
+        return metric_sum(text, name, **labels)
 
     def tokenize(self, body: dict[str, Any]) -> tuple[int, Any]:
         response = httpx.post(self.url + "/tokenize", json=body, timeout=60.0, trust_env=False)
@@ -244,8 +268,6 @@ def vllm_command(
         "float32",
         "--max-model-len",
         "4096",
-        "--max-num-seqs",
-        "16",
         "--enable-prefix-caching",
         "--enable-prompt-tokens-details",
         "--trust-request-chat-template",
@@ -254,6 +276,8 @@ def vllm_command(
     ]
     if spec.block_size is not None:
         cmd += ["--block-size", str(spec.block_size)]
+    if spec.max_num_seqs is not None:
+        cmd += ["--max-num-seqs", str(spec.max_num_seqs)]
     if block_port is not None:
         config = connector_config(block_port)
         config["kv_connector_extra_config"].update(dict(spec.connector_options))
@@ -441,18 +465,7 @@ class KvherdServe:
         return httpx.get(self.url + "/metrics", timeout=10.0, trust_env=False).text
 
     def metric(self, name: str, **labels: str) -> float:
-        """The sum of the samples called `name` whose labels include `labels` (0 when none)."""
-        total = 0.0
-        for line in self.metrics().splitlines():
-            if line.startswith("#") or not line.startswith(name):
-                continue
-            sample, _, value = line.rpartition(" ")
-            metric, _, label_text = sample.partition("{")
-            if metric != name:
-                continue
-            if all(f'{key}="{val}"' in label_text for key, val in labels.items()):
-                total += float(value)
-        return total
+        return metric_sum(self.metrics(), name, **labels)
 
     def matched_blocks(self) -> float:
         """Sum of the prompt blocks kvherd found cached on the instances it chose."""

@@ -46,17 +46,6 @@ def _stored(server: VllmServer, start: int, medium: str) -> set[int]:
     }
 
 
-def _metric(server: VllmServer, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in httpx.get(server.url + "/metrics", timeout=10.0, trust_env=False).text.splitlines():
-        sample, _, value = line.rpartition(" ")
-        if sample.partition("{")[0] == name and all(
-            f'{k}="{v}"' in sample for k, v in labels.items()
-        ):
-            total += float(value)
-    return total
-
-
 def _disk_dir(server: VllmServer) -> Path:
     return Path(str(dict(server.spec.connector_options)["disk_dir"]))
 
@@ -90,9 +79,9 @@ def test_a_restarted_server_loads_its_disk_tier(
     }
     assert after["choices"][0]["text"] == before["choices"][0]["text"]
     loads = "vllm:kvherd_connector_loads_total"
-    assert poll_until(lambda: _metric(b, loads, tier="disk", outcome="loaded") >= 1.0), b.log()
-    assert _metric(b, "vllm:kvherd_connector_load_bytes_total", tier="disk") > 0
-    assert _metric(b, "vllm:kvherd_connector_load_blocks_total", tier="disk") >= full_blocks
+    assert poll_until(lambda: b.metric(loads, tier="disk", outcome="loaded") >= 1.0), b.log()
+    assert b.metric("vllm:kvherd_connector_load_bytes_total", tier="disk") > 0
+    assert b.metric("vllm:kvherd_connector_load_blocks_total", tier="disk") >= full_blocks
 
 
 def test_a_disk_tier_of_another_model_is_discarded_with_a_warning(

@@ -5,7 +5,9 @@ A greedy stream runs on ``a`` (``b`` drained meanwhile); an operator's order (``
 kvherd's connector keeps its blocks) and continues the very same stream on ``b``, whose connector
 pulls every full block of prompt + tokens streamed from ``a``. The order answers ``committed``; the
 client reads one unbroken stream whose tokens are exactly vLLM's own for the request (``b``
-computing it alone).
+computing it alone). The pull is asserted by the connector's own outcome on ``b``'s ``/metrics``
+(one peer load ``loaded``, at least the prompt's full blocks), not by a log line: greedy tokens
+would match on a recompute too.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import json
 from typing import Any
 
 import httpx
-from vllm_fleet import SERVED_MODEL, Prompts, VllmServer
+from vllm_fleet import SERVED_MODEL, Prompts, VllmServer, poll_until
 
 MAX_TOKENS = 400
+LOADS = "vllm:kvherd_connector_loads_total"
+BLOCKS = "vllm:kvherd_connector_load_blocks_total"
 
 
 async def test_a_vllm_stream_migrates_with_its_kv(
@@ -27,7 +31,9 @@ async def test_a_vllm_stream_migrates_with_its_kv(
     options = {"a_options": {"pull_address": a.block_address}}
     prompt = prompts.make("migrated-by-the-proxy", blocks=3)
     body = {"model": SERVED_MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
-    pulls_before = b.log(tail=500_000).count(f"from {a.block_address}")
+    loaded_before = b.metric(LOADS, tier="peer", outcome="loaded")
+    failed_before = b.metric(LOADS, tier="peer", outcome="failed")
+    blocks_before = b.metric(BLOCKS, tier="peer")
     with kvherd_fleet("--migration-policy", "none", **options) as proxy:
         headers = {"Authorization": f"Bearer {proxy.admin_token}"}
         async with httpx.AsyncClient(timeout=120, trust_env=False) as client:
@@ -75,8 +81,12 @@ async def test_a_vllm_stream_migrates_with_its_kv(
         assert order.status_code == 200, order.text
         assert order.json()["status"] == "committed", order.json()
         assert proxy.metric("kvherd_continuations_total", outcome="migrated") == 1
-    # b's connector pulled the stream's blocks from a (logged: blocks, bytes, seconds).
-    assert b.log(tail=500_000).count(f"from {a.block_address}") == pulls_before + 1
+    # b's connector loaded the stream's blocks from a peer (its stats reach /metrics a step later).
+    loaded = poll_until(lambda: b.metric(LOADS, tier="peer", outcome="loaded") > loaded_before)
+    assert loaded, b.log()
+    assert b.metric(LOADS, tier="peer", outcome="loaded") == loaded_before + 1, b.log()
+    assert b.metric(LOADS, tier="peer", outcome="failed") == failed_before, b.log()
+    assert b.metric(BLOCKS, tier="peer") - blocks_before >= prompts.full_blocks(prompt), b.log()
     tokens = [t for e in events for c in e["choices"] for t in c.get("token_ids") or ()]
     assert tokens == expected
     assert (
