@@ -14,8 +14,10 @@ Contract:
   armed `Fault` fires at the first request whose path ends with `path` and whose JSON body passes
   `match`: ``"before"`` runs the action before the request is forwarded, ``"after"`` once the
   upstream's whole answer (head and ``content-length`` body; the head of a streamed one) was
-  relayed back (the peer is then acting on it: a reservation made, a commit accepted). It fires
-  once; `fired` is set after the action ran.
+  relayed back (the peer is then acting on it: a reservation made, a commit accepted),
+  ``"event"`` once the answer's `events`-th server-sent event was relayed, after which every later
+  byte of that answer is dropped (a cut at a chosen token, not at a time). It fires once; `fired`
+  is set after the action ran; `disarm` takes back a fault that has not fired.
 - When either side closes, both are closed: a request to an upstream killed by a fault fails at
   the client as a dead peer would.
 """
@@ -34,9 +36,10 @@ from typing import Any, Literal
 @dataclass
 class Fault:
     path: str
-    when: Literal["before", "after"]
+    when: Literal["before", "after", "event"]
     action: Callable[[], None]
     match: Callable[[Any], bool] = lambda body: True
+    events: int = 0  # with "event": the server-sent events relayed before the action
 
 
 class FaultRelay:
@@ -56,6 +59,9 @@ class FaultRelay:
     def arm(self, fault: Fault) -> None:
         self.fired.clear()
         self._fault = fault
+
+    def disarm(self) -> None:
+        self._fault = None
 
     def close(self) -> None:
         async def stop() -> None:
@@ -103,6 +109,7 @@ class FaultRelay:
             writer.close()
             return
         answered: list[Fault] = []  # an "after" fault waiting for the answer's first bytes
+        cutting: list[Fault] = []  # an "event" fault counting the answer's events
 
         async def client_to_upstream() -> None:
             while True:
@@ -130,13 +137,26 @@ class FaultRelay:
                 if fault is not None and fault.when == "before":
                     self._fire(fault)
                 elif fault is not None:
-                    answered.append(fault)
+                    (cutting if fault.when == "event" else answered).append(fault)
                 up_writer.write(head + body)
                 await up_writer.drain()
 
         async def upstream_to_client() -> None:
             answer = b""  # the answer to the request an "after" fault waits on, so far
+            streamed = b""  # the answer an "event" fault cuts, so far
+            cut = False
             while data := await up_reader.read(65536):
+                if cut:
+                    continue  # after the cut: dropped until the upstream closes
+                if cutting:
+                    streamed += data
+                    end = _after_events(streamed, cutting[0].events)
+                    if end is not None:
+                        writer.write(data[: len(data) - (len(streamed) - end)])
+                        await writer.drain()
+                        cut = True
+                        self._fire(cutting.pop())
+                        continue
                 writer.write(data)
                 await writer.drain()
                 if answered:
@@ -161,6 +181,21 @@ class FaultRelay:
             for task in tasks:
                 with contextlib.suppress(BaseException):
                     await task
+
+
+def _after_events(answer: bytes, events: int) -> int | None:
+    """Where in `answer` (a response so far) its `events`-th server-sent event ends, with the
+    chunk's closing CRLF of a chunked body; None while it has fewer."""
+    head_end = answer.find(b"\r\n\r\n")
+    if head_end < 0:
+        return None
+    at = head_end + 4
+    for _ in range(events):
+        found = answer.find(b"\n\n", at)
+        if found < 0:
+            return None
+        at = found + 2
+    return at + 2 if answer.startswith(b"\r\n", at) else at
 
 
 def _complete(answer: bytes) -> bool:

@@ -409,12 +409,16 @@ def vllm_servers(
 
 
 def instance_arg(
-    server: VllmServer, options: Mapping[str, object] | None = None, shared_bind: bool = True
+    server: VllmServer,
+    options: Mapping[str, object] | None = None,
+    shared_bind: bool = True,
+    url: str | None = None,
 ) -> str:
     """``--instance`` value for `server`. A binding PUB: ``kv_events`` (kvherd connects). A
     connecting PUB: ``topic`` (its events arrive on kvherd's shared ``--kv-events-bind`` socket)
-    or, with ``shared_bind=False``, ``kv_events_bind`` (a SUB kvherd binds for it alone)."""
-    parts = [server.url, f"id={server.spec.name}"]
+    or, with ``shared_bind=False``, ``kv_events_bind`` (a SUB kvherd binds for it alone). `url`:
+    where kvherd reaches its HTTP (a relay in front of it), the server's own by default."""
+    parts = [url or server.url, f"id={server.spec.name}"]
     if server.spec.kv_bind:
         parts.append(f"kv_events={server.kv_endpoint}")
     elif shared_bind:

@@ -4,8 +4,9 @@ The session's vLLM pair behind ``kvherd serve`` (a stopped server recovers: SIGC
 the kill one server of this module's own, ``c``, beside ``a``, the stream steered to ``c`` by the
 prompt's blocks cached there. Each test runs one greedy streamed request three times: straight
 to vLLM (the reference), through kvherd undisturbed, and through kvherd with the instance serving
-it stopped (SIGSTOP: hung) or killed (SIGKILL: every process of the server) after its 2nd event,
-while vLLM still decodes it.
+it stopped (SIGSTOP: hung) or killed (SIGKILL: every process of the server) once its 2nd event
+went through a `FaultRelay` in front of the server, which drops every later byte of the stream:
+the cut lands at that event whether or not vLLM had already written the rest.
 The client must get vLLM's own answer: the same text (and token ids, when it asks for them), no
 token lost or repeated, the usage of the original prompt and every generated token, no error
 frame, and the continuation counted. Undisturbed, what kvherd relays has vLLM's own layout: the
@@ -24,9 +25,9 @@ from typing import Any
 
 import httpx
 import pytest
+from fault_relay import Fault, FaultRelay
 from vllm_fleet import (
     SERVED_MODEL,
-    KvherdFactory,
     KvherdServe,
     Prompts,
     VllmServer,
@@ -34,40 +35,26 @@ from vllm_fleet import (
     assert_index_matches,
     instance_arg,
     kvherd_serve,
-    poll_until,
     vllm_servers,
 )
 
-# Decoding must outlast the client's wait for its first events: vLLM's CPU workers can take the
-# machine's cores while they decode, and with 800 tokens a clean CI run saw both the stop and the
-# kill land after vLLM had written the whole stream (held in socket buffers, relayed complete);
-# with 2400 twice too. So the fault is only applied while vLLM still reports the request running
-# (`fault_while_running`), and the cut run is repeated (up to `CUT_ATTEMPTS`) until it was.
-MAX_TOKENS = 3400  # several seconds of decoding on the tiny model; + a 600-token prompt < 4,096
-CUT_AT = 2  # events the client has read when its instance is stopped or killed (early: a
-# client that lags its stream must not find it complete by then)
-# 3 attempts missed in 2 of 3 clean CI runs on 2026-12-01 (fourth session): vLLM's /metrics can
-# answer late while its workers decode, so a running request goes unseen; 6 leaves room.
-CUT_ATTEMPTS = 6
+MAX_TOKENS = 600  # + a 600-token prompt < 4,096
+CUT_AT = 2  # events relayed to kvherd before its instance is stopped or killed: the cut lands
+# at a chosen event (a `FaultRelay` in front of the server drops every later byte of the
+# stream), not at a time, so it lands even when vLLM decodes the whole answer first.
 
 
 @pytest.fixture(scope="module")
 def killable(
     vllm_python: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Callable[[], VllmServer]]:
-    """Starts a server the kill test may kill (the session's pair serves the other tests): one
-    per attempt, since a kill that came after vLLM's last token leaves nothing to retry on."""
+) -> Iterator[VllmServer]:
+    """A server the kill test may kill (the session's pair serves the other tests), configured
+    like the session pair: its KV connector is part of the config that vLLM's
+    system_fingerprint hashes, which a continued stream must keep."""
     log_dir = tmp_path_factory.mktemp("vllm_continuation_logs")
-    with contextlib.ExitStack() as stack:
-
-        def start() -> VllmServer:
-            # Configured like the session pair: its KV connector is part of the config that
-            # vLLM's system_fingerprint hashes, which a continued stream must keep.
-            spec = VllmSpec("c", connector=True)
-            (server,) = stack.enter_context(vllm_servers(vllm_python, tiny_model, [spec], log_dir))
-            return server
-
-        yield start
+    spec = VllmSpec("c", connector=True)
+    with vllm_servers(vllm_python, tiny_model, [spec], log_dir) as (server,):
+        yield server
 
 
 class Stream:
@@ -123,9 +110,7 @@ class Stream:
         return out
 
 
-def read_stream(
-    url: str, path: str, body: dict[str, Any], at_cut: Callable[[str], None] | None = None
-) -> Stream:
+def read_stream(url: str, path: str, body: dict[str, Any]) -> Stream:
     events: list[str] = []
     with (
         httpx.Client(timeout=120.0, trust_env=False) as client,
@@ -133,83 +118,59 @@ def read_stream(
     ):
         assert response.status_code == 200, response.read()
         instance = response.headers.get("x-kvherd-instance")
-        for line in response.iter_lines():
-            if not line:
-                continue
-            events.append(line)
-            if at_cut is not None and len(events) == CUT_AT:
-                assert instance is not None
-                at_cut(instance)
+        events += [line for line in response.iter_lines() if line]
     assert events[-1] == "data: [DONE]", events[-3:]
     return Stream(instance, events)
 
 
-def signal_group(pair: Sequence[VllmServer], name: str, sig: signal.Signals) -> VllmServer:
-    server = next(s for s in pair if s.spec.name == name)
-    os.killpg(server.process.pid, sig)  # the API server, its EngineCore and its worker
-    return server
+def the_request(body: dict[str, Any]) -> Callable[[Any], bool]:
+    """Matches the client's own request, not kvherd's continuation of it (other tokens)."""
+    keys = ("prompt", "messages", "max_tokens")
+    return lambda sent: isinstance(sent, dict) and all(sent.get(k) == body.get(k) for k in keys)
 
 
-def running_requests(server: VllmServer) -> float:
-    """What the server itself reports decoding now (``vllm:num_requests_running``)."""
-    text = httpx.get(server.url + "/metrics", timeout=10.0, trust_env=False).text
-    return sum(
-        float(line.rpartition(" ")[2])
-        for line in text.splitlines()
-        if line.startswith("vllm:num_requests_running")
-    )
+@contextlib.contextmanager
+def cut_at_event(
+    relays: Sequence[tuple[FaultRelay, VllmServer]], body: dict[str, Any], sig: signal.Signals
+) -> Iterator[list[VllmServer]]:
+    """Arms each relay to send `sig` to its server's process group (the API server, its
+    EngineCore and its worker) once `CUT_AT` events of `body`'s stream went through it; the first
+    to fire disarms the others. Yields the servers signalled; a stopped one is let go on exit."""
+    cut: list[VllmServer] = []
 
+    def fault(server: VllmServer) -> Fault:
+        def action() -> None:
+            for relay, _ in relays:
+                relay.disarm()
+            os.killpg(server.process.pid, sig)
+            cut.append(server)
 
-def read_stream_cut(
-    url: str,
-    path: str,
-    body: dict[str, Any],
-    servers: Sequence[VllmServer],
-    sig: signal.Signals,
-    cut: list[VllmServer],
-) -> Stream:
-    """`read_stream` until the stream's server got `sig` at the cut while it was still decoding
-    (appended to `cut`): a run in which vLLM had already finished is read to its end and repeated,
-    at most `CUT_ATTEMPTS` times in all."""
+        return Fault("", "event", action, the_request(body), events=CUT_AT)
 
-    def fault_while_running(name: str) -> None:
-        server = next((s for s in servers if s.spec.name == name), None)
-        assert server is not None, f"the stream is on {name}, not on a server this test may cut"
-        # vLLM's gauge trails its engine (more so on a loaded machine): give it a moment.
-        if poll_until(lambda: running_requests(server) >= 1, timeout_s=2.0, interval_s=0.05):
-            cut.append(signal_group(servers, name, sig))
-
-    for _ in range(CUT_ATTEMPTS):
-        stream = read_stream(url, path, body, fault_while_running)
-        if cut:
-            return stream
-    # The tiny model decodes even 3,400 tokens in about a second, and vLLM's running gauge trails
-    # its engine: on a loaded machine no cut may land while it decodes. Then this run has nothing
-    # to judge (no fault happened), which is not a failure of the continuation under test.
-    pytest.skip(f"vLLM had finished the stream before each of {CUT_ATTEMPTS} cuts")
-
-
-def read_stream_stopping(
-    url: str,
-    path: str,
-    body: dict[str, Any],
-    pair: Sequence[VllmServer],
-    landed: Callable[[Stream], bool],
-) -> Stream:
-    """`read_stream_cut` with SIGSTOP (hung, not dead), letting the server go on once the stream
-    was read (the session's pair serves other tests). A stop that `landed` says came too late
-    (vLLM's gauge can lag its last token: the stream was relayed whole) is tried again, at most
-    `CUT_ATTEMPTS` times in all."""
-    for _ in range(CUT_ATTEMPTS):
-        stopped: list[VllmServer] = []
-        try:
-            stream = read_stream_cut(url, path, body, pair, signal.SIGSTOP, stopped)
-        finally:
-            for server in stopped:
+    for relay, server in relays:
+        relay.arm(fault(server))
+    try:
+        yield cut
+    finally:
+        for relay, _ in relays:
+            relay.disarm()
+        if sig == signal.SIGSTOP:
+            for server in cut:
                 os.killpg(server.process.pid, signal.SIGCONT)
-        if landed(stream):
-            return stream
-    raise AssertionError(f"every one of {CUT_ATTEMPTS} stops came after vLLM's last token")
+
+
+@contextlib.contextmanager
+def relayed_fleet(
+    pair: tuple[VllmServer, VllmServer], tiny_model: Path
+) -> Iterator[tuple[KvherdServe, list[tuple[FaultRelay, VllmServer]]]]:
+    """``kvherd serve`` in front of the pair, each server reached through its own relay."""
+    a, b = pair
+    with FaultRelay(a.url) as relay_a, FaultRelay(b.url) as relay_b:
+        args = ["--instance", instance_arg(a, url=relay_a.url)]
+        args += ["--instance", instance_arg(b, url=relay_b.url), "--kv-events-bind", b.kv_endpoint]
+        with kvherd_serve(*args, "--tokenizer", str(tiny_model), "--expose-instance") as proxy:
+            assert_index_matches(proxy, a, b)
+            yield proxy, [(relay_a, a), (relay_b, b)]
 
 
 def continued(proxy: KvherdServe, outcome: str = "continued") -> float:
@@ -227,7 +188,7 @@ def assert_like_vllm(relayed: Stream, direct: Stream) -> None:
 
 
 def test_greedy_chat_stream_survives_a_hung_instance(
-    vllm_pair: tuple[VllmServer, VllmServer], kvherd_fleet: KvherdFactory
+    vllm_pair: tuple[VllmServer, VllmServer], tiny_model: Path
 ) -> None:
     path = "/v1/chat/completions"
     body = {
@@ -239,18 +200,17 @@ def test_greedy_chat_stream_survives_a_hung_instance(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    pair = vllm_pair
-    direct = read_stream(pair[0].url, path, body)
+    direct = read_stream(vllm_pair[0].url, path, body)
     assert direct.usage[1] == MAX_TOKENS
-    with kvherd_fleet() as proxy:
+    with relayed_fleet(vllm_pair, tiny_model) as (proxy, relays):
         plain = read_stream(proxy.url, path, body)
         assert_like_vllm(plain, direct)
         raw = "\n".join(plain.events)
         assert '"token_ids":[' not in raw and '"prompt_token_ids":[' not in raw
         assert continued(proxy) == 0
-        cut = read_stream_stopping(
-            proxy.url, path, body, pair, lambda _: continued(proxy) + gave_up(proxy) > 0
-        )
+        with cut_at_event(relays, body, signal.SIGSTOP) as stopped:
+            cut = read_stream(proxy.url, path, body)
+        assert [s.spec.name for s in stopped] == [cut.instance], proxy.log()[-3000:]
         assert not cut.errors(), (cut.errors(), proxy.log()[-3000:])
         assert cut.text == direct.text, proxy.log()[-3000:]
         assert cut.usage[:2] == (direct.usage[0], MAX_TOKENS)
@@ -261,7 +221,7 @@ def test_greedy_chat_stream_survives_a_hung_instance(
 
 
 def test_seeded_sampling_is_not_continued(
-    vllm_pair: tuple[VllmServer, VllmServer], kvherd_fleet: KvherdFactory
+    vllm_pair: tuple[VllmServer, VllmServer], tiny_model: Path
 ) -> None:
     """vLLM's seeded generator depends on the output position: a continuation would not be the
     answer the seed promises, so the client gets the error frame (and can retry for it)."""
@@ -275,37 +235,29 @@ def test_seeded_sampling_is_not_continued(
         "ignore_eos": True,
         "stream": True,
     }
-    pair = vllm_pair
-    with kvherd_fleet() as proxy:
-        cut = read_stream_stopping(
-            proxy.url, path, body, pair, lambda stream: bool(stream.errors())
-        )
+    with (
+        relayed_fleet(vllm_pair, tiny_model) as (proxy, relays),
+        cut_at_event(relays, body, signal.SIGSTOP) as stopped,
+    ):
+        cut = read_stream(proxy.url, path, body)
+        assert len(stopped) == 1
         assert [e["error"]["type"] for e in cut.errors()] == ["server_error"]
         assert continued(proxy) == 0 and continued(proxy, "unsupported") == 1
 
 
 def test_greedy_completion_stream_survives_a_killed_instance(
     vllm_pair: tuple[VllmServer, VllmServer],
-    killable: Callable[[], VllmServer],
+    killable: VllmServer,
     tiny_model: Path,
     prompts: Prompts,
 ) -> None:
     """The client asks for the token ids here: they are relayed, and those of the stream
     continued elsewhere are vLLM's own, none lost or repeated."""
-    for attempt in range(2):
-        if kill_and_continue(vllm_pair[0], killable(), tiny_model, prompts, attempt):
-            return
-    raise AssertionError("both kills came after vLLM's last token (the stream was relayed whole)")
-
-
-def kill_and_continue(
-    a: VllmServer, c: VllmServer, tiny_model: Path, prompts: Prompts, attempt: int
-) -> bool:
-    """One attempt of the kill test; False when the kill came too late to cut the stream."""
+    a, c = vllm_pair[0], killable
     path = "/v1/completions"
     body = {
         "model": SERVED_MODEL,
-        "prompt": prompts.make(f"continuation-killed-{attempt}"),  # cached on c by the direct run
+        "prompt": prompts.make("continuation-killed"),  # cached on c by the direct run
         "max_tokens": MAX_TOKENS,
         "temperature": 0.0,
         "ignore_eos": True,
@@ -315,27 +267,25 @@ def kill_and_continue(
     }
     direct = read_stream(c.url, path, body)
     assert len(direct.token_ids) == MAX_TOKENS
-    killed: list[VllmServer] = []
-    args = ["--instance", instance_arg(a), "--instance", instance_arg(c)]
-    with kvherd_serve(*args, "--tokenizer", str(tiny_model), "--expose-instance") as proxy:
-        assert_index_matches(proxy, a, c)  # c's cached prompt steers the stream there
-        plain = read_stream(proxy.url, path, body)
-        assert plain.instance == c.spec.name
-        assert_like_vllm(plain, direct)
-        assert plain.token_ids == direct.token_ids
-        # Only c may be killed: a stream on a has no server here to cut (and fails the test).
-        cut = read_stream_cut(proxy.url, path, body, [c], signal.SIGKILL, killed)
-        if continued(proxy) + gave_up(proxy) == 0:
-            return False
-        assert not cut.errors(), (cut.errors(), proxy.log()[-3000:])
-        assert cut.token_ids == direct.token_ids, proxy.log()[-3000:]
-        assert cut.text == direct.text
-        assert cut.usage == direct.usage
-        # Continuous usage counts on: the original prompt, every token so far.
-        running = [c["usage"]["completion_tokens"] for c in cut.chunks if c.get("choices")]
-        assert running == sorted(running) and running[-1] == MAX_TOKENS
-        assert {c["usage"]["prompt_tokens"] for c in cut.chunks} == {direct.usage[0]}
-        assert all(chunk["id"] == cut.chunks[0]["id"] for chunk in cut.chunks)
-        assert cut.shapes() <= direct.shapes()
-        assert continued(proxy) == 1, (proxy.metrics(), proxy.log()[-3000:])
-    return True
+    with FaultRelay(c.url) as relay:
+        args = ["--instance", instance_arg(a), "--instance", instance_arg(c, url=relay.url)]
+        with kvherd_serve(*args, "--tokenizer", str(tiny_model), "--expose-instance") as proxy:
+            assert_index_matches(proxy, a, c)  # c's cached prompt steers the stream there
+            plain = read_stream(proxy.url, path, body)
+            assert plain.instance == c.spec.name
+            assert_like_vllm(plain, direct)
+            assert plain.token_ids == direct.token_ids
+            with cut_at_event([(relay, c)], body, signal.SIGKILL) as killed:
+                cut = read_stream(proxy.url, path, body)
+            assert killed == [c] and cut.instance == c.spec.name
+            assert not cut.errors(), (cut.errors(), proxy.log()[-3000:])
+            assert cut.token_ids == direct.token_ids, proxy.log()[-3000:]
+            assert cut.text == direct.text
+            assert cut.usage == direct.usage
+            # Continuous usage counts on: the original prompt, every token so far.
+            running = [c["usage"]["completion_tokens"] for c in cut.chunks if c.get("choices")]
+            assert running == sorted(running) and running[-1] == MAX_TOKENS
+            assert {c["usage"]["prompt_tokens"] for c in cut.chunks} == {direct.usage[0]}
+            assert all(chunk["id"] == cut.chunks[0]["id"] for chunk in cut.chunks)
+            assert cut.shapes() <= direct.shapes()
+            assert continued(proxy) == 1, (proxy.metrics(), proxy.log()[-3000:])
