@@ -91,6 +91,7 @@ from policies.registry import (
     load_pd_policy,
 )
 from policies.views import NoInstanceError, RequestView
+from scheduler.core.cache_truth import CacheTruth
 from scheduler.core.cluster_state import ClusterState
 from scheduler.core.inflight import InflightLedger
 from scheduler.core.load_report import LoadReport
@@ -229,6 +230,8 @@ class Fleet:
             self.cluster, policy, pd_policy, pull=settings.prefix_pull, peers=self._pull_peer
         )
         self._handoffs: dict[str, str] = {}  # routing key -> its decode instance (P/D)
+        self.truth = CacheTruth()  # engines' reported hits against the event index's claims
+        metrics.cache_truth = self.truth
         self.last_routed: Routed | None = None  # the last dispatch's decision (for traces)
         self._pulls: dict[str, tuple[str, int]] = {}  # routing key -> (holder's address, blocks)
         self.instances: dict[str, FleetInstance] = {}
@@ -480,6 +483,7 @@ class Fleet:
         await self.subscriber.remove(instance_id)
         self.models.remove_instance(instance_id)
         self.router.forget_instance(instance_id)
+        self.truth.remove_instance(instance_id)
         self.health.remove(instance_id)
         self.poller.forget(instance_id)
         self.metrics.forget_instance(instance_id)
@@ -742,6 +746,9 @@ class Fleet:
             waiters.clear()
         if routed.decode_id is not None:
             self._handoffs[key] = routed.decode_id
+        elif routed.claimed_blocks is not None:
+            size = block_size or self.cluster.block_size
+            self.truth.expect(key, inst.instance_id, routed.claimed_blocks * size, size)
         if routed.tier_blocks:
             self.metrics.tier_hits(routed.tier_blocks)
         pull = routed.pull
@@ -818,7 +825,30 @@ class Fleet:
         self.metrics.set_inflight(dst, self.inflight.count(dst))
         self._capacity_freed()
 
+    def cache_reported(self, key: str, model: str, cached_tokens: int) -> None:
+        """The engine serving `key` reported `cached_tokens` prompt tokens cached: checked against
+        what its events claimed; an instance that stops (or starts again) hitting what they say is
+        routed by the approximate index (or its events again)."""
+        turn = self.truth.check(self.cluster, key, model, cached_tokens)
+        if turn is None:
+            return
+        if turn.diverging:
+            log.warning(
+                "instance %s: the engine recomputed %d of the %d prompt tokens its KV events "
+                "said were cached over its last %d checked requests (%.0f%%): routed with the "
+                "approximate index until they agree again",
+                turn.instance_id, turn.missing_tokens, turn.claimed_tokens, turn.checks,
+                100 * turn.divergence,
+            )  # fmt: skip
+        else:
+            log.info(
+                "instance %s: the engine hits what its KV events say again (%.0f%% missing over "
+                "%d requests): routed with its events",
+                turn.instance_id, 100 * turn.divergence, turn.checks,
+            )  # fmt: skip
+
     def _release(self, key: str) -> None:
+        self.truth.forget(key)
         self._handoffs.pop(key, None)
         self._pulls.pop(key, None)
         self.router.on_finish(key, self.clock())
@@ -897,6 +927,8 @@ class Fleet:
                 "topic": spec.kv_topic,
                 "replay_endpoint": spec.replay_endpoint,
                 "fallback": inst.kv_fallback,
+                "trusted": self.cluster.index_trusted(instance_id),
+                "divergence": self.truth.divergence(instance_id),
                 "indexed_blocks": tiers["GPU"],
                 "indexed_blocks_by_tier": tiers,
                 "stream": self.subscriber.stats(instance_id),

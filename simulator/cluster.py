@@ -130,6 +130,7 @@ from policies.base import DispatchPolicy, MigrationPolicy, PDPolicy
 from policies.views import MigrationOrder, NoInstanceError, RunningRequestView
 from scheduler.core.admission import AdmissionSettings
 from scheduler.core.admission_queue import QueueSettings
+from scheduler.core.cache_truth import CacheTruth
 from scheduler.core.cluster_state import ClusterState
 from scheduler.core.load_report import LoadReport
 from scheduler.core.migration_loop import MigrationLoop
@@ -303,6 +304,7 @@ class SimCluster:
         self.pull_stats = PullStats()
         self._pull_links = PullLinks()
         self._pull_plans: dict[str, PullChoice] = {}  # routed as a PULL, not reached yet
+        self.truth = CacheTruth()  # the engines' hits against the event index's claims
         self._pulls_into: dict[str, int] = {}  # instance id -> pulls on their way to it
         # Request id -> (instance, carrier id, first pulled block, end): blocks held for it.
         self._pull_carriers: dict[str, tuple[SimInstance, str, int, int]] = {}
@@ -525,6 +527,9 @@ class SimCluster:
             admission.dispatched(routed.instance_id, rid)
         if routed.decode_id is not None:
             self.handoffs.expect(rid, routed.instance_id, routed.decode_id)
+        elif routed.claimed_blocks is not None:
+            size = request.block_size
+            self.truth.expect(rid, routed.instance_id, routed.claimed_blocks * size, size)
         if routed.pull is not None:
             self._note_pull(rid, routed.pull)
         instance = self.instances[routed.instance_id]
@@ -829,6 +834,9 @@ class SimCluster:
         if rid in self._pull_carriers:
             self._release_pull(rid)
         self._release_adapter(request, instance_id, now)
+        if request.num_cached_tokens >= 0:
+            self.truth.check(self.state, rid, request.lora_name or "", request.num_cached_tokens)
+        self.truth.forget(rid)
         self.router.on_finish(rid, now)
         if self.admission is not None:
             self.admission.released(rid)

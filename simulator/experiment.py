@@ -164,6 +164,7 @@ def run_policy(
         float(np.mean(stats.downtime_s)) * 1000.0 if stats.downtime_s else float("nan")
     )
     summary["unfinished"] = metrics.num_unfinished
+    summary["cache_missing_tokens"] = cluster.truth.missing_tokens()  # 0: the index is true
     if cluster.admission is not None:
         summary.update(admission_summary(cluster.admission.stats))
     prompt_tokens = float(metrics.columns()["prompt_tokens"].sum())

@@ -71,6 +71,11 @@ class ApproxIndex:
         bit = self.slots.bit(instance_id)
         self._instances[instance_id] = _Entries(bit, ttl_s or self.default_ttl_s)
 
+    def set_ttl(self, instance_id: str, ttl_s: float | None) -> None:
+        """The TTL of the instance's next inserts (None: the default); its entries keep theirs,
+        and a shorter TTL's entries wait behind the older ones (expiry runs in insertion order)."""
+        self._instances[instance_id].ttl_s = ttl_s or self.default_ttl_s
+
     def remove_instance(self, instance_id: str) -> None:
         if self._forget(instance_id) and self._own_slots:
             self.slots.release(instance_id)

@@ -27,6 +27,10 @@ Contract:
   `block_size`; `set_block_size` changes it and clears its precise view, to be replayed): the
   size its KV events are indexed at and its prompts charged in, so one cluster holds instances of
   models with different block sizes (a request's chain is hashed at its model's size).
+- Distrust (`set_index_trusted(id, False)`, when `scheduler.core.cache_truth` finds the engine
+  not hitting what its events say): the instance is matched like one without events (approximate
+  index only, full chains at its full TTL) until trusted again; `claimed_depth` still answers
+  from its events, so the check can see it agree.
 - `disaggregated`: some instance's role is ``prefill`` or ``decode`` (the router then pairs each
   request with a P/D policy).
 Pure: every time is an argument; no I/O, no threads.
@@ -92,6 +96,7 @@ class ClusterState:
         )
         self.instances: dict[str, InstanceState] = {}
         self._replay: dict[str, int] = {}
+        self._untrusted: set[str] = set()  # event instances matched by the approximate index
         # Views in registration order, their positions and numpy columns (kept incrementally).
         self._order: list[str] = []
         self._position: dict[str, int] = {}
@@ -154,6 +159,7 @@ class ClusterState:
         self._dirty.add(instance_id)
         self._slot_pos = None
         self._replay.pop(instance_id, None)
+        self._untrusted.discard(instance_id)
         if has_kv_events:
             self.prefix_index.add_instance(instance_id, trust_engine_hashes, block_size=size)
             return ResyncRequest(instance_id, 0)
@@ -183,6 +189,7 @@ class ClusterState:
         self.slots.release(instance_id)
         self._slot_pos = None
         self._replay.pop(instance_id, None)
+        self._untrusted.discard(instance_id)
         self._dirty.discard(instance_id)
         position = self._position.pop(instance_id)
         del self._order[position]
@@ -269,9 +276,34 @@ class ClusterState:
         index, so only the tail it is about to compute is recorded (as a short-lived entry).
         """
         state = self.instances[instance_id]
-        tail = chain[matched:] if state.has_kv_events else chain
+        trusted = state.has_kv_events and instance_id not in self._untrusted
+        tail = chain[matched:] if trusted else chain
         if tail:
             self.approx_index.insert(instance_id, tail, now)
+
+    def set_index_trusted(self, instance_id: str, trusted: bool) -> None:
+        """Match an event-publishing instance by its events (True) or, while its engine does not
+        hit what they say, by the approximate index alone (False)."""
+        state = self.instances[instance_id]
+        if not state.has_kv_events or trusted == (instance_id not in self._untrusted):
+            return
+        if trusted:
+            self._untrusted.discard(instance_id)
+            self.approx_index.set_ttl(instance_id, self.pending_ttl_s)
+        else:
+            self._untrusted.add(instance_id)
+            self.approx_index.set_ttl(instance_id, None)
+
+    def index_trusted(self, instance_id: str) -> bool:
+        return instance_id not in self._untrusted
+
+    def claimed_depth(self, chain: Sequence[int], instance_id: str) -> int | None:
+        """The leading blocks of `chain` that `instance_id`'s events say it holds on any tier
+        (trusted or not); None for an instance without events."""
+        state = self.instances.get(instance_id)
+        if state is None or not state.has_kv_events:
+            return None
+        return match_chain(chain, self.prefix_index.tier_owners, self.slots).get(instance_id, 0)
 
     def _bind_columns(self) -> dict[str, np.ndarray]:
         rows = list(self._table)
@@ -399,6 +431,8 @@ class ClusterState:
                 start = int(gpu[at])
                 if depth > start:
                     out[:, at] = lower_tier_counts(chain[start:depth], low, lower)
+        for instance_id in self._untrusted:  # its tiers are known from its events alone
+            out[:, position[instance_id]] = 0.0
         return out
 
     def _confirmed(self, request: RequestView, instance_id: str) -> int | None:
@@ -406,7 +440,7 @@ class ClusterState:
         holds for `instance_id` on any tier; None for an instance without KV events (only routing
         decisions say what it holds)."""
         state = self.instances.get(instance_id)
-        if state is None or not state.has_kv_events:
+        if state is None or not state.has_kv_events or instance_id in self._untrusted:
             return None
         depths = match_chain(request.block_hashes, self.prefix_index.tier_owners, self.slots)
         return depths.get(instance_id, 0)
@@ -414,6 +448,14 @@ class ClusterState:
     def match_array(self, chain: Sequence[int], now: float) -> np.ndarray:
         """`match` as a float64 array in view order (registration order)."""
         self.approx_index.expire(now)
+        out = self._match_indexes(chain)
+        if self._untrusted:  # matched by the approximate index alone
+            approx = match_chain(chain, (self.approx_index.owners,), self.slots)
+            for instance_id in self._untrusted:
+                out[self._position[instance_id]] = approx.get(instance_id, 0)
+        return out
+
+    def _match_indexes(self, chain: Sequence[int]) -> np.ndarray:
         maps = (self.prefix_index.owners, self.approx_index.owners)
         out = np.zeros(len(self._order))
         groups = match_groups(chain, maps)

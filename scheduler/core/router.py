@@ -5,7 +5,8 @@ Contract:
   `block_hash_chain` (tenant salt folded in), builds the `ClusterView`, asks the dispatch policy,
   charges the chosen instance at once (so a burst spreads before any load report arrives), records
   the chain in the approximate index, and returns a `Routed` (decision, request view, matched
-  blocks). Callers that already hashed pass `block_hashes` and `num_tokens` instead of tokens.
+  blocks, the blocks its KV events claim, for `scheduler.core.cache_truth`). Callers that
+  already hashed pass `block_hashes` and `num_tokens` instead of tokens.
   The charge's prefill tokens leave out the prefix cached on any tier (lower tiers load it).
 - Lifecycle: `on_first_token` (prefill done), `on_finish` (completed or aborted), `on_migrated`
   (the request now lives on another instance). Unknown request ids are ignored (a late event after
@@ -73,6 +74,7 @@ class Routed:
     decode_id: str | None = None  # P/D: hand the request to this instance after its first token
     pull: PullChoice | None = None  # the prefix-pull choice, where a holder was worth a look
     tier_blocks: tuple[int, ...] = ()  # its hits per tier (`policies.views.TIERS`), when tiered
+    claimed_blocks: int | None = None  # leading blocks its KV events say it holds (None: no events)
 
     @property
     def instance_id(self) -> str:
@@ -186,7 +188,8 @@ class Router:
             self._decode_of[request_id] = decode_id
             self.cluster.get(decode_id).incoming.add(request_id)
             self.cluster.touch(decode_id)
-        return Routed(decision, request, matched, decode_id, pull, tier_blocks)
+        claimed = self.cluster.claimed_depth(request.block_hashes, decision.instance_id)
+        return Routed(decision, request, matched, decode_id, pull, tier_blocks, claimed)
 
     def choose(self, request: RequestView, now: float, only: frozenset[str] | None) -> Decision:
         """The dispatch policy's pick among `only`, charging nothing (where to load an adapter

@@ -117,6 +117,10 @@ class StreamLedger:
         """The stream's ``[DONE]`` was relayed."""
         return self._done
 
+    def last_events(self) -> bytes:
+        """The last two pieces of events relayed (where a stream's usage chunk is)."""
+        return b"".join(self._events[-2:])
+
     def feed(self, data: bytes) -> bytes:
         if self._pending:
             data = self._pending + data

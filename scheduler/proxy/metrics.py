@@ -30,6 +30,11 @@ Contract (what ``GET /metrics`` on the proxy exposes):
   from the fleet's (set once, when found).
 - ``kvherd_kv_history_lost_total{instance}``: resyncs that could not recover the instance's whole
   KV event history (it is then routed with the approximate index).
+- Cache truth (`scheduler.core.cache_truth`): ``kvherd_cache_checks_total``,
+  ``kvherd_cache_claimed_tokens_total`` (prompt tokens the KV-event index said were cached) and
+  ``kvherd_cache_missing_tokens_total`` (of those, what the engine recomputed) per
+  ``{instance, model}``; ``kvherd_cache_divergence{instance}`` (missing over claimed, last
+  window) and ``kvherd_cache_index_distrusted{instance}`` (1: routed by the approximate index).
 - ``kvherd_kv_events_silent_total{instance}``: times an instance sent no KV event within the
   silence limit after requests were routed there.
 - ``kvherd_instance_role{instance, role}``: 1 for each instance's P/D role (``prefill``,
@@ -76,6 +81,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from policies.views import TIERS
+from scheduler.core.cache_truth import CacheTruth
 
 _DECISION_BUCKETS = (
     0.00005,
@@ -152,6 +158,7 @@ class ProxyMetrics:
         self._requests: dict[int | str, int] = {}
         self._inflight: dict[str, int] = {}
         self._models: dict[str, list[int]] = {}  # model -> [requests, prompt blocks, hit blocks]
+        self.cache_truth: CacheTruth | None = None  # the fleet's, read at scrape time
         r.register(_LoopCollector(self))
         self.retries = Counter("kvherd_retries", "Attempts retried on another instance", registry=r)
         self._ejections = Counter(
@@ -398,3 +405,37 @@ class _LoopCollector(Collector):
             for family, value in zip(per_model, figures, strict=True):
                 family.add_metric([model], value)
         yield from per_model
+        if m.cache_truth is not None:
+            yield from _truth_families(m.cache_truth)
+
+
+def _truth_families(truth: CacheTruth) -> Iterator[Metric]:
+    totals = [
+        CounterMetricFamily(name, text, labels=["instance", "model"])
+        for name, text in (
+            ("kvherd_cache_checks", "Requests whose engine-reported cached tokens were checked"),
+            ("kvherd_cache_claimed_tokens", "Prompt tokens the KV-event index said were cached"),
+            ("kvherd_cache_missing_tokens", "Claimed cached prompt tokens the engine recomputed"),
+        )
+    ]
+    for (instance_id, model), t in list(truth.totals.items()):
+        for family, value in zip(
+            totals, (t.checks, t.claimed_tokens, t.missing_tokens), strict=True
+        ):
+            family.add_metric([instance_id, model], value)
+    yield from totals
+    divergence = GaugeMetricFamily(
+        "kvherd_cache_divergence",
+        "Missing over claimed cached tokens, over the instance's last checks",
+        labels=["instance"],
+    )
+    distrusted = GaugeMetricFamily(
+        "kvherd_cache_index_distrusted",
+        "1 while the instance is routed by the approximate index for diverging",
+        labels=["instance"],
+    )
+    for instance_id in truth.checked_instances():
+        divergence.add_metric([instance_id], truth.divergence(instance_id))
+        distrusted.add_metric([instance_id], float(truth.diverging(instance_id)))
+    yield divergence
+    yield distrusted

@@ -18,12 +18,14 @@ Contract:
 - Response headers: the upstream's, with ``X-Request-Id`` the client's, ``X-Kvherd-Instance``
   only with ``expose_instance``, and the job's `reply_headers` (a limited tenant's rate limits).
   A job that `count_output` gets its `output_tokens` once relayed (the JSON's usage, the stream's
-  tokens).
+  tokens). An answer's own ``cached_tokens`` (a JSON's usage; a stream's, when it asked for usage)
+  goes to the fleet's cache-truth check (`Fleet.cache_reported`).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
@@ -91,6 +93,15 @@ def completion_tokens(body: bytes | None) -> int | None:
     return count if type(count) is int and count >= 0 else None
 
 
+_CACHED_TOKENS = re.compile(rb'"cached_tokens":\s*(\d+)')
+
+
+def cached_tokens_in(data: bytes) -> int | None:
+    """The last ``usage.prompt_tokens_details.cached_tokens`` in a response's bytes (None: none)."""
+    found = _CACHED_TOKENS.findall(data)
+    return int(found[-1]) if found else None
+
+
 def _split(data: bytes) -> tuple[bytes, bytes, bytes]:
     """`data` as (bytes to relay now, bytes to hold back, a migration notice's start)."""
     at = data.find(_NOTICE)
@@ -152,6 +163,8 @@ class Relay:
         with attempt:
             if upstream.chunks is None:
                 exchange.respond(response.status, headers, response.body or b"")
+                if ok:
+                    self._cache_reported(job, response.body or b"")
                 attempt.finish(ok)
                 if job.count_output:
                     job.output_tokens = completion_tokens(response.body) if ok else 0
@@ -230,6 +243,7 @@ class Relay:
                         )  # fmt: skip
                         attempt.fail(exc)
                 else:
+                    self._cache_reported(job, ledger.last_events())
                     attempt.finish()
                     exchange.end_stream()
                     return status
@@ -270,6 +284,13 @@ class Relay:
                 return "upstream_broke"
             self.metrics.continuation("continued")
             attempt, upstream = opened
+
+    def _cache_reported(self, job: Job, data: bytes) -> None:
+        """Hand the engine's own ``cached_tokens`` (when its answer names them) to the fleet's
+        cache-truth check."""
+        cached = cached_tokens_in(data)
+        if cached is not None:
+            self.fleet.cache_reported(job.key, job.request.model or "", cached)
 
     def _lost(self, job: Job, attempt: Attempt, moved_to: list[str]) -> None:
         """A stream that migrated broke at its destination: that is the instance lost, and the
