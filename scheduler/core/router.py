@@ -188,7 +188,9 @@ class Router:
             self._decode_of[request_id] = decode_id
             self.cluster.get(decode_id).incoming.add(request_id)
             self.cluster.touch(decode_id)
-        claimed = self.cluster.claimed_depth(request.block_hashes, decision.instance_id)
+        claimed = None  # a P/D pair's prefill instance is not where its answer comes from
+        if decode_id is None:
+            claimed = self.cluster.claimed_depth(request.block_hashes, decision.instance_id)
         return Routed(decision, request, matched, decode_id, pull, tier_blocks, claimed)
 
     def choose(self, request: RequestView, now: float, only: frozenset[str] | None) -> Decision:
