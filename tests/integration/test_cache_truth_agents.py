@@ -16,6 +16,7 @@ from agent_process import agent_processes
 from serve_process import serve_process
 
 PENDING_TTL_S = 5.0  # ClusterState's pending_ttl_s: a routed tail's record before its events
+EVENTS_SETTLE_S = 1.0  # an agent's KV events reaching the router over ZMQ
 
 
 def _complete(client: httpx.Client, url: str, prompt: str) -> int:
@@ -39,15 +40,16 @@ def test_swapped_event_streams_are_found_and_routed_around() -> None:
             f"{b.url},kv_events={a.kv_events_endpoint},replay={a.replay_endpoint}",
         ]
         with serve_process(swapped) as served, httpx.Client(timeout=60.0) as client:
-            # Each prefix once, then again once the router's own pending record of it (5 s) is
-            # gone: the second goes where the (swapped) events say it is cached. Rounds until
-            # both instances were misled often enough to be found out.
+            # Each prefix is computed on one agent directly (half on each, so neither side hangs
+            # on the router's tie-break), then asked again through the router: the (swapped)
+            # events say the other agent caches it, so the router sends it there and that engine
+            # recomputes it. Two rounds give each instance 8 misled checks (min_checks).
             text = ""
-            for round_ in range(5):
+            for round_ in range(4):
                 first = [f"talk {round_}.{k} about the cache and its truth " * 6 for k in range(8)]
-                for prefix in first:
-                    _complete(client, served.url, prefix + "first")
-                time.sleep(PENDING_TTL_S + 1)
+                for k, prefix in enumerate(first):
+                    _complete(client, (a, b)[k % 2].url, prefix + "first")
+                time.sleep(EVENTS_SETTLE_S)
                 for prefix in first:
                     _complete(client, served.url, prefix + "again")
                 text = client.get(served.url + "/metrics").text
