@@ -135,6 +135,16 @@ class InstanceView:
         return self.role != "prefill"
 
 
+def ttft_inputs(
+    request: RequestView, inst: InstanceView, cached_tokens: int
+) -> tuple[int, int, int]:
+    """What a TTFT on `inst` is learned and predicted from: the request's uncached prompt tokens,
+    the prefill tokens queued ahead of it (reported or charged by the router, whichever is more)
+    and the requests running there."""
+    queued = max(inst.waiting_prefill_tokens, inst.pending_prefill_tokens)
+    return max(0, request.num_tokens - cached_tokens), queued, inst.num_running
+
+
 class NoInstanceError(RuntimeError):
     """No instance can take the request (none registered, or all unhealthy or draining)."""
 
@@ -147,6 +157,9 @@ TierMatcher = Callable[["RequestView", np.ndarray], np.ndarray]
 # Leading blocks of the request an instance is known to hold on any tier (its KV events said so),
 # without the ones only routed there (still being computed); None: the match is all it knows.
 ConfirmedMatcher = Callable[["RequestView", str], int | None]
+# Predicted TTFT in seconds of (instance id, uncached prompt tokens, queued prefill tokens, running
+# requests), learned from the engines (`scheduler.core.ttft_model`); None: nothing learned yet.
+TtftPredictor = Callable[[str, float, float, float], float | None]
 
 
 # InstanceView fields available as numpy columns (see `ClusterView.column`).
@@ -193,6 +206,7 @@ class ClusterView:
         "_matcher",
         "_tier_cache",
         "_tier_matcher",
+        "_ttft_predictor",
         "instances",
         "now",
     )
@@ -207,8 +221,10 @@ class ClusterView:
         array_matcher: PrefixArrayMatcher | None = None,
         tier_matcher: TierMatcher | None = None,
         confirmed_matcher: ConfirmedMatcher | None = None,
+        ttft_predictor: TtftPredictor | None = None,
     ) -> None:
         self.instances: tuple[InstanceView, ...] = tuple(instances)
+        self._ttft_predictor = ttft_predictor
         self._confirmed_matcher = confirmed_matcher
         self.now = now
         self._matcher = matcher
@@ -329,6 +345,15 @@ class ClusterView:
         if self._confirmed_matcher is None:
             return None
         return self._confirmed_matcher(request, instance_id)
+
+    def predict_ttft(
+        self, request: RequestView, inst: InstanceView, cached_tokens: int
+    ) -> float | None:
+        """Predicted TTFT (seconds) of `request` on `inst` with `cached_tokens` of its prompt
+        cached there, by the model learned from the engines' first tokens (None: none yet)."""
+        if self._ttft_predictor is None:
+            return None
+        return self._ttft_predictor(inst.instance_id, *ttft_inputs(request, inst, cached_tokens))
 
     def weighted_prefix_match(
         self, request: RequestView, weights: tuple[float, ...]

@@ -58,6 +58,7 @@ from scheduler.core.prefix_index import (
     match_chain,
     match_groups,
 )
+from scheduler.core.ttft_model import TtftModel
 
 # An `InstanceView`'s figures in `COLUMNS` order.
 _COLUMN_FIELDS = attrgetter(*COLUMNS)
@@ -84,6 +85,7 @@ class ClusterState:
         approx_shards: int = 64,
     ) -> None:
         self.block_size = block_size
+        self.ttft = TtftModel()  # each instance's TTFT, learned from the first tokens routed there
         self.hash_algo: HashAlgo = hash_algo
         self.pending_ttl_s = pending_ttl_s
         # One slot map for both indexes, so a match walks their masks OR-ed together.
@@ -190,6 +192,7 @@ class ClusterState:
         self._slot_pos = None
         self._replay.pop(instance_id, None)
         self._untrusted.discard(instance_id)
+        self.ttft.remove_instance(instance_id)
         self._dirty.discard(instance_id)
         position = self._position.pop(instance_id)
         del self._order[position]
@@ -362,8 +365,9 @@ class ClusterState:
         # that ask for one. Lower tiers are matched only while some instance holds a block there.
         tiers = tier_matcher if self.prefix_index.has_lower_tiers() else None
         return ClusterView(
-            views, now, None, columns, self._position, array_matcher, tiers, self._confirmed
-        )
+            views, now, None, columns, self._position, array_matcher, tiers, self._confirmed,
+            self.ttft.predict,
+        )  # fmt: skip
 
     def _subset_view(
         self, now: float, exclude: Collection[str], only: frozenset[str]
@@ -398,7 +402,10 @@ class ClusterState:
             return self.match_lower_array(request.block_hashes, depths)[:, positions]
 
         tiers = tier_matcher if self.prefix_index.has_lower_tiers() else None
-        return ClusterView(views, now, None, columns, index, array_matcher, tiers, self._confirmed)
+        return ClusterView(
+            views, now, None, columns, index, array_matcher, tiers, self._confirmed,
+            self.ttft.predict,
+        )  # fmt: skip
 
     def _slot_position(self) -> np.ndarray:
         """Slot -> position in view order (-1 for a free slot), rebuilt after membership changes."""

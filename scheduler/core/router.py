@@ -60,7 +60,14 @@ from dataclasses import dataclass
 
 from kvherd.block_hash import block_hash_chain
 from policies.base import DispatchPolicy, PDPolicy
-from policies.views import ClusterView, Decision, NoInstanceError, PDDecision, RequestView
+from policies.views import (
+    ClusterView,
+    Decision,
+    NoInstanceError,
+    PDDecision,
+    RequestView,
+    ttft_inputs,
+)
 from scheduler.core.cluster_state import ClusterState
 from scheduler.core.instance_state import Dispatch
 from scheduler.core.prefix_pull import PullAction, PullChoice, PullPeer, PullSettings, choose_pull
@@ -179,6 +186,8 @@ class Router:
         if pull is not None and pull.action is PullAction.PULL:  # cached once the pull lands
             cached = pull.first_block + pull.num_blocks
         cached_tokens = min(num_tokens, cached * block_size)
+        faced = ttft_inputs(request, view[decision.instance_id], cached_tokens)
+        self.cluster.ttft.dispatched(request_id, decision.instance_id, *faced, now)
         state = self.cluster.get(decision.instance_id)
         state.dispatch(request_id, num_tokens, num_tokens - cached_tokens, now, adapter)
         self.cluster.touch(decision.instance_id)
@@ -216,6 +225,7 @@ class Router:
         return pair
 
     def on_first_token(self, request_id: str, now: float) -> None:
+        self.cluster.ttft.first_token(request_id, now)
         instance_id = self._where.get(request_id)
         if (
             instance_id is not None
@@ -253,6 +263,7 @@ class Router:
 
     def _release(self, request_id: str, now: float) -> Dispatch | None:
         self.on_handoff_failed(request_id)
+        self.cluster.ttft.discard(request_id)
         instance_id = self._where.pop(request_id, None)
         if instance_id is None or instance_id not in self.cluster:
             return None

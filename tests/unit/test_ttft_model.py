@@ -1,0 +1,101 @@
+"""The online TTFT model: recovers the weights of the engines it watches, never negative ones,
+predicts from the fleet's fit until an instance has its own, and reports its honest error."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+
+from scheduler.core.ttft_model import TERMS, TtftModel, TtftSettings, features, nnls
+
+TRUE = (0.02, 0.05, 0.05, 0.001, 0.002)  # base s, s per k-token uncached / queued, ...
+
+
+def _ttft(w: tuple[float, ...], uncached: int, queued: int, running: int) -> float:
+    return sum(a * b for a, b in zip(w, features(uncached, queued, running), strict=True))
+
+
+def _feed(model: TtftModel, instance: str, w: tuple[float, ...], n: int, seed: int) -> None:
+    rng = random.Random(seed)
+    now = 0.0
+    for k in range(n):
+        uncached, queued, running = rng.randrange(4096), rng.randrange(8192), rng.randrange(64)
+        rid = f"{instance}-{k}"
+        model.dispatched(rid, instance, uncached, queued, running, now)
+        ttft = _ttft(w, uncached, queued, running) * rng.uniform(0.95, 1.05)
+        assert model.first_token(rid, now + ttft) == pytest.approx(ttft)
+        now += 1.0
+
+
+def test_recovers_the_engines_weights_and_reports_its_quality() -> None:
+    model = TtftModel()
+    assert model.predict("a", 1000, 0, 0) is None  # nothing learned yet
+    _feed(model, "a", TRUE, 400, seed=1)
+    coef = model.coefficients("a")
+    assert coef is not None and len(coef) == len(TERMS)
+    assert model.predict("a", 2000, 1000, 8) == pytest.approx(_ttft(TRUE, 2000, 1000, 8), rel=0.05)
+    quality = model.quality("a")
+    assert quality.r2 > 0.98
+    assert quality.error_ratio < 0.06  # the noise is +-5%: predictions made before each TTFT
+    assert quality.predicted > 200 and quality.samples == 256
+
+
+def test_weights_are_never_negative() -> None:
+    model = TtftModel()
+    # TTFT falls with the running requests in this data: the fit drops the term, not negates it.
+    rng = random.Random(2)
+    for k in range(200):
+        uncached, running = rng.randrange(4096), rng.randrange(32)
+        model.dispatched(str(k), "a", uncached, 0, running, 0.0)
+        model.first_token(str(k), max(0.001, 0.05 * uncached / 1000 - 0.002 * running))
+    coef = model.coefficients("a")
+    assert coef is not None and min(coef) >= 0.0
+
+
+def test_a_new_instance_is_predicted_by_the_fleet_until_it_has_its_own_fit() -> None:
+    model = TtftModel(TtftSettings(min_samples=16))
+    _feed(model, "a", TRUE, 100, seed=3)
+    assert model.coefficients("b") == model.coefficients("nobody")
+    slow = tuple(2 * w for w in TRUE)
+    _feed(model, "b", slow, 200, seed=4)
+    fast, twice = model.predict("a", 2000, 0, 4), model.predict("b", 2000, 0, 4)
+    assert fast is not None and twice is not None and twice == pytest.approx(2 * fast, rel=0.1)
+
+
+def test_discarded_and_unknown_requests_are_not_observed() -> None:
+    model = TtftModel()
+    model.dispatched("r", "a", 100, 0, 0, 0.0)
+    model.discard("r")
+    assert model.first_token("r", 1.0) is None
+    assert model.first_token("never", 1.0) is None
+    model.dispatched("s", "a", 100, 0, 0, 0.0)
+    model.remove_instance("a")
+    assert model.first_token("s", 1.0) is None
+    assert model.quality("a").samples == 0
+
+
+def test_settings_are_checked() -> None:
+    with pytest.raises(ValueError):
+        TtftSettings(window=1)
+    with pytest.raises(ValueError):
+        TtftSettings(min_samples=300)
+
+
+def test_nnls_is_the_best_non_negative_fit() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        x, y = rng.normal(size=(40, 5)), rng.normal(size=40)
+        w = nnls(x.T @ x, x.T @ y)
+        assert w.min() >= 0.0
+        best = np.inf  # every subset's least squares that came out non-negative
+        for k in range(1, 6):
+            for subset in itertools.combinations(range(5), k):
+                ws = np.linalg.lstsq(x[:, list(subset)], y, rcond=None)[0]
+                if ws.min() >= 0.0:
+                    full = np.zeros(5)
+                    full[list(subset)] = ws
+                    best = min(best, float(np.square(x @ full - y).sum()))
+        assert float(np.square(x @ w - y).sum()) <= best + 1e-9
