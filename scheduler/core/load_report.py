@@ -39,9 +39,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from policies.views import RunningRequestView
+from scheduler.core.prom_text import samples
 
 
 class LoadReportError(ValueError):
@@ -226,6 +225,16 @@ _PROM_FIELDS: tuple[tuple[str, str], ...] = (
     ("vllm:num_preemptions_total", "num_preemptions"),
     ("vllm:num_preemptions", "num_preemptions"),
 )
+# Every sample `parse_prometheus` reads; the page's other lines are skipped unread.
+_PROM_NAMES = frozenset(
+    [name for name, _ in _PROM_FIELDS]
+    + [
+        "vllm:lora_requests_info",
+        "vllm:cache_config_info",
+        "vllm:num_requests_waiting_by_reason",
+        "sglang:max_total_num_tokens",
+    ]
+)
 
 
 def parse_prometheus(text: str, block_size: int = 16) -> LoadReport:
@@ -237,30 +246,28 @@ def parse_prometheus(text: str, block_size: int = 16) -> LoadReport:
     lora_at = -math.inf
     deferred = 0.0
     try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                name = sample.name
-                if name == "vllm:lora_requests_info":
-                    if sample.value > lora_at:
-                        lora_at = sample.value
-                        _lora_fields(sample.labels, fields)
-                elif name == "vllm:cache_config_info":
-                    gpu_blocks = sample.labels.get("num_gpu_blocks", "")
-                    if gpu_blocks.isdigit():
-                        total_blocks = int(gpu_blocks)
-                    engine_block_size = sample.labels.get("block_size", "")
-                    if engine_block_size.isdigit() and int(engine_block_size) > 0:
-                        fields["block_size"] = int(engine_block_size)
-                elif name == "vllm:num_requests_waiting_by_reason":
-                    if sample.labels.get("reason") == "deferred" and math.isfinite(sample.value):
-                        deferred += sample.value
-                        fields["num_deferred"] = max(0, int(deferred))
-                elif name == "sglang:max_total_num_tokens":
-                    total_blocks = int(sample.value) // block_size
-                elif math.isfinite(sample.value):
-                    sums[name] = sums.get(name, 0.0) + sample.value
-                    counts[name] = counts.get(name, 0) + 1
-    except ValueError as exc:  # the parser raises ValueError (and subclasses) on bad text
+        for name, labels, value in samples(text, _PROM_NAMES):
+            if name == "vllm:lora_requests_info":
+                if value > lora_at:
+                    lora_at = value
+                    _lora_fields(labels, fields)
+            elif name == "vllm:cache_config_info":
+                gpu_blocks = labels.get("num_gpu_blocks", "")
+                if gpu_blocks.isdigit():
+                    total_blocks = int(gpu_blocks)
+                engine_block_size = labels.get("block_size", "")
+                if engine_block_size.isdigit() and int(engine_block_size) > 0:
+                    fields["block_size"] = int(engine_block_size)
+            elif name == "vllm:num_requests_waiting_by_reason":
+                if labels.get("reason") == "deferred" and math.isfinite(value):
+                    deferred += value
+                    fields["num_deferred"] = max(0, int(deferred))
+            elif name == "sglang:max_total_num_tokens":
+                total_blocks = int(value) // block_size
+            elif math.isfinite(value):
+                sums[name] = sums.get(name, 0.0) + value
+                counts[name] = counts.get(name, 0) + 1
+    except ValueError as exc:
         raise LoadReportError(f"not Prometheus text format: {exc}") from exc
     for sample_name, field_name in _PROM_FIELDS:
         if field_name in fields or sample_name not in sums:
