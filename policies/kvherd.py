@@ -238,8 +238,40 @@ class KvherdDispatch:
 
     def choose(self, request: RequestView, cluster: ClusterView) -> Decision:
         if len(cluster.instances) <= SMALL_FLEET:
-            return self.choose_scalar(request, cluster)
-        return self.choose_vectorised(request, cluster)
+            decision = self.choose_scalar(request, cluster)
+        else:
+            decision = self.choose_vectorised(request, cluster)
+        if request.slo_ttft_s is None:
+            return decision
+        return self.within_slo(request, cluster, decision)
+
+    def within_slo(
+        self, request: RequestView, cluster: ClusterView, decision: Decision
+    ) -> Decision:
+        """The SLO step: among the cheapest candidates (`decision.scores`), the cheapest whose
+        predicted TTFT (`ClusterView.predict_ttft`) meets ``request.slo_ttft_s``; when none does,
+        the one predicted soonest; the decision as it was while nothing is learned yet."""
+        slo = request.slo_ttft_s
+        assert slo is not None
+        predicted: dict[str, float] = {}
+        for instance_id in decision.scores:
+            inst = cluster[instance_id]
+            matched = cluster.prefix_match_of(request, instance_id)
+            cached = min(request.num_tokens, matched * request.block_size)
+            guess = cluster.predict_ttft(request, inst, cached)
+            if guess is None:
+                return decision
+            predicted[instance_id] = guess
+        if not predicted or predicted.get(decision.instance_id, math.inf) <= slo:
+            return decision
+        meets = [i for i, t in predicted.items() if t <= slo]
+        if meets:
+            pick = max(meets, key=decision.scores.__getitem__)  # scores are negated costs
+            why = f"cheapest predicted within the TTFT SLO: {1000 * predicted[pick]:.0f} ms"
+        else:
+            pick = min(predicted, key=predicted.__getitem__)
+            why = f"none predicted within the TTFT SLO: the soonest, {1000 * predicted[pick]:.0f} ms"
+        return Decision(pick, decision.scores, why)
 
     def choose_scalar(self, request: RequestView, cluster: ClusterView) -> Decision:
         """`choose_vectorised`'s decision, one instance at a time."""

@@ -50,6 +50,7 @@ class RequestView:
     priority: int = 0
     max_tokens: int | None = None  # decode budget if the client gave one
     adapter: str | None = None  # the LoRA adapter the request runs with (None: a base model)
+    slo_ttft_s: float | None = None  # the TTFT the client asked for (None: as soon as may be)
 
     @property
     def num_blocks(self) -> int:

@@ -99,6 +99,7 @@ from scheduler.core.model_index import ModelCard, ModelIndex
 from scheduler.core.outliers import Health
 from scheduler.core.prefix_pull import PullAction, PullPeer, PullSettings, pull_peer
 from scheduler.core.router import Routed, Router
+from scheduler.core.ttft_model import TERMS
 from scheduler.fleet_health import FleetHealth
 from scheduler.kv_subscriber import KVEventSubscriber
 from scheduler.load_poller import LoadPoller
@@ -232,6 +233,7 @@ class Fleet:
         self._handoffs: dict[str, str] = {}  # routing key -> its decode instance (P/D)
         self.truth = CacheTruth()  # engines' reported hits against the event index's claims
         metrics.cache_truth = self.truth
+        metrics.ttft_model = self.cluster.ttft
         self.last_routed: Routed | None = None  # the last dispatch's decision (for traces)
         self._pulls: dict[str, tuple[str, int]] = {}  # routing key -> (holder's address, blocks)
         self.instances: dict[str, FleetInstance] = {}
@@ -707,6 +709,7 @@ class Fleet:
         only: frozenset[str] | None = None,
         adapter: str | None = None,
         block_size: int | None = None,
+        slo_ttft_s: float | None = None,
     ) -> tuple[FleetInstance, int]:
         saturated = self.inflight.saturated
         if saturated:
@@ -725,6 +728,7 @@ class Fleet:
                 only=only,
                 adapter=adapter,
                 block_size=block_size,
+                slo_ttft_s=slo_ttft_s,
             )
         except NoInstanceError:
             # Worth waiting only if an instance that may still be tried is merely full.
@@ -968,6 +972,20 @@ class Fleet:
                 for t in state.report.tiers or ()
             ],
             "kv_events": kv,
+            "ttft_model": self._ttft_model(instance_id),
+        }
+
+    def _ttft_model(self, instance_id: str) -> dict[str, Any]:
+        """The learned TTFT model of `instance_id` (`scheduler.core.ttft_model`), for the admin API."""
+        model = self.cluster.ttft
+        quality = model.quality(instance_id)
+        weights = model.coefficients(instance_id)
+        return {
+            "samples": quality.samples,
+            "r2": quality.r2,
+            "error_ratio": quality.error_ratio,
+            "own_fit": model.fitted(instance_id) is not None,  # else the fleet's predicts
+            "weights_s": None if weights is None else dict(zip(TERMS, weights, strict=True)),
         }
 
     def describe(self) -> list[dict[str, Any]]:

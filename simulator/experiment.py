@@ -165,6 +165,9 @@ def run_policy(
     )
     summary["unfinished"] = metrics.num_unfinished
     summary["cache_missing_tokens"] = cluster.truth.missing_tokens()  # 0: the index is true
+    learned = cluster.state.ttft.quality()  # the fleet's learned TTFT model, as the proxy's
+    summary["ttft_model_r2"] = learned.r2
+    summary["ttft_model_error_ratio"] = learned.error_ratio
     if cluster.admission is not None:
         summary.update(admission_summary(cluster.admission.stats))
     prompt_tokens = float(metrics.columns()["prompt_tokens"].sum())

@@ -30,7 +30,8 @@ Contract:
 - Models: `only` (a `scheduler.core.model_index.ModelIndex` answer) limits the view, and so every
   policy, to the instances that serve the request's model; `adapter` names its LoRA adapter
   (`RequestView.adapter`, counted on the chosen instance while in flight); `block_size` the
-  model's (its chain's blocks; None: the cluster's).
+  model's (its chain's blocks; None: the cluster's); `slo_ttft_s` the TTFT the client asked for
+  (`RequestView.slo_ttft_s`, for policies that route by predicted TTFT).
 - `choose(request, now, only)` asks the dispatch policy without routing (no charge, no record).
 - `NoInstanceError` when nothing is dispatchable. Pure: times are arguments, no I/O or threads;
   the proxy and the simulator drive the same object.
@@ -128,6 +129,7 @@ class Router:
         only: frozenset[str] | None = None,
         adapter: str | None = None,
         block_size: int | None = None,
+        slo_ttft_s: float | None = None,
     ) -> Routed:
         if request_id in self._where:
             raise ValueError(f"request {request_id!r} is already routed; finish it first")
@@ -152,6 +154,7 @@ class Router:
             priority,
             max_tokens,
             adapter,
+            slo_ttft_s,
         )
         view = self.cluster.view(now, exclude, only)
         pair = self._pair(request, view, exclude)

@@ -153,6 +153,11 @@ class TtftModel:
         return self._fleet.coef
         return None
 
+    def fitted(self, instance_id: str | None) -> tuple[float, ...] | None:
+        """`instance_id`'s own weights (None: the fleet's), None before its first fit."""
+        fit = self._fleet if instance_id is None else self._fits.get(instance_id)
+        return None if fit is None else fit.coef
+
     def predict(
         self, instance_id: str, uncached_tokens: float, queued_tokens: float, running: float
     ) -> float | None:

@@ -136,6 +136,7 @@ class AdmissionGate:
         only: frozenset[str] | None = None,
         adapter: str | None = None,
         block_size: int | None = None,
+        slo_ttft_s: float | None = None,
     ) -> tuple[FleetInstance, int, bool] | None:
         """The instance chosen for `key`, its matched blocks and whether it queued first,
         waiting in the queue while every instance is saturated; None when nothing dispatchable
@@ -150,6 +151,7 @@ class AdmissionGate:
                         key, num_tokens, block_hashes,
                         tenant=tenant, max_tokens=max_tokens, exclude=tried,
                         only=only, adapter=adapter, block_size=block_size,
+                        slo_ttft_s=slo_ttft_s,
                     )  # fmt: skip
                     return instance, matched, deadline is not None
                 except NoCapacityError as exc:

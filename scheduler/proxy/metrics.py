@@ -35,6 +35,10 @@ Contract (what ``GET /metrics`` on the proxy exposes):
   ``kvherd_cache_missing_tokens_total`` (of those, what the engine recomputed) per
   ``{instance, model}``; ``kvherd_cache_divergence{instance}`` (missing over claimed, last
   window) and ``kvherd_cache_index_distrusted{instance}`` (1: routed by the approximate index).
+- The TTFT model learned online (`scheduler.core.ttft_model`), per ``{instance}`` and for the
+  fleet (``instance="fleet"``): ``kvherd_ttft_model_samples``, ``kvherd_ttft_model_r2`` and
+  ``kvherd_ttft_model_error_ratio`` (mean relative error of the predictions made at dispatch);
+  ``kvherd_ttft_model_weight{instance, term}`` (seconds per unit of each term).
 - ``kvherd_kv_events_silent_total{instance}``: times an instance sent no KV event within the
   silence limit after requests were routed there.
 - ``kvherd_instance_role{instance, role}``: 1 for each instance's P/D role (``prefill``,
@@ -82,6 +86,7 @@ from prometheus_client.registry import Collector
 
 from policies.views import TIERS
 from scheduler.core.cache_truth import CacheTruth
+from scheduler.core.ttft_model import TERMS, TtftModel
 
 _DECISION_BUCKETS = (
     0.00005,
@@ -159,6 +164,7 @@ class ProxyMetrics:
         self._inflight: dict[str, int] = {}
         self._models: dict[str, list[int]] = {}  # model -> [requests, prompt blocks, hit blocks]
         self.cache_truth: CacheTruth | None = None  # the fleet's, read at scrape time
+        self.ttft_model: TtftModel | None = None  # likewise
         r.register(_LoopCollector(self))
         self.retries = Counter("kvherd_retries", "Attempts retried on another instance", registry=r)
         self._ejections = Counter(
@@ -407,6 +413,38 @@ class _LoopCollector(Collector):
         yield from per_model
         if m.cache_truth is not None:
             yield from _truth_families(m.cache_truth)
+        if m.ttft_model is not None:
+            yield from _ttft_model_families(m.ttft_model)
+
+
+def _ttft_model_families(model: TtftModel) -> Iterator[Metric]:
+    quality = [
+        GaugeMetricFamily(name, text, labels=["instance"])
+        for name, text in (
+            ("kvherd_ttft_model_samples", "First tokens the learned TTFT model is fitted on"),
+            ("kvherd_ttft_model_r2", "R^2 of the learned TTFT model over its samples"),
+            (
+                "kvherd_ttft_model_error_ratio",
+                "Mean |predicted - observed| / observed TTFT of predictions made at dispatch",
+            ),
+        )
+    ]
+    weights = GaugeMetricFamily(
+        "kvherd_ttft_model_weight",
+        "The learned TTFT model's seconds per unit of each term",
+        labels=["instance", "term"],
+    )
+    for instance_id in [*model.instances(), None]:
+        label = instance_id or "fleet"
+        q = model.quality(instance_id)
+        for family, value in zip(quality, (q.samples, q.r2, q.error_ratio), strict=True):
+            family.add_metric([label], value)
+        coef = model.fitted(instance_id)
+        if coef is not None:
+            for term, value in zip(TERMS, coef, strict=True):
+                weights.add_metric([label, term], value)
+    yield from quality
+    yield weights
 
 
 def _truth_families(truth: CacheTruth) -> Iterator[Metric]:

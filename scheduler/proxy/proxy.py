@@ -60,6 +60,7 @@ from scheduler.proxy.routed_request import (
     RequestReader,
     RoutedRequest,
     parse_priority_header,
+    parse_slo_header,
     resolve_priority,
 )
 
@@ -161,6 +162,7 @@ class Proxy:
         request_id = b""
         auth: bytes | None = None
         priority: bytes | None = None
+        slo: bytes | None = None
         tenant_name: str | None = None
         klass = 0
         admitted = False  # by `admission.check`: `admission.finished` when it ends
@@ -176,6 +178,8 @@ class Proxy:
                 auth = value
             elif name == b"x-kvherd-priority":
                 priority = value
+            elif name == b"x-kvherd-slo-ttft-ms":
+                slo = value
             elif name == b"content-type":
                 json_body = _is_json_media_type(value)
             elif name in _FORWARD_HEADERS:
@@ -212,6 +216,7 @@ class Proxy:
                     code="unsupported_media_type",
                 )
             asked = None if priority is None else parse_priority_header(priority)
+            slo_ttft_s = None if slo is None else parse_slo_header(slo)
             tenant_name = None if tenant is None else tenant.name
             klass = resolve_priority(asked, tenant)
             if trace is None:
@@ -234,7 +239,7 @@ class Proxy:
             if request.lora_load is not None and self.lora is not None:
                 request = await self.lora.ensure(request)
             status = await self._serve(
-                exchange, request, request_id, forward, started, lease, trace
+                exchange, request, request_id, forward, started, lease, trace, slo_ttft_s
             )
         except OpenAIError as exc:
             status = exc.status
@@ -299,6 +304,7 @@ class Proxy:
         started: float,
         lease: Lease | None = None,
         trace: RequestTrace | None = None,
+        slo_ttft_s: float | None = None,
     ) -> int | str:
         """The first attempt and the retries, until one instance answers; a limited tenant's
         `lease` settled with the output tokens counted when the answer was relayed."""
@@ -308,7 +314,9 @@ class Proxy:
         if request.streamed:
             headers.append((b"x-kvherd-reattach", b"1"))
             headers.append((b"x-kvherd-token-ids", b"1"))
-        job = Job(key, request_id, request, headers, set(), started, trace=trace)
+        job = Job(
+            key, request_id, request, headers, set(), started, trace=trace, slo_ttft_s=slo_ttft_s
+        )
         if lease is not None:
             job.reply_headers = lease.headers()
             job.count_output = True
@@ -451,6 +459,7 @@ class Proxy:
             request.only if only is None else only,
             request.adapter,
             request.block_size,
+            job.slo_ttft_s,
         )
         if job.trace is None:
             chosen = await dispatching

@@ -72,6 +72,7 @@ class Job:
     count_output: bool = False  # a rate-limited tenant's: count its output tokens
     output_tokens: int | None = None  # counted once relayed (None: not counted, or unknown)
     trace: RequestTrace | None = None  # its trace, when tracing is on
+    slo_ttft_s: float | None = None  # the TTFT its client asked for (``X-Kvherd-Slo-Ttft-Ms``)
 
 
 class Continue(Protocol):

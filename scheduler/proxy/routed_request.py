@@ -27,6 +27,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -223,6 +224,22 @@ def resolve_priority(header: int | None, tenant: Tenant | None) -> int:
     if tenant is not None and tenant.options.priority is not None:
         return tenant.options.priority
     return 0
+
+
+def parse_slo_header(value: bytes) -> float:
+    """``X-Kvherd-Slo-Ttft-Ms``: the TTFT asked for, a positive number of milliseconds up to an
+    hour, in seconds (`OpenAIError` 400 otherwise)."""
+    try:
+        ms = float(value.strip()) if len(value) <= 32 else math.nan
+    except ValueError:
+        ms = math.nan
+    if not 0.0 < ms <= 3_600_000.0:  # NaN fails too
+        raise OpenAIError(
+            400,
+            "X-Kvherd-Slo-Ttft-Ms must be a number of milliseconds in (0, 3600000]",
+            param="X-Kvherd-Slo-Ttft-Ms",
+        )
+    return ms / 1000.0
 
 
 def parse_priority_header(value: bytes) -> int:

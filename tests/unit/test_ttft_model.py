@@ -9,6 +9,12 @@ import random
 import numpy as np
 import pytest
 
+from kvherd.block_hash import block_hash_chain
+from kvherd.kv_events import BlockStored, KVEventBatch
+from policies import load_dispatch_policy
+from policies.views import Decision
+from scheduler.core.cluster_state import ClusterState
+from scheduler.core.router import Router
 from scheduler.core.ttft_model import TERMS, TtftModel, TtftSettings, features, nnls
 
 TRUE = (0.02, 0.05, 0.05, 0.001, 0.002)  # base s, s per k-token uncached / queued, ...
@@ -99,3 +105,50 @@ def test_nnls_is_the_best_non_negative_fit() -> None:
                     full[list(subset)] = ws
                     best = min(best, float(np.square(x @ full - y).sum()))
         assert float(np.square(x @ w - y).sum()) <= best + 1e-9
+
+
+def _slo_fleet() -> tuple[ClusterState, Router, list[int]]:
+    """a holds the prompt's prefix, b does not; a was learned slow (about 1 s), b fast."""
+    cluster = ClusterState(block_size=16)
+    for name in ("a", "b"):
+        cluster.add_instance(name, has_kv_events=True, trust_engine_hashes=True)
+    router = Router(cluster, load_dispatch_policy("kvherd"))
+    prefix = [(7 * k) % 30000 for k in range(640)]
+    chain = block_hash_chain(prefix, 16)
+    cluster.apply_kv_batch("a", KVEventBatch(0, 0.0, [BlockStored(chain, None, prefix, 16)]))
+    return cluster, router, prefix
+
+
+def _learn(router: Router, seconds: dict[str, float], n: int = 32) -> None:
+    now = 0.0
+    for k in range(n):
+        for name, ttft in seconds.items():
+            other = {"a": "b", "b": "a"}[name]
+            rid = f"learn-{name}-{k}"
+            router.route(
+                rid, [(k * 13 + j) % 30000 + 1 for j in range(32)], now=now, exclude={other}
+            )
+            router.on_first_token(rid, now + ttft)
+            router.on_finish(rid, now + ttft)
+            now += 2.0
+
+
+def _routed(router: Router, prompt: list[int], now: float, slo: float | None) -> Decision:
+    routed = router.route("probe", prompt, now=now, slo_ttft_s=slo)
+    router.on_finish("probe", now)
+    return routed.decision
+
+
+def test_a_ttft_slo_moves_a_request_off_an_instance_predicted_too_slow() -> None:
+    _, router, prefix = _slo_fleet()
+    prompt = [*prefix, 1, 2, 3]
+    assert _routed(router, prompt, 0.0, None).instance_id == "a"  # the prefix attracts it
+    assert _routed(router, prompt, 0.0, 0.5).instance_id == "a"  # nothing learned yet
+    _learn(router, {"a": 1.0, "b": 0.1})
+    now = 1000.0
+    assert _routed(router, prompt, now, None).instance_id == "a"
+    assert _routed(router, prompt, now, 5.0).instance_id == "a"  # a meets it
+    moved = _routed(router, prompt, now, 0.5)
+    assert moved.instance_id == "b" and "within the TTFT SLO" in moved.reason
+    missed = _routed(router, prompt, now, 0.01)  # neither does: the soonest
+    assert missed.instance_id == "b" and "none predicted" in missed.reason
