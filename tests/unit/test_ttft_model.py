@@ -107,12 +107,12 @@ def test_nnls_is_the_best_non_negative_fit() -> None:
         assert float(np.square(x @ w - y).sum()) <= best + 1e-9
 
 
-def _slo_fleet() -> tuple[ClusterState, Router, list[int]]:
+def _slo_fleet(**params: object) -> tuple[ClusterState, Router, list[int]]:
     """a holds the prompt's prefix, b does not; a was learned slow (about 1 s), b fast."""
     cluster = ClusterState(block_size=16)
     for name in ("a", "b"):
         cluster.add_instance(name, has_kv_events=True, trust_engine_hashes=True)
-    router = Router(cluster, load_dispatch_policy("kvherd"))
+    router = Router(cluster, load_dispatch_policy("kvherd", **params))
     prefix = [(7 * k) % 30000 for k in range(640)]
     chain = block_hash_chain(prefix, 16)
     cluster.apply_kv_batch("a", KVEventBatch(0, 0.0, [BlockStored(chain, None, prefix, 16)]))
@@ -152,3 +152,12 @@ def test_a_ttft_slo_moves_a_request_off_an_instance_predicted_too_slow() -> None
     assert moved.instance_id == "b" and "within the TTFT SLO" in moved.reason
     missed = _routed(router, prompt, now, 0.01)  # neither does: the soonest
     assert missed.instance_id == "b" and "none predicted" in missed.reason
+
+
+def test_learned_cost_takes_the_soonest_predicted_once_it_can_predict() -> None:
+    _, router, prefix = _slo_fleet(learned_cost=True)
+    prompt = [*prefix, 1, 2, 3]
+    assert _routed(router, prompt, 0.0, None).instance_id == "a"  # the formula, until learned
+    _learn(router, {"a": 1.0, "b": 0.1})
+    soonest = _routed(router, prompt, 1000.0, None)
+    assert soonest.instance_id == "b" and "soonest predicted" in soonest.reason
