@@ -203,6 +203,7 @@ class ClusterView:
         "_confirmed_matcher",
         "_dispatchable",
         "_index",
+        "_indexed_blocks",
         "_match_cache",
         "_matcher",
         "_tier_cache",
@@ -223,8 +224,10 @@ class ClusterView:
         tier_matcher: TierMatcher | None = None,
         confirmed_matcher: ConfirmedMatcher | None = None,
         ttft_predictor: TtftPredictor | None = None,
+        indexed_blocks: Callable[[str], int] | None = None,
     ) -> None:
         self.instances: tuple[InstanceView, ...] = tuple(instances)
+        self._indexed_blocks = indexed_blocks
         self._ttft_predictor = ttft_predictor
         self._confirmed_matcher = confirmed_matcher
         self.now = now
@@ -346,6 +349,11 @@ class ClusterView:
         if self._confirmed_matcher is None:
             return None
         return self._confirmed_matcher(request, instance_id)
+
+    def indexed_blocks(self, instance_id: str) -> int:
+        """Blocks the KV-event index holds for an instance (0: none, or no index): how much of
+        the fleet's cached prefixes, and so of their future traffic, it already draws."""
+        return 0 if self._indexed_blocks is None else self._indexed_blocks(instance_id)
 
     def predict_ttft(
         self, request: RequestView, inst: InstanceView, cached_tokens: int

@@ -366,7 +366,7 @@ class ClusterState:
         tiers = tier_matcher if self.prefix_index.has_lower_tiers() else None
         return ClusterView(
             views, now, None, columns, self._position, array_matcher, tiers, self._confirmed,
-            self.ttft.predict,
+            self.ttft.predict, self._indexed_blocks,
         )  # fmt: skip
 
     def _subset_view(
@@ -404,7 +404,7 @@ class ClusterState:
         tiers = tier_matcher if self.prefix_index.has_lower_tiers() else None
         return ClusterView(
             views, now, None, columns, index, array_matcher, tiers, self._confirmed,
-            self.ttft.predict,
+            self.ttft.predict, self._indexed_blocks,
         )  # fmt: skip
 
     def _slot_position(self) -> np.ndarray:
@@ -441,6 +441,10 @@ class ClusterState:
         for instance_id in self._untrusted:  # its tiers are known from its events alone
             out[:, position[instance_id]] = 0.0
         return out
+
+    def _indexed_blocks(self, instance_id: str) -> int:
+        index = self.prefix_index
+        return index.num_blocks(instance_id) if instance_id in index else 0
 
     def _confirmed(self, request: RequestView, instance_id: str) -> int | None:
         """The view's `confirmed_depth`: the leading blocks of the request the precise index

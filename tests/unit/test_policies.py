@@ -451,3 +451,32 @@ def test_prefix_match_walks_once_whichever_form_is_asked_first() -> None:
     assert view.prefix_match_of(req, "a") == 3
     assert dict(view.prefix_match(req)) == table
     assert calls == ["array"]
+
+
+def test_kvherd_spreads_new_prefixes_to_the_instance_holding_fewer_blocks() -> None:
+    """At equal load a new prefix goes where the index holds less (the traffic its affinity draws
+    later spreads too), where ties alone would split them at random; a cached prefix still
+    follows its cache."""
+    from kvherd.block_hash import block_hash_chain
+    from kvherd.kv_events import BlockStored, KVEventBatch
+    from scheduler.core.cluster_state import ClusterState
+    from scheduler.core.router import Router
+
+    def placed(**params: float) -> list[str]:
+        cluster = ClusterState(block_size=16)
+        for name in ("a", "b"):
+            cluster.add_instance(name, has_kv_events=True, trust_engine_hashes=True)
+        held = [(11 * k) % 30000 + 1 for k in range(1600)]  # 100 blocks on a
+        chain = block_hash_chain(held, 16)
+        cluster.apply_kv_batch("a", KVEventBatch(0, 0.0, [BlockStored(chain, None, held, 16)]))
+        router = Router(cluster, load_dispatch_policy("kvherd", **params))
+        out = []
+        for k in range(16):
+            fresh = [(k * 977 + 3 * j) % 30000 + 1 for j in range(320)]
+            out.append(router.route(f"new-{k}", fresh, now=float(k)).instance_id)
+            router.on_finish(f"new-{k}", now=k + 0.5)
+        assert router.route("cached", [*held[:1280], 5, 6, 7], now=20.0).instance_id == "a"
+        return out
+
+    assert placed() == ["b"] * 16
+    assert "a" in placed(spread_slack=0)  # the tie-break alone
