@@ -1,58 +1,15 @@
 """`kvherd` (the default): least estimated time-to-first-token, counting the work it adds.
 
-Design (kvherd's own). TTFT on an instance is dominated by the prefill work queued ahead of the
-request plus the request's own uncached prefill; running decodes share every step with that work,
-and a request that does not fit in free KV memory waits for memory. So, per candidate instance, in
-prefill-token equivalents:
-
-    queued    = max(reported waiting prefill tokens, the router's own dispatches without a first
-                token yet): the second also covers long prompts already in chunked prefill, which
-                an engine reports as running
-    uncached  = this request's prompt tokens not covered by the instance's cached prefix, on any
-                tier (`ClusterView.prefix_match_tiers`: GPU blocks, then CPU and STORAGE ones)
-    load      = the tokens on lower tiers x their tier's load ratio (load seconds over prefill
-                seconds per token: `InstanceView.cpu_load_ratio`, `storage_load_ratio`, else the
-                policy's `cpu_load_ratio` 0.05, `storage_load_ratio` 0.4: 128 KiB of KV per token,
-                ~12k prefill tokens/s, 32 GB/s host DRAM, 4 GB/s NVMe), never free, never a miss
-    cost      = queued + `uncached_weight` * uncached + load
-                + `decode_token_cost` * running requests
-                + `memory_penalty` * block_size * max(0, uncached blocks - (free blocks - blocks
-                  the head-of-line waiting request needs))     (only when capacity is known;
-                  loaded blocks need GPU blocks too)
-                + for a LoRA request (`policies.lora_affinity`): 0 where the adapter is held,
-                  `lora_load_tokens` (256: ~20 ms to load an adapter into a free slot) where a
-                  slot is free, `lora_evict_tokens` (2048: vLLM defers the request until a slot
-                  frees) where every slot is taken
-    -> lowest wins
-
-`uncached_weight` > 1 because uncached prefill is not only this request's wait: every request
-queued behind it on that instance waits for it too, and a cache hit avoids that work for good.
-Prefix affinity therefore comes from the uncached term and load from the queued and decode terms,
-so a cached prefix is used only while waiting for it is cheaper than recomputing it elsewhere.
-Hot-spot guard: like SGLang's balance check, an instance whose router in-flight count exceeds the
-least-loaded one by more than `balance_abs_threshold` and by a factor `balance_rel_threshold` is
-not considered, so one hot prefix cannot pile an unbounded queue on one instance between load
-reports. Ties go to the longer prefix match, then at random under `seed`.
-Spread step (after SGLang's "smallest tree" for a request below its cache threshold): a request no
-candidate caches half of goes, among candidates within `spread_slack` (512) of the cheapest, to the
-one whose KV-event index holds the fewest blocks, so new prefixes, and the traffic their affinity
-draws later, spread over the fleet instead of piling where load was momentarily lowest (live, two
-vLLM servers: 77% of requests on one without it).
-Learned step: a request with a TTFT SLO (`RequestView.slo_ttft_s`) keeps the pick while the
-learned model (`ClusterView.predict_ttft`) predicts it in time, else goes to the cheapest candidate
-predicted in time, else to the soonest; `learned_cost` (off) always takes the soonest predicted.
-Defaults (tuned in the simulator on the Mooncake trace, 8 instances): uncached_weight 4.0 (at
-1.6x the trace's rate the hit rate rises from 13% to 20% while mean and p99 TTFT fall),
-balance_abs_threshold 128 (a guard at 32 fired at 2x the rate and cost 20% mean TTFT by pushing
-requests off their cached prefix), decode_token_cost 32, memory_penalty 2.0,
-balance_rel_threshold 2.0, seed 0. Decision scores
-are the negated costs of the `explain_top` (default 16) cheapest instances. The cost is written
-once (`ttft_cost`), over numbers or numpy columns. A fleet of more than `SMALL_FLEET` instances is
-scored with one evaluation over `ClusterView.column`s, so a decision over 1,024 instances costs
-tens of microseconds; a smaller one per instance in plain Python, and its pick (guard, ties,
-scores) in plain Python too, with the very same costs, ties and scores: there the numpy calls cost
-more than the arithmetic. Why two forms: neither serves both sizes (2026-12-02, compiled core, the
-policy alone: plain 0.54-0.58x numpy's time at 2 instances, 18-23x at 1,024; crossover 8-16).
+Contract: `choose(request, cluster)` scores each candidate by `ttft_cost`, in prefill-token
+equivalents: queued prefill + `uncached_weight` x uncached prompt tokens + lower-tier load +
+`decode_token_cost` x running + a KV-memory shortfall penalty + a LoRA slot cost; the lowest wins,
+behind a hot-spot guard, ties to the longer match then at random under `seed`. Then three steps:
+`spread` (a new prefix goes to the near-cheapest instance whose index holds the fewest blocks),
+an SLO step (`RequestView.slo_ttft_s` against the learned `ClusterView.predict_ttft`) and, with
+`learned_cost`, the soonest predicted. Scores are the negated costs of the `explain_top` cheapest.
+Fleets above `SMALL_FLEET` are scored over numpy columns, smaller ones in plain Python, with the
+very same costs, ties and scores. The terms, their defaults and the measurements behind them:
+docs/policies.md ("The default in full").
 """
 
 from __future__ import annotations
