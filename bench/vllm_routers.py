@@ -175,8 +175,8 @@ def send(
 
 
 def _learned(url: str) -> dict[str, float]:
-    """kvherd's learned TTFT model over the round: the fleet fit's R^2 and the mean relative
-    error of its predictions made at dispatch, from /metrics."""
+    """kvherd's learned TTFT model over the round: the fleet fit's R^2, the mean relative error
+    of its predictions made at dispatch and its weights (seconds per term), from /metrics."""
     text = httpx.get(url + "/metrics", timeout=10.0, trust_env=False).text
     out = {}
     for key, name in (
@@ -186,6 +186,10 @@ def _learned(url: str) -> dict[str, float]:
         for line in text.splitlines():
             if line.startswith(name + '{instance="fleet"} '):
                 out[key] = float(line.split()[-1])
+    for line in text.splitlines():
+        if line.startswith('kvherd_ttft_model_weight{instance="fleet",term="'):
+            term = line.split('term="', 1)[1].split('"', 1)[0]
+            out[f"weight_{term}"] = float(line.split()[-1])
     return out
 
 
