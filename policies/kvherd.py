@@ -50,7 +50,7 @@ class KvherdDispatch:
         lora_load_tokens: float = 256.0,
         lora_evict_tokens: float = 2048.0,
         learned_cost: bool = False,
-        spread_slack: float = 512.0,
+        spread_slack: float = 64.0,
         spread_match_ratio: float = 0.5,
     ) -> None:
         self.decode_token_cost = decode_token_cost
@@ -237,8 +237,9 @@ class KvherdDispatch:
 
     def spread(self, request: RequestView, cluster: ClusterView, decision: Decision) -> Decision:
         """The spread step: a request that no candidate caches `spread_match_ratio` of (a new
-        prefix) goes, among the candidates within `spread_slack` of the cheapest cost, to the one
-        whose index holds the fewest blocks; its later requests follow it there by affinity."""
+        prefix) goes, among the candidates within `spread_slack` (64: two running requests) of
+        the cheapest cost, to the one whose index and in-flight requests hold the fewest blocks;
+        its later requests follow it there by affinity. A burst still spreads by load."""
         blocks = request.num_blocks
         if not blocks or any(
             cluster.prefix_match_of(request, i) > self.spread_match_ratio * blocks
@@ -247,10 +248,13 @@ class KvherdDispatch:
             return decision
         floor = decision.scores[decision.instance_id] - self.spread_slack  # scores: -cost
         near = [i for i, score in decision.scores.items() if score >= floor]
-        pick = min(near, key=lambda i: (cluster.indexed_blocks(i), i != decision.instance_id))
+        def drawn(i: str) -> int:  # blocks it holds and blocks its requests in flight will hold
+            return cluster.indexed_blocks(i) + cluster[i].inflight_blocks
+
+        pick = min(near, key=lambda i: (drawn(i), i != decision.instance_id))
         if pick == decision.instance_id:
             return decision
-        why = f"new prefix: the fewest indexed blocks ({cluster.indexed_blocks(pick)}) near the cheapest"
+        why = f"new prefix: the fewest indexed and in-flight blocks ({drawn(pick)}) near the cheapest"
         return Decision(pick, decision.scores, why)
 
     @staticmethod
