@@ -4,9 +4,9 @@ Contract:
 - `snapshot` must run on the engine thread (it reads the live scheduler and block manager) and returns a
   JSON-ready dict: ``instance_id``, ``model``, ``block_size``, ``total_blocks``, ``free_blocks`` (free plus
   evictable cached), ``cached_blocks``, ``kv_usage``, ``running`` and ``waiting`` (each request's
-  ``request_id``, ``num_tokens``, ``num_prompt_tokens``, ``num_output_tokens``, ``num_computed_tokens``,
-  ``blocks`` held; waiting in scheduling order), ``num_running``, ``num_waiting``, ``max_num_seqs`` (batch
-  slots), ``num_preemptions``,
+  ``request_id``, ``num_tokens``, ``num_prompt_tokens``, ``num_output_tokens``, ``max_tokens``,
+  ``num_computed_tokens``, ``blocks`` held; waiting in scheduling order), ``num_running``,
+  ``num_waiting``, ``max_num_seqs`` (batch slots), ``num_preemptions``,
   ``waiting_prefill_tokens`` and ``head_waiting_blocks`` (the engine's one load report,
   `instance_agent.engine.core.load`), ``freeness``, ``step_latency`` (recent steps: count, mean, p50, p99,
   seconds), ``last_kv_event_seq`` (-1 before the first batch), ``draining``, ``role`` (``prefill``,
@@ -70,6 +70,7 @@ def _request_view(request: Request, block_manager: BlockManager) -> dict[str, An
         "num_tokens": request.num_tokens,
         "num_prompt_tokens": request.num_prompt_tokens,
         "num_output_tokens": request.num_output_tokens,
+        "max_tokens": request.sampling_params.max_tokens,
         "num_computed_tokens": request.num_computed_tokens,
         "blocks": len(block_manager.block_ids(request.request_id)),
     }

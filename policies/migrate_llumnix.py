@@ -6,8 +6,11 @@ preempted requests since the previous tick, or that are draining (Llumnix gives 
 instance -inf freeness) become sources; dispatchable instances whose freeness is at least
 `dst_freeness` become destinations. Sources sorted from least free and destinations from most free
 are paired in order; each pair migrates the source's *shortest* running request (fewest blocks,
-so the cheapest to move and the least disruption), if it fits the destination.
-Defaults: src_freeness 3.0 blocks per request, dst_freeness 10.0, max_orders 8 per tick.
+so the cheapest to move and the least disruption), if it fits the destination. A request whose
+decode budget has fewer than `min_remaining` tokens left would finish before a migration commits
+(a wasted copy that frees nothing): it is not chosen while another is.
+Defaults: src_freeness 3.0 blocks per request, dst_freeness 10.0, max_orders 8 per tick,
+min_remaining 64 tokens.
 """
 
 from __future__ import annotations
@@ -15,18 +18,23 @@ from __future__ import annotations
 import math
 
 from policies.migrate_room import Room
-from policies.views import ClusterView, InstanceView, MigrationOrder
+from policies.views import ClusterView, InstanceView, MigrationOrder, RunningRequestView
 
 
 class LlumnixMigration:
     name = "llumnix"
 
     def __init__(
-        self, src_freeness: float = 3.0, dst_freeness: float = 10.0, max_orders: int = 8
+        self,
+        src_freeness: float = 3.0,
+        dst_freeness: float = 10.0,
+        max_orders: int = 8,
+        min_remaining: int = 64,
     ) -> None:
         self.src_freeness = src_freeness
         self.dst_freeness = dst_freeness
         self.max_orders = max_orders
+        self.min_remaining = min_remaining
         self._preemptions: dict[str, int] = {}
 
     def _source_freeness(self, inst: InstanceView) -> float:
@@ -40,6 +48,11 @@ class LlumnixMigration:
         if preempted:
             return min(inst.freeness, self.src_freeness - 1e-9)
         return inst.freeness
+
+    def _cost(self, request: RunningRequestView) -> tuple[bool, int, str]:
+        """Sort key: requests about to finish last, then fewest blocks."""
+        ending = request.remaining_tokens is not None and request.remaining_tokens < self.min_remaining
+        return ending, request.num_blocks, request.request_id
 
     def plan(self, cluster: ClusterView) -> list[MigrationOrder]:
         ranked = {inst.instance_id: self._source_freeness(inst) for inst in cluster.instances}
@@ -61,7 +74,7 @@ class LlumnixMigration:
         for src, dst in zip(sources, dests, strict=False):
             if len(orders) >= self.max_orders or src.instance_id == dst.instance_id:
                 continue
-            shortest = min(src.running, key=lambda r: (r.num_blocks, r.request_id))
+            shortest = min(src.running, key=self._cost)
             if room.free.get(dst.instance_id, 0) < shortest.num_blocks:
                 continue
             room.take(dst.instance_id, shortest.num_blocks)

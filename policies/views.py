@@ -65,6 +65,7 @@ class RunningRequestView:
     request_id: str
     num_tokens: int
     num_blocks: int
+    remaining_tokens: int | None = None  # decode budget left (None: unknown)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1186,7 +1186,12 @@ def load_report(
     running = None
     if with_running:
         running = tuple(
-            RunningRequestView(r.request_id, r.num_tokens, len(bm.block_ids(r.request_id)))
+            RunningRequestView(
+                r.request_id,
+                r.num_tokens,
+                len(bm.block_ids(r.request_id)),
+                r.sampling_params.max_tokens - r.num_output_tokens,
+            )
             for r in sched.running
         )
     return LoadReport(

@@ -9,7 +9,8 @@ Contract:
   ``last_kv_event_seq`` (-1: none yet), ``role`` (``prefill``, ``decode`` or ``mixed``),
   ``max_num_seqs`` (batch slots) and the
   request lists ``running`` / ``waiting`` (objects
-  with ``request_id``, ``num_tokens``, optional ``blocks`` held and ``num_computed_tokens``), as
+  with ``request_id``, ``num_tokens``, optional ``blocks`` held, ``num_computed_tokens`` and
+  ``max_tokens`` with ``num_output_tokens``, the decode budget left), as
   `instance_agent.state.snapshot` writes them; the agent's heartbeat summary (counts only) reads
   the same way. Aliases (``total_blocks``/``num_total_blocks``, ``free_blocks``/
   ``num_free_blocks``, ``cached_blocks``/``num_cached_blocks``, ``num_blocks``/``blocks``) are
@@ -150,8 +151,12 @@ def parse_agent_state(obj: Any) -> LoadReport:
             if not isinstance(request_id, str) or tokens is None:
                 raise LoadReportError(f"running[{index}] needs 'request_id' and 'num_tokens'")
             blocks = _int(item, "num_blocks", "blocks")
+            budget, output = _int(item, "max_tokens"), _int(item, "num_output_tokens")
+            remaining = None if budget is None or output is None else max(0, budget - output)
             views.append(
-                RunningRequestView(request_id, tokens, blocks or _blocks(tokens, block_size))
+                RunningRequestView(
+                    request_id, tokens, blocks or _blocks(tokens, block_size), remaining
+                )
             )
             # A long prompt in chunked prefill runs for several steps: its rest is queued work.
             computed = _int(item, "num_computed_tokens")

@@ -418,5 +418,6 @@ async def test_default_llumnix_policy_moves_requests_off_a_preempting_instance()
             for line in metrics.splitlines()
             if line.startswith('kvherd_migrations_total{outcome="committed"}')
         ]
-        assert committed and float(committed[0].split()[-1]) >= 1
+        outcomes = [line for line in metrics.splitlines() if line.startswith("kvherd_migrations_")]
+        assert committed and float(committed[0].split()[-1]) >= 1, outcomes
         await assert_agents_clean([small, big])

@@ -312,6 +312,30 @@ def test_llumnix_migration_moves_shortest_from_least_free_to_freest() -> None:
     assert [(o.request_id, o.src, o.dst) for o in orders] == [("h1", "hot", "cold")]
 
 
+def test_llumnix_migration_passes_over_a_request_about_to_finish() -> None:
+    """The shortest request has 10 tokens of budget left: it would finish before a copy commits."""
+    ending, long = (
+        RunningRequestView("ending", 32, 2, remaining_tokens=10),
+        RunningRequestView("long", 160, 10, remaining_tokens=500),
+    )
+
+    def view(*requests: RunningRequestView) -> ClusterView:
+        return cluster(
+            InstanceView(
+                "hot", capacity=100, free_blocks=2, num_running=2, freeness=1.0, running=requests
+            ),
+            InstanceView("cold", capacity=1000, free_blocks=900, num_running=1, freeness=900.0),
+        )
+
+    policy = load_migration_policy("llumnix")
+    assert [o.request_id for o in policy.plan(view(ending, long))] == ["long"]
+    # With nothing else to move, it still goes (moving it frees its blocks a little sooner).
+    assert [o.request_id for o in policy.plan(view(ending))] == ["ending"]
+    # Unknown budgets (a report without max_tokens) rank by blocks alone, as before.
+    unknown = RunningRequestView("unknown", 32, 2)
+    assert [o.request_id for o in policy.plan(view(unknown, long))] == ["unknown"]
+
+
 def test_llumnix_migration_reacts_to_preemption_and_draining() -> None:
     policy = load_migration_policy("llumnix")
 

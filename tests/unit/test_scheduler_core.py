@@ -35,7 +35,14 @@ AGENT_STATE = {
     "num_running": 3,
     "num_waiting": 2,
     "running": [
-        {"request_id": "r1", "num_tokens": 100, "num_computed_tokens": 99, "blocks": 7},
+        {
+            "request_id": "r1",
+            "num_tokens": 100,
+            "num_computed_tokens": 99,
+            "blocks": 7,
+            "num_output_tokens": 60,
+            "max_tokens": 64,
+        },
         {"request_id": "r2", "num_tokens": 40, "num_computed_tokens": 39, "blocks": 3},
         {"request_id": "r3", "num_tokens": 900, "num_computed_tokens": 512, "blocks": 32},
     ],
@@ -63,6 +70,7 @@ def test_agent_state_snapshot() -> None:
     assert report.waiting_prefill_tokens == (300 - 64) + 50 + (900 - 512)
     assert report.head_waiting_blocks == 19 - 4  # ceil(300/16) = 19 needed, 4 held
     assert report.running is not None and [r.num_blocks for r in report.running] == [7, 3, 32]
+    assert [r.remaining_tokens for r in report.running] == [4, None, None]
     assert report.num_preemptions == 3 and report.last_kv_event_seq is None
     heartbeat = parse_agent_state({"num_running": 1, "free_blocks": 5, "last_kv_event_seq": 9})
     assert heartbeat.num_running == 1 and heartbeat.running is None
