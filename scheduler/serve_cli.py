@@ -68,9 +68,14 @@ class _DeadlineRange(argparse.Action):
 
 
 def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags shared by ``kvherd serve`` and ``kvherd up``."""
-    parser.add_argument("--policy", default=None, help="dispatch policy: name, module:attr or YAML")
-    parser.add_argument(
+    """Flags shared by ``kvherd serve`` and ``kvherd up``, grouped by topic in ``--help``."""
+    policy = parser.add_argument_group("policies and migration")
+    front = parser.add_argument_group("listening, keys and tenants")
+    models = parser.add_argument_group("models, tokenizers and the KV-event index")
+    health = parser.add_argument_group("retries, deadlines and health")
+    logs = parser.add_argument_group("logging and tracing")
+    policy.add_argument("--policy", default=None, help="dispatch policy: name, module:attr or YAML")
+    policy.add_argument(
         "--policy-module",
         action="append",
         default=[],
@@ -78,51 +83,51 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         help="a module whose policies the admin API may load as MODULE:NAME; repeatable "
         "(the admin API loads built-in names and kvherd.policies entry points regardless)",
     )
-    parser.add_argument(
+    policy.add_argument(
         "--policy-dir",
         default=None,
         metavar="DIR",
         help="the directory whose YAML pipelines the admin API may load (default: none)",
     )
-    parser.add_argument(
+    policy.add_argument(
         "--policy-param",
         action="append",
         default=[],
         metavar="KEY=VALUE",
         help="dispatch policy parameter (value parsed as YAML); repeatable",
     )
-    parser.add_argument(
+    policy.add_argument(
         "--migration-policy",
         default="llumnix",
         help="live-migration policy: llumnix (default), defrag, drain, module:attr, or none "
         "(no automatic migration; draining instances are still emptied)",
     )
-    parser.add_argument("--migration-interval", type=float, default=1.0, help="seconds per tick")
-    parser.add_argument(
+    policy.add_argument("--migration-interval", type=float, default=1.0, help="seconds per tick")
+    policy.add_argument(
         "--pd-policy",
         default="kvherd",
         help="P/D pairing policy, used while some instance has role prefill or decode: "
         "kvherd (default), llmd, dynamo or module:attr",
     )
     parser.add_argument("--config", default=None, help="YAML config file (see kvherd serve --help)")
-    parser.add_argument("--host", default="127.0.0.1", help="client-facing bind address")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--admin-host", default="127.0.0.1")
-    parser.add_argument("--admin-port", type=int, default=8001)
-    parser.add_argument("--admin-token", default=None, help=f"default: ${ADMIN_TOKEN_ENV}")
-    parser.add_argument(
+    front.add_argument("--host", default="127.0.0.1", help="client-facing bind address")
+    front.add_argument("--port", type=int, default=8000)
+    front.add_argument("--admin-host", default="127.0.0.1")
+    front.add_argument("--admin-port", type=int, default=8001)
+    front.add_argument("--admin-token", default=None, help=f"default: ${ADMIN_TOKEN_ENV}")
+    front.add_argument(
         "--fleet-token",
         default=None,
         help="token of the agents' /kvherd/v1/* control routes (default: $KVHERD_FLEET_TOKEN)",
     )
-    parser.add_argument(
+    front.add_argument(
         "--allow-register",
         action="append",
         default=None,
         metavar="PATTERN",
         help="hosts allowed to register: CIDR, name or glob (default: loopback only); repeatable",
     )
-    parser.add_argument(
+    front.add_argument(
         "--api-key",
         action="append",
         default=[],
@@ -130,22 +135,22 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         help="accept this bearer key: KEY[=TENANT] (tenant defaults to the key), then options as "
         "in --api-keys-file; repeatable",
     )
-    parser.add_argument(
+    front.add_argument(
         "--api-keys-file",
         default=None,
         help="file of API key specs, one a line: KEY[=TENANT] or KEY TENANT, then options "
         "weight=W priority=P",
     )
-    parser.add_argument(
+    front.add_argument(
         "--tenant-salt-secret",
         default=None,
         help="secret the tenants' cache salts are keyed with; router replicas of one fleet must "
         "share it (default: $KVHERD_TENANT_SALT_SECRET, else generated at start-up)",
     )
-    parser.add_argument(
+    front.add_argument(
         "--expose-instance", action="store_true", help="add X-Kvherd-Instance to responses"
     )
-    parser.add_argument(
+    models.add_argument(
         "--tokenizer",
         action="append",
         default=None,
@@ -155,7 +160,7 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         "its adapters use it too). Needs the 'tokenizer' extra. Required in front of engines "
         "that are not kvherd agents",
     )
-    parser.add_argument(
+    models.add_argument(
         "--block-size",
         action="append",
         default=None,
@@ -163,7 +168,7 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         help="pin the block size: N for every model, MODEL=N for one base model (repeatable); "
         "default: each model's instances' own",
     )
-    parser.add_argument(
+    models.add_argument(
         "--lora-modules",
         action="append",
         default=[],
@@ -171,24 +176,24 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         help="a LoRA adapter the proxy may load on demand (repeatable; PATH as the instances see "
         'it, or vLLM\'s JSON {"name", "path", "base_model_name"})',
     )
-    parser.add_argument(
+    models.add_argument(
         "--lora-load-on-demand",
         action="store_true",
         help="load a --lora-modules adapter no instance serves on the instance the policy picks "
         "(vLLM started with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
     )
-    parser.add_argument(
+    models.add_argument(
         "--models-interval", type=float, default=2.0, help="seconds between /v1/models polls"
     )
-    parser.add_argument("--no-kv-events", action="store_true", help="use the approximate index")
-    parser.add_argument(
+    models.add_argument("--no-kv-events", action="store_true", help="use the approximate index")
+    models.add_argument(
         "--kv-events-bind",
         default=None,
         metavar="tcp://H:P",
         help="bind a SUB endpoint for engines that connect their PUB (vLLM with a host in its "
         "kv-events endpoint); each such instance names its vLLM topic with --instance ...,topic=T",
     )
-    parser.add_argument(
+    models.add_argument(
         "--kv-silence-warn",
         type=float,
         default=30.0,
@@ -234,38 +239,41 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         default=131072.0,
         help="KV bytes per token, all layers (default 131072: Llama-3-8B in 16 bits)",
     )
-    parser.add_argument("--max-attempts", type=int, default=3)
-    parser.add_argument(
+    health.add_argument("--max-attempts", type=int, default=3)
+    front.add_argument(
         "--max-connections",
         type=int,
         default=None,
         help="client connections held at once; more get 429 and are closed (default: half the "
         "open-file limit, which start-up raises to its hard limit, less a reserve)",
     )
-    add_admission_arguments(parser)
-    parser.add_argument(
+    admission = parser.add_argument_group(
+        "admission: in-flight bounds, the queue, the door (scheduler/core/admission.py)"
+    )
+    add_admission_arguments(admission)
+    admission.add_argument(
         "--door",
         action="store_true",
         help="answer 429 from the request head for a tenant and class admission is refusing most "
         "of (scheduler/core/door.py; off by default: it slowed recovery after floods of long "
         "requests in the overload suite)",
     )
-    parser.add_argument("--connect-timeout", type=float, default=2.0)
-    parser.add_argument(
+    health.add_argument("--connect-timeout", type=float, default=2.0)
+    health.add_argument(
         "--request-timeout", type=float, default=600.0, help="seconds until the response head"
     )
-    parser.add_argument("--stream-idle-timeout", type=float, default=300.0)
-    parser.add_argument("--health-interval", type=float, default=1.0)
-    parser.add_argument(
+    health.add_argument("--stream-idle-timeout", type=float, default=300.0)
+    health.add_argument("--health-interval", type=float, default=1.0)
+    health.add_argument(
         "--health-timeout", type=float, default=1.0, help="seconds an active probe may take"
     )
-    parser.add_argument(
+    health.add_argument(
         "--max-continuations",
         type=int,
         default=2,
         help="attempts to continue a stream elsewhere after its instance was lost",
     )
-    parser.add_argument(
+    health.add_argument(
         "--first-byte-deadline",
         type=float,
         nargs=2,
@@ -275,7 +283,7 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds a stream may wait for its first chunk: derived from the instance's queue "
         "and step time, within [FLOOR, CAP]",
     )
-    parser.add_argument(
+    health.add_argument(
         "--inter-chunk-deadline",
         type=float,
         nargs=2,
@@ -285,19 +293,19 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds between a stream's chunks: derived from the instance's step time, "
         "within [FLOOR, CAP]; past it the stream continues on another instance",
     )
-    parser.add_argument("--eject-after", type=int, default=3, help="consecutive failures")
-    parser.add_argument("--ejection-time", type=float, default=5.0, help="first ejection, seconds")
-    parser.add_argument("--load-interval", type=float, default=0.25)
-    parser.add_argument("--heartbeat-timeout", type=float, default=10.0)
-    parser.add_argument("--log-level", default="info")
-    parser.add_argument(
+    health.add_argument("--eject-after", type=int, default=3, help="consecutive failures")
+    health.add_argument("--ejection-time", type=float, default=5.0, help="first ejection, seconds")
+    health.add_argument("--load-interval", type=float, default=0.25)
+    health.add_argument("--heartbeat-timeout", type=float, default=10.0)
+    logs.add_argument("--log-level", default="info")
+    logs.add_argument(
         "--otlp-endpoint",
         default=None,
         metavar="URL",
         help="export OpenTelemetry traces of the request path over OTLP/HTTP to URL "
         "(/v1/traces appended unless given; needs the kvherd[tracing] extra); default off",
     )
-    parser.add_argument(
+    logs.add_argument(
         "--otlp-sample-ratio",
         type=float,
         default=1.0,
