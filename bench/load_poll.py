@@ -63,6 +63,11 @@ page = open(sys.argv[1], "rb").read()
 class Page(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as vLLM's uvicorn
     def do_GET(self):
+        if self.path != "/metrics":  # a vLLM server has no kvherd state endpoint
+            self.send_response(404)
+            self.send_header("content-length", "0")
+            self.end_headers()
+            return
         self.send_response(200)
         self.send_header("content-type", "text/plain; version=0.0.4; charset=utf-8")
         self.send_header("content-length", str(len(page)))
