@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from kvherd import wire
+from kvherd import sse_lines, wire
 
 if TYPE_CHECKING:
     from instance_agent.engine.llm_engine import RequestOutput
@@ -76,7 +76,7 @@ async def follow(
                 raise RelayError(f"{url} answered {response.status_code}: {response.text[:200]}")
             pending: tuple[int, list[int]] | None = None  # the ledger line of the next chunk
             index = int(resume["from"])
-            async for line in response.aiter_lines():
+            async for line in sse_lines.alines(response.aiter_bytes()):
                 if line.startswith(wire.LEDGER_PREFIX.decode()):
                     entry = _json(line[len(wire.LEDGER_PREFIX) :])
                     if "index" in entry:  # not the other kinds of ledger lines

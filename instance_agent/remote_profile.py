@@ -32,6 +32,7 @@ from typing import Any
 
 import httpx
 
+from kvherd import sse_lines
 from kvherd.profile_format import (
     FEATURES,
     HOST_SECTION,
@@ -106,7 +107,7 @@ class RemoteServer:
                     f"{self.url}/v1/completions answered {response.status_code}: "
                     f"{response.read().decode(errors='replace')[:300]}"
                 )
-            for line in response.iter_lines():
+            for line in sse_lines.lines(response.iter_bytes()):
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])

@@ -31,6 +31,7 @@ from typing import Any
 
 import httpx
 
+from kvherd import sse_lines
 from simulator.metrics import MetricsCollector
 from simulator.prompts import synthesize_prompt
 from simulator.traces import Trace, TraceRequest
@@ -119,7 +120,7 @@ async def _one(
                 metrics.on_failed(rid)
                 return
             instance = response.headers.get("x-kvherd-instance", instance)
-            async for line in response.aiter_lines():
+            async for line in sse_lines.alines(response.aiter_bytes()):
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
