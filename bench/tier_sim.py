@@ -23,9 +23,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-MOONCAKE = (
-    Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake" / "synthetic_trace.jsonl"
-)
+MOONCAKE = Path(__file__).resolve().parents[1] / "traces" / "mooncake" / "synthetic_trace.jsonl"
 CONFIGS = ("gpu-only", "+cpu", "+cpu+disk", "+cpu+pull")
 
 

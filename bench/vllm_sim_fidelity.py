@@ -74,7 +74,6 @@ def main() -> int:
     policies = args.policies.split(",")
     out = args.out or Path(tempfile.mkdtemp(prefix="kvherd-vllm-fidelity-"))
     out.mkdir(parents=True, exist_ok=True)
-    fidelity.MOONCAKE = ROOT / "traces" / "mooncake" / "synthetic_trace_600.jsonl"
     trace = fidelity._shrunk_trace(out, args)
     id_block = str(512 // args.shrink)
     model = _support.build_tiny_llama(out / "tiny_llama")
