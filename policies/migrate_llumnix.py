@@ -1,16 +1,13 @@
 """`llumnix` migration: move short requests off overloaded instances onto the freest ones.
 
-Source: Llumnix (Sun et al., OSDI 2024) §4.4, load balancing by migration. Periodically, instances
-whose freeness is below `src_freeness` (they will run short of KV memory within a few steps), that
-preempted requests since the previous tick, or that are draining (Llumnix gives a terminating
-instance -inf freeness) become sources; dispatchable instances whose freeness is at least
-`dst_freeness` become destinations. Sources sorted from least free and destinations from most free
-are paired in order; each pair migrates the source's *shortest* running request (fewest blocks,
-so the cheapest to move and the least disruption), if it fits the destination. A request whose
-decode budget has fewer than `min_remaining` tokens left would finish before a migration commits
-(a wasted copy that frees nothing): it is not chosen while another is.
-Defaults: src_freeness 3.0 blocks per request, dst_freeness 10.0, max_orders 8 per tick,
-min_remaining 64 tokens.
+Source: Llumnix (Sun et al., OSDI 2024) §4.4, load balancing by migration. Each tick, instances
+whose freeness is below `src_freeness` (3.0 blocks per request: short of KV within a few steps),
+that preempted since the previous tick, or that are draining (-inf freeness, as Llumnix) are
+sources; dispatchable ones with freeness at least `dst_freeness` (10.0) are destinations. Sources
+from least free and destinations from most free are paired in order, at most `max_orders` (8);
+each pair moves the source's *shortest* running request (fewest blocks: cheapest to move, least
+disruption) if it fits the destination, passing over one with under `min_remaining` (64) tokens
+of decode budget left while another can go: it would finish before the copy commits.
 """
 
 from __future__ import annotations
