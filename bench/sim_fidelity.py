@@ -83,7 +83,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the repository's packages, wherever the bench is started from
 
-MOONCAKE = Path(__file__).resolve().parents[1] / "traces" / "mooncake" / "synthetic_trace.jsonl"
+MOONCAKE = ROOT / "traces" / "mooncake" / "synthetic_trace.jsonl"
 METRICS = (
     ("ttft_ms_p50", "TTFT p50 ms"),
     ("ttft_ms_p90", "TTFT p90 ms"),

@@ -33,12 +33,19 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "support"))
 _support = importlib.import_module("vllm_fleet")  # tests/support's
-# bench/sim_fidelity.py's trace and pairing, by path (bench/ has a vllm_fleet.py of its own)
-_spec = importlib.util.spec_from_file_location("sim_fidelity", ROOT / "bench" / "sim_fidelity.py")
-assert _spec is not None and _spec.loader is not None
-fidelity: Any = importlib.util.module_from_spec(_spec)
-sys.modules["sim_fidelity"] = fidelity
-_spec.loader.exec_module(fidelity)
+
+
+def _bench(name: str) -> Any:
+    """bench/NAME.py, by path: bench/vllm_fleet.py has the test helpers' module name."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+fidelity = _bench("sim_fidelity")  # the shrunk trace and the per-request pairing
+peers = _bench("vllm_fleet")  # kvherd serve in front of two vLLM servers
 
 METRICS = (
     ("ttft_ms_mean", "TTFT mean ms"),
@@ -80,7 +87,7 @@ def main() -> int:
     profile = out / "vllm-profile.json"
     with _pair(python, model, out) as (a, b):
         _kvherd("profile", "--url", a.url, "--out", str(profile), "--max-context", "2048")
-        with _support.kvherd_serve(*fidelity_instances(a, b), "--tokenizer", str(model)) as proxy:
+        with peers.kvherd(a, b, model) as proxy:
             path_s = _proxy_path_s(a.url, proxy.url)
     fitted = json.loads(profile.read_text())
     engine = fitted["engine"]
@@ -92,15 +99,12 @@ def main() -> int:
         f"request path: {direct_s * 1e3:.1f} ms direct (fit) + {path_s * 1e3:.1f} ms through kvherd"
     )
     for policy in policies:
-        with _pair(python, model, out) as (a, b):
-            flags = ("--policy", policy, "--expose-instance")
-            with _support.kvherd_serve(
-                *fidelity_instances(a, b), "--tokenizer", str(model), *flags
-            ) as proxy:
-                _kvherd(
-                    "replay", str(trace), "--url", proxy.url, "--out", str(out / f"real_{policy}"),
-                    "--quiet", "--no-plots", "--id-block-size", id_block, "--label", policy,
-                )  # fmt: skip
+        flags = ("--policy", policy, "--expose-instance")
+        with _pair(python, model, out) as (a, b), peers.kvherd(a, b, model, *flags) as proxy:
+            _kvherd(
+                "replay", str(trace), "--url", proxy.url, "--out", str(out / f"real_{policy}"),
+                "--quiet", "--no-plots", "--id-block-size", id_block, "--label", policy,
+            )  # fmt: skip
     _kvherd(
         "sim", str(trace), "--instances", "2", "--policy", ",".join(policies),
         "--latency-model", f"calibrated:{profile}", "--profile", str(profile),
@@ -148,13 +152,6 @@ def _proxy_path_s(direct: str, proxy: str, rounds: int = 30) -> float:
                 client.post(f"{url}/v1/completions", json=body).raise_for_status()
                 times[url].append(time.perf_counter() - start)
     return max(0.0, statistics.median(times[proxy]) - statistics.median(times[direct]))
-
-
-def fidelity_instances(a: Any, b: Any) -> list[str]:
-    return [
-        f"--instance={s.url},id={s.spec.name},kv_events={s.kv_endpoint},replay={s.replay_endpoint}"
-        for s in (a, b)
-    ]
 
 
 if __name__ == "__main__":

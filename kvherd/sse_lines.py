@@ -19,11 +19,17 @@ def _text(line: bytes) -> str:
     return line.removesuffix(b"\r").decode("utf-8", errors="replace")
 
 
+def _split(pending: bytes, chunk: bytes) -> tuple[list[str], bytes]:
+    """The complete lines of `pending` + `chunk`, and the unended rest."""
+    *complete, rest = (pending + chunk).split(b"\n")
+    return [_text(line) for line in complete], rest
+
+
 def lines(chunks: Iterable[bytes]) -> Iterator[str]:
     pending = b""
     for chunk in chunks:
-        *complete, pending = (pending + chunk).split(b"\n")
-        yield from map(_text, complete)
+        complete, pending = _split(pending, chunk)
+        yield from complete
     if pending:
         yield _text(pending)
 
@@ -31,8 +37,8 @@ def lines(chunks: Iterable[bytes]) -> Iterator[str]:
 async def alines(chunks: AsyncIterable[bytes]) -> AsyncIterator[str]:
     pending = b""
     async for chunk in chunks:
-        *complete, pending = (pending + chunk).split(b"\n")
+        complete, pending = _split(pending, chunk)
         for line in complete:
-            yield _text(line)
+            yield line
     if pending:
         yield _text(pending)
