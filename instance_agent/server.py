@@ -16,7 +16,9 @@ Contract (`create_app(agent)` returns the FastAPI app):
 - ``GET /health`` (200 ok, 503 draining, 500 engine dead), ``GET /version``, ``GET /metrics``
   (Prometheus, vLLM names), ``GET /kvherd/v1/state`` (see `state.snapshot`;
   ``?block_hashes=true`` adds the cached block hashes; ``?check_integrity=true`` adds
-  ``"integrity": "ok"`` or the block manager's failed invariant, a debugging aid for tests).
+  ``"integrity": "ok"`` or the block manager's failed invariant, a debugging aid for tests),
+  ``GET /kvherd/v1/prefixes?max_blocks=N`` (`BlockManager.cached_prefixes`: what a scale-in
+  hands over, ``{"block_size", "prefixes": [{"block_hashes", "token_ids"}]}``).
 - What peer routers (sglang-router, vllm-router) and vLLM clients probe: ``/server_info``,
   ``/model_info``, ``/tokenize``, ``/detokenize``, ``/v1/(chat/)completions/render`` (`compat_routes`).
 - With a fleet token (``create_app(..., fleet_token=...)``) every ``/kvherd/v1/*`` route answers
@@ -66,7 +68,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -106,6 +108,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _REQUEST_ID_RE = re.compile(r"^[\x21-\x7e]{1,256}$")  # printable ASCII, no spaces
+MAX_EXPORTED_BLOCKS = 1 << 16  # the most blocks one /kvherd/v1/prefixes answer lists
 # How long a continuation of a request migrated here waits for its first output here.
 _FOLLOW_CONTINUED_WAIT_S = 2.0
 
@@ -128,6 +131,19 @@ class Agent:
     @property
     def engine(self) -> LLMEngine:
         return self.engine_loop.engine
+
+    async def cached_prefixes(self, max_blocks: int) -> dict[str, Any]:
+        """The engine's cached prefixes, hottest first (`BlockManager.cached_prefixes`)."""
+
+        def read(engine: LLMEngine) -> list[tuple[list[int], bytes]]:
+            return engine.block_manager.cached_prefixes(max_blocks)
+
+        found = await self.engine_loop.call(read)
+        prefixes = [
+            {"block_hashes": hashes, "token_ids": memoryview(tokens).cast("I").tolist()}
+            for hashes, tokens in found
+        ]
+        return {"block_size": self.engine.block_manager.block_size, "prefixes": prefixes}
 
     async def state(
         self, include_block_hashes: bool = False, check_integrity: bool = False
@@ -373,6 +389,12 @@ def create_app(
     @app.get("/kvherd/v1/state")
     async def state(block_hashes: bool = False, check_integrity: bool = False) -> dict[str, Any]:
         return await agent.state(include_block_hashes=block_hashes, check_integrity=check_integrity)
+
+    @app.get("/kvherd/v1/prefixes")
+    async def prefixes(
+        max_blocks: int = Query(4096, ge=1, le=MAX_EXPORTED_BLOCKS),
+    ) -> dict[str, Any]:
+        return await agent.cached_prefixes(max_blocks)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -509,3 +509,32 @@ def test_eviction_order_and_free_counts_follow_an_lru_model(seed: int) -> None:
         expected = next((i for i, b in enumerate(order) if b in targets), len(order))
         assert bm.num_free_before_evicting(hashes, 48) == free_uncached + expected
     assert set(cached) == set(bm.cached_block_hashes())
+
+
+def test_cached_prefixes_are_whole_chains_hottest_first_within_the_bound() -> None:
+    """What a scale-in hands over: every cached prefix as a chain from its first block (hashes
+    and tokens as a request would hash them), chains sharing heads, the most recent first, and
+    no more distinct blocks than asked for."""
+    bm = BlockManager(64, BLOCK)
+    sched = BatchScheduler(SchedulerConfig(max_model_len=256), bm)
+    shared = list(range(1, 9))  # two full blocks every prompt below starts with
+    prompts = {
+        "old": [*shared, 50, 51, 52, 53, 54],  # three full blocks (the last token is partial)
+        "mid": [*shared, 60, 61, 62, 63, 64],
+        "new": [70, 71, 72, 73, 74],  # one full block of its own
+    }
+    for rid, prompt in prompts.items():
+        sched.add_request(make_request(rid, prompt, 1))
+        run_to_completion(sched)
+    found = bm.cached_prefixes(max_blocks=64)
+    tokens = [memoryview(packed).cast("I").tolist() for _, packed in found]
+    assert tokens == [[70, 71, 72, 73], [*shared, 60, 61, 62, 63], [*shared, 50, 51, 52, 53]]
+    for (hashes, _), chain_tokens in zip(found, tokens, strict=True):
+        assert hashes == block_hash_chain(chain_tokens, BLOCK)
+    # A hit revives "old": its chain comes first now. The bound counts the shared heads once.
+    sched.add_request(make_request("again", [*prompts["old"], 99, 98, 97], 1))
+    run_to_completion(sched)
+    assert [len(h) for h, _ in bm.cached_prefixes(max_blocks=64)] == [4, 1, 3]  # it grew a block
+    assert [len(h) for h, _ in bm.cached_prefixes(max_blocks=5)] == [4, 1]
+    assert [len(h) for h, _ in bm.cached_prefixes(max_blocks=6)] == [4, 1, 3]
+    assert bm.cached_prefixes(max_blocks=3) == []

@@ -118,9 +118,10 @@ class BlockManager:
         self._owner_num_handled: dict[str, int] = {}
         self._events: list[KVEvent] = []
         self.tiers = tiers
-        # With tiers only: each cached block's parent hash (its lower-tier event names it), the
-        # copies evictions queued, and the tier slots each load in flight holds, by owner.
-        self._block_parent: list[BlockHash | None] = [None] * num_blocks if tiers else []
+        # Each cached block's parent hash (a lower-tier event names it; `cached_prefixes` walks
+        # chains by it), and with tiers the copies evictions queued and the tier slots each load
+        # in flight holds, by owner.
+        self._block_parent: list[BlockHash | None] = [None] * num_blocks
         self._offloads: list[BlockCopy] = []
         self._loads: dict[str, list[TierHit]] = {}
         self.num_evictions = 0  # blocks evicted from the prefix cache (moved down or dropped)
@@ -156,6 +157,36 @@ class BlockManager:
     def cached_block_hashes(self) -> list[BlockHash]:
         """Hashes of every block in the prefix cache (what this instance's KV events announced)."""
         return list(self._cached)
+
+    def cached_prefixes(self, max_blocks: int) -> list[tuple[list[BlockHash], bytes]]:
+        """The cached prefixes, most recently used first, covering at most `max_blocks` distinct
+        blocks: each one is a chain from a first block to a block no cached block continues,
+        as (hashes, its tokens packed as uint32 bytes). Chains may share their leading blocks;
+        one whose head was evicted is left out (no request can hit it)."""
+        cached, parents, ref = self._cached, self._block_parent, self._ref
+        continued = {parents[block_id] for block_id in cached.values()}
+        in_use = [block_id for block_id in cached.values() if ref[block_id]]
+        recent = [block_id for block_id in reversed(self._lru) if not ref[block_id]]
+        taken: set[int] = set()
+        prefixes: list[tuple[list[BlockHash], bytes]] = []
+        for leaf in dict.fromkeys(in_use + recent):  # newest LRU entry first, once each
+            leaf_hash = self._block_hash[leaf]
+            if leaf_hash is None or leaf_hash in continued:
+                continue
+            chain, parent = [leaf], parents[leaf]
+            while parent is not None and (block_id := cached.get(parent)) is not None:
+                chain.append(block_id)
+                parent = parents[block_id]
+            if parent is not None:
+                continue
+            chain.reverse()
+            if len(taken.union(chain)) > max_blocks:
+                break
+            taken.update(chain)
+            hashes = cast("list[BlockHash]", [self._block_hash[b] for b in chain])
+            tokens = cast("list[bytes]", [self._block_tokens[b] for b in chain])
+            prefixes.append((hashes, b"".join(tokens)))
+        return prefixes
 
     # -- prefix cache ------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
@@ -253,6 +284,7 @@ class BlockManager:
         tokens = request.token_ids
         block_tokens = tokens[begin : begin + bs]
         self._block_tokens[block_id] = block_tokens.tobytes()
+        self._block_parent[block_id] = request.block_hashes[index - 1] if index > 0 else None
         self._events.append(
             BlockStored(
                 block_hashes=[block_hash],
@@ -290,23 +322,24 @@ class BlockManager:
         stride = 4 * bs
         stored = self._block_tokens
         block_hash = self._block_hash
+        parents = self._block_parent
+        parent = request.block_hashes[start - 1] if start > 0 else None
         for block_id, h, offset in zip(ids, hashes, range(0, len(packed), stride), strict=True):
             block_hash[block_id] = h
             stored[block_id] = packed[offset : offset + stride]
+            parents[block_id] = parent
+            parent = h
         self._emit_stored(request, start, hashes)
         if self.tiers is not None:
             self._stored_with_tiers(request, start, ids)
         return True
 
     def _stored_with_tiers(self, request: Request, start: int, ids: list[int]) -> None:
-        """Blocks at table positions from `start` joined the GPU cache: note their parents, and
-        drop a lower tier's copy of them (a hash lives in one place; a pinned copy goes when its
-        load ends)."""
+        """Blocks at table positions from `start` joined the GPU cache: drop a lower tier's copy
+        of them (a hash lives in one place; a pinned copy goes when its load ends)."""
         tiers = cast("TierStore", self.tiers)
-        parents = self._block_parent
         hashes = request.block_hashes
-        for index, block_id in enumerate(ids, start):
-            parents[block_id] = hashes[index - 1] if index > 0 else None
+        for index in range(start, start + len(ids)):
             tiers.discard(hashes[index], self._events)
 
     def _cache_block_by_block(
@@ -327,6 +360,7 @@ class BlockManager:
             cached[h] = block_id
             block_hash[block_id] = h
             self._block_tokens[block_id] = tokens[index * bs : (index + 1) * bs].tobytes()
+            self._block_parent[block_id] = request.block_hashes[index - 1] if index else None
             if self.tiers is not None:
                 self._stored_with_tiers(request, index, [block_id])
             if not run_hashes:
@@ -364,7 +398,6 @@ class BlockManager:
         self._free_uncached = deque(range(self.num_blocks))
         if self.tiers is not None:  # (no load is in flight: a loading request owns blocks)
             self.tiers.clear()
-            self._block_parent = [None] * self.num_blocks
         self._events.append(AllBlocksCleared())
         return True
 
