@@ -17,7 +17,8 @@ Contract:
 - SIGTERM drains: new requests get 503, open requests finish (aborted after ``--drain-timeout``
   seconds), then the process exits 0. With ``--scheduler``, the scheduler hears "draining" at once
   and migrates the running requests to other instances, so the drain takes a migration, not the
-  rest of every generation. SIGINT stops at once (uvicorn's usual behaviour).
+  rest of every generation; then it asks the scheduler to have survivors pull its hot prefixes
+  (the hand-over) before it exits. SIGINT stops at once (uvicorn's usual behaviour).
 - ``--role prefill|decode|mixed`` (P/D disaggregation, default mixed) is reported in the state
   snapshot and the registration; a prefill agent hands requests to their decode instance after
   the first token (`pd_handoff`), and a decode agent takes up to `DECODE_MAX_INCOMING` incoming

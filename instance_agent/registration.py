@@ -15,6 +15,8 @@ The contract the scheduler implements (all bodies JSON; every call carries
   When the agent starts draining (SIGTERM) it sends one heartbeat at once (`Registrar.announce`)
   so that the scheduler stops routing to it and migrates its running requests away without
   waiting for the next interval (Llumnix-style scale-in).
+- ``POST {scheduler}/admin/v1/instances/{instance_id}/handover`` once drained (no open request
+  left), before shutting down: the scheduler has survivors pull its hot prefixes (best effort).
 - ``DELETE {scheduler}/admin/v1/instances/{instance_id}`` on shutdown (best effort, once).
 
 Failures (connection refused, timeouts, 5xx, 401) are logged and retried with exponential backoff
@@ -35,6 +37,7 @@ import httpx
 log = logging.getLogger(__name__)
 
 ADMIN_TOKEN_ENV = "KVHERD_ADMIN_TOKEN"
+HANDOVER_TIMEOUT_S = 120.0  # the most a drained agent waits for its prefixes to be pulled
 
 
 class Registrar:
@@ -97,6 +100,22 @@ class Registrar:
             await self._heartbeat()
         except httpx.HTTPError as exc:
             log.warning("scheduler %s unreachable: %s", self.base, exc)
+
+    async def hand_over(self, timeout_s: float = HANDOVER_TIMEOUT_S) -> None:
+        """Ask the scheduler to hand this drained agent's hot prefixes to survivors (it pulls
+        them from this agent's block server, so the agent must still serve); best effort."""
+        if not self.registered:
+            return
+        url = f"{self._instances_url}/{self.instance_id}/handover"
+        try:
+            response = await self._client.post(url, timeout=timeout_s)
+        except httpx.HTTPError as exc:
+            log.warning("hand-over failed: %r", exc)
+            return
+        if response.is_success:
+            log.info("handed over: %s", response.text)
+        else:
+            log.warning("hand-over refused: %s %s", response.status_code, response.text)
 
     async def _run(self) -> None:
         backoff = self.heartbeat_s

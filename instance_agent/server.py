@@ -18,7 +18,7 @@ Contract (`create_app(agent)` returns the FastAPI app):
   ``?block_hashes=true`` adds the cached block hashes; ``?check_integrity=true`` adds
   ``"integrity": "ok"`` or the block manager's failed invariant, a debugging aid for tests),
   ``GET /kvherd/v1/prefixes?max_blocks=N`` (`BlockManager.cached_prefixes`: what a scale-in
-  hands over, ``{"block_size", "prefixes": [{"block_hashes", "token_ids"}]}``).
+  hands over, ``{"model", "block_size", "prefixes": [{"block_hashes", "token_ids"}]}``).
 - What peer routers (sglang-router, vllm-router) and vLLM clients probe: ``/server_info``,
   ``/model_info``, ``/tokenize``, ``/detokenize``, ``/v1/(chat/)completions/render`` (`compat_routes`).
 - With a fleet token (``create_app(..., fleet_token=...)``) every ``/kvherd/v1/*`` route answers
@@ -143,7 +143,8 @@ class Agent:
             {"block_hashes": hashes, "token_ids": memoryview(tokens).cast("I").tolist()}
             for hashes, tokens in found
         ]
-        return {"block_size": self.engine.block_manager.block_size, "prefixes": prefixes}
+        block_size = self.engine.block_manager.block_size
+        return {"model": self.served_model_name, "block_size": block_size, "prefixes": prefixes}
 
     async def state(
         self, include_block_hashes: bool = False, check_integrity: bool = False
@@ -196,6 +197,8 @@ class Agent:
             log.warning("drain timeout: aborting %d requests", self.engine_loop.num_open_requests)
             self.engine_loop.abort_all()
             await self.engine_loop.wait_idle()
+        if self.registrar is not None:  # its cache leaves with it unless survivors pull it
+            await self.registrar.hand_over()
 
 
 def _error_response(exc: OpenAIError, headers: dict[str, str] | None = None) -> JSONResponse:

@@ -43,7 +43,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 MAX_PULL_BLOCKS = 4096  # one request's hashes: a 512k-token prompt at block size 128
 MAX_FRAME_BYTES = 1 << 20  # a request of MAX_PULL_BLOCKS hex 32-byte hashes fits with room
@@ -109,15 +109,26 @@ class PullAsk:
         return f"{self.address} blocks={self.num_blocks}"
 
 
-def parse_outcome(header: str) -> tuple[str, int, float] | None:
-    """`PULL_OUTCOME_HEADER`'s value: (outcome, bytes, seconds); None when malformed."""
+class PullOutcome(NamedTuple):
+    """What an agent says in `PULL_OUTCOME_HEADER` about the pull it was asked for."""
+
+    outcome: str  # one of `PULL_OUTCOMES`
+    num_blocks: int  # blocks that landed
+    num_bytes: int
+    seconds: float
+
+
+def parse_outcome(header: str) -> PullOutcome | None:
+    """`PULL_OUTCOME_HEADER`'s value; None when malformed."""
     outcome, *fields = header.split() or [""]
     values = dict(field.partition("=")[::2] for field in fields)
     try:
-        num_bytes, seconds = int(values["bytes"]), float(values["seconds"])
+        told = PullOutcome(
+            outcome, int(values["blocks"]), int(values["bytes"]), float(values["seconds"])
+        )
     except (KeyError, ValueError):
         return None
-    return (outcome, num_bytes, seconds) if outcome in PULL_OUTCOMES else None
+    return told if outcome in PULL_OUTCOMES else None
 
 
 def parse_address(address: str) -> tuple[str, int]:

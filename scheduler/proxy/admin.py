@@ -21,6 +21,9 @@ object; bodies are JSON; errors are ``{"error": {"message", "type", "param", "co
   resume) routing new requests there; its running requests are live-migrated to other instances
   (the `drain` migration policy, whatever ``--migration-policy`` says); those that fit nowhere
   finish where they are.
+- ``POST /admin/v1/instances/{id}/handover``: a draining kvherd agent's hot prefixes that no
+  survivor holds are pulled by survivors (`scheduler.handover`); 200 with what moved, 404 when
+  unknown, 409 when not draining. A registered agent asks for it itself once drained (SIGTERM).
 - ``GET /admin/v1/models``: each model and adapter the fleet serves with its block size, the
   tokenizer it is routed with (an adapter's parent's), the instances serving it, and the
   requests, prompt blocks and hit blocks routed for it, and how many of them queued.
@@ -56,6 +59,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -64,6 +68,7 @@ from kvherd.wire import OpenAIError
 from scheduler.core.load_report import ROLES
 from scheduler.core.rate_limit import RateLimits
 from scheduler.fleet import Fleet, FleetError, InstanceSpec
+from scheduler.handover import hand_over
 from scheduler.model_poller import ModelListError, parse_models
 from scheduler.proxy.dashboard import Dashboard
 from scheduler.proxy.model_tokenizers import ModelTokenizers
@@ -72,6 +77,7 @@ from scheduler.proxy.rate_gate import RateGate
 LOOPBACK_PATTERNS: tuple[str, ...] = ("127.0.0.0/8", "::1", "localhost")
 # How long a migration order waits for a stream being continued to be placed on its next instance.
 ORDER_WAIT_S = 10.0
+HANDOVER_PULL_TIMEOUT_S = 30.0  # one survivor's pull of one prefix, and the listing
 
 
 def _error(status: int, message: str, type: str, param: str | None = None) -> Response:
@@ -270,6 +276,16 @@ def build_admin_app(
             raise FleetError(400, "'draining' must be true or false", "draining")
         fleet.set_draining(instance_id, draining)
         return _json(fleet.describe_one(instance_id))
+
+    @app.post("/admin/v1/instances/{instance_id}/handover")
+    async def handover(instance_id: str) -> Response:
+        if instance_id not in fleet.instances:
+            raise FleetError(404, f"unknown instance {instance_id!r}")
+        if not fleet.cluster.get(instance_id).draining:
+            raise FleetError(409, f"{instance_id!r} is not draining: drain it first")
+        async with httpx.AsyncClient(timeout=HANDOVER_PULL_TIMEOUT_S, trust_env=False) as client:
+            result = await hand_over(fleet, instance_id, client)
+        return _json(result.body())
 
     @app.get("/admin/v1/models")
     async def list_models() -> Response:

@@ -60,6 +60,8 @@ Contract (what ``GET /metrics`` on the proxy exposes):
   {outcome}`` (what the chosen agent reported: ``landed``, ``partial``, ``nothing_to_pull``,
   ``no_room``, ``failed``: recomputed), ``kvherd_prefix_pull_bytes_total`` and
   ``kvherd_prefix_pull_seconds_total``.
+- Scale-in hand-over (`scheduler.handover`): ``kvherd_handover_blocks_total{outcome}``, blocks
+  of leaving agents' prefixes survivors pulled (``pulled``) or failed to (``failed``).
 - ``kvherd_kv_transfer_params_stripped_total``: client ``kv_transfer_params`` the proxy dropped
   (only a tenant with ``kv_transfer_params=allow`` may send them, `scheduler.core.tenancy`).
 
@@ -265,6 +267,11 @@ class ProxyMetrics:
         self._pull_seconds = Counter(
             "kvherd_prefix_pull_seconds", "Seconds the agents spent pulling", registry=r
         )
+        self.handover_blocks = Counter(
+            "kvherd_handover_blocks",
+            "Blocks of a leaving agent's prefixes that survivors pulled, by outcome",
+            ["outcome"], registry=r,
+        )  # fmt: skip
         self.kv_transfer_params_stripped = Counter(
             "kvherd_kv_transfer_params_stripped",
             "Client kv_transfer_params dropped: the tenant may not send them", registry=r,

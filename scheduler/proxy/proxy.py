@@ -594,7 +594,7 @@ class Proxy:
             if name == _PULL_OUTCOME:
                 told = parse_outcome(value.decode("latin-1"))
                 if told is not None:
-                    self.metrics.pulled(*told)
+                    self.metrics.pulled(told.outcome, told.num_bytes, told.seconds)
                 return
 
     def _handoff_target(self, key: str, max_tokens: Any) -> FleetInstance | None:
