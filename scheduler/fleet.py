@@ -195,6 +195,7 @@ class FleetSettings:
     fleet_token: str | None = None  # sent to the agents' control routes (the state snapshot)
     prefix_pull: PullSettings | None = None  # pull long prefixes between agents (None: off)
     models_interval_s: float = 2.0  # how often each instance's /v1/models is read again
+    handover: bool = True  # a leaving agent's prefixes are pulled by survivors (`handover`)
 
 
 class Fleet:

@@ -104,6 +104,11 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
     )
     policy.add_argument("--migration-interval", type=float, default=1.0, help="seconds per tick")
     policy.add_argument(
+        "--no-handover",
+        action="store_true",
+        help="scale-in: do not have survivors pull a leaving agent's prefixes (they are lost)",
+    )
+    policy.add_argument(
         "--pd-policy",
         default="kvherd",
         help="P/D pairing policy, used while some instance has role prefill or decode: "
@@ -677,6 +682,7 @@ async def serve_fleet(
         kv_silence_warn_s=args.kv_silence_warn,
         prefix_pull=prefix_pull,
         models_interval_s=args.models_interval,
+        handover=not args.no_handover,
     )
     lag = LoopLag()  # the proxy's loop lag: no deadline or probe blames an instance for it
     try:

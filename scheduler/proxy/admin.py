@@ -23,7 +23,8 @@ object; bodies are JSON; errors are ``{"error": {"message", "type", "param", "co
   finish where they are.
 - ``POST /admin/v1/instances/{id}/handover``: a draining kvherd agent's hot prefixes that no
   survivor holds are pulled by survivors (`scheduler.handover`); 200 with what moved, 404 when
-  unknown, 409 when not draining. A registered agent asks for it itself once drained (SIGTERM).
+  unknown, 409 when not draining (``--no-handover``: 200, nothing moved). A registered agent
+  asks for it itself once drained (SIGTERM).
 - ``GET /admin/v1/models``: each model and adapter the fleet serves with its block size, the
   tokenizer it is routed with (an adapter's parent's), the instances serving it, and the
   requests, prompt blocks and hit blocks routed for it, and how many of them queued.
@@ -68,7 +69,7 @@ from kvherd.wire import OpenAIError
 from scheduler.core.load_report import ROLES
 from scheduler.core.rate_limit import RateLimits
 from scheduler.fleet import Fleet, FleetError, InstanceSpec
-from scheduler.handover import hand_over
+from scheduler.handover import HandoverResult, hand_over
 from scheduler.model_poller import ModelListError, parse_models
 from scheduler.proxy.dashboard import Dashboard
 from scheduler.proxy.model_tokenizers import ModelTokenizers
@@ -283,6 +284,8 @@ def build_admin_app(
             raise FleetError(404, f"unknown instance {instance_id!r}")
         if not fleet.cluster.get(instance_id).draining:
             raise FleetError(409, f"{instance_id!r} is not draining: drain it first")
+        if not fleet.settings.handover:
+            return _json(HandoverResult(instance_id, error="hand-over is off").body())
         async with httpx.AsyncClient(timeout=HANDOVER_PULL_TIMEOUT_S, trust_env=False) as client:
             result = await hand_over(fleet, instance_id, client)
         return _json(result.body())
