@@ -171,6 +171,7 @@ class FleetInstance:
     served: int = 0
     failures: int = 0
     block_size: int | None = None  # the instance's own, once known
+    leaving: bool = False  # its agent said it is shutting down (SIGTERM)
     block_size_mismatch: dict[str, Any] | None = None
     kv_fallback: str | None = None  # why it is routed with the approximate index despite events
 
@@ -500,6 +501,7 @@ class Fleet:
         if inst is None:
             return False
         inst.last_heartbeat = self.clock()
+        inst.leaving = inst.leaving or leaving
         if leaving and not self.cluster.get(instance_id).draining:
             log.info("instance %s is shutting down: draining it", instance_id)
             self.cluster.set_draining(instance_id, True)

@@ -1,19 +1,20 @@
-"""Prefix hand-over on the proxy's clock: a leaving agent's hot prefixes pulled by survivors.
+"""Prefixes moved as the fleet changes size, on the proxy's clock: hand-over and warm-up.
 
 Contract:
-- `hand_over(fleet, instance_id, client)` runs once an instance that is leaving has no running
-  request (its agent asks for it from its drain: ``POST /admin/v1/instances/{id}/handover``). It
-  reads the agent's cached prefixes, hottest first (``GET /kvherd/v1/prefixes``), keeps those a
-  request hashes to the very same blocks (unsalted, no adapter: a keyed chain no request without
-  the key could hit), asks the prefix index which survivor holds how much of each, plans with
-  `scheduler.core.handover` (room: `share` of each survivor's free blocks), and sends each move
-  to its survivor as a one-token greedy completion of the prefix that pulls its blocks from the
-  leaving agent's block server first (`kvherd.kv_pull.PULL_HEADER`, with the fleet token).
-- Survivors: healthy, not draining kvherd agents with a block server, serving the same model at
-  the same block size. Only kvherd agents leave this way (a vLLM server has no prefix listing).
-- It never raises for a survivor's or the leaver's failure: each is counted in the result and in
-  ``kvherd_handover_blocks_total{outcome}`` (``pulled``, ``failed``).
-"""
+- `hand_over(fleet, id, client)` (scale-in), once a leaving agent runs nothing (it asks from its
+  drain, ``POST /admin/v1/instances/{id}/handover``): survivors pull its hot prefixes, within
+  `share` of each one's free blocks. `warm_up(fleet, id, client)` (scale-out), before a new agent
+  takes traffic: it pulls every peer's hottest prefixes, each peer's within an equal part of
+  `share` of its own free blocks. `WarmUps.start(id)` holds a newly registered agent out of
+  routing (drained), when some peer caches anything, until its first load report and its warm-up
+  are done (or `timeout_s`), then lets it in unless it is leaving meanwhile.
+- A source's prefixes come hottest first from ``GET /kvherd/v1/prefixes``; keyed chains (salt,
+  adapter: no request without the key hits them) are left; the prefix index says who holds how
+  much; `scheduler.core.handover` plans; each move is a one-token greedy completion of the prefix
+  sent to its target with `kvherd.kv_pull.PULL_HEADER` (the source's block server, fleet token).
+- Targets and peers: healthy, not draining kvherd agents with a block server, serving the model
+  at the block size. Failures never raise: they are counted in the result and in
+  ``kvherd_handover_blocks_total{cause,outcome}``."""
 
 from __future__ import annotations
 
@@ -34,8 +35,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvherd.handover")
 
-MAX_BLOCKS = 4096  # the most blocks of a leaver's cache one hand-over considers
+MAX_BLOCKS = 4096  # the most blocks of one instance's cache a hand-over or warm-up considers
 CONCURRENT_PULLS = 4
+WARM_UP_TIMEOUT_S = 30.0  # the longest a new agent is held out of routing to warm up
+REPORT_POLL_S = 0.05  # how often a warm-up looks for the new agent's first load report
 
 
 @dataclass(slots=True)
@@ -55,62 +58,119 @@ class HandoverResult:
 
 
 async def hand_over(
-    fleet: Fleet,
-    instance_id: str,
-    client: httpx.AsyncClient,
-    share: float = 0.5,
-    max_blocks: int = MAX_BLOCKS,
+    fleet: Fleet, instance_id: str, client: httpx.AsyncClient, share: float = 0.5
 ) -> HandoverResult:
+    """Scale-in: survivors pull the leaving `instance_id`'s prefixes (module contract)."""
     result = HandoverResult(instance_id)
-    leaver = fleet.instances[instance_id]
-    address = leaver.spec.pull_address
-    if not leaver.spec.kvherd_agent or address is None:
+    listed = await _listing(fleet, instance_id, client, result)
+    if listed is not None:
+        survivors = _peers(fleet, instance_id, *listed[:2])
+        room = {i: int(share * _free_blocks(fleet, i)) for i in survivors}
+        await _move(fleet, instance_id, listed, room, client, result, "scale_in")
+    log.info("hand-over of %s: %s", instance_id, result)
+    return result
+
+
+async def warm_up(
+    fleet: Fleet, instance_id: str, client: httpx.AsyncClient, share: float = 0.5
+) -> HandoverResult:
+    """Scale-out: the new `instance_id` pulls the hottest prefixes of every peer serving its
+    model, each peer's within an equal part of `share` of its free blocks."""
+    result = HandoverResult(instance_id)
+    new = fleet.instances[instance_id]
+    if not new.spec.kvherd_agent or new.spec.pull_address is None:
         result.error = "not a kvherd agent with a block server"
         return result
-    token = fleet.settings.fleet_token
+    block_size = fleet.cluster.get(instance_id).block_size
+    models = fleet.models.models_of(instance_id) or (new.spec.model,)
+    donors = _peers(fleet, instance_id, None, block_size)
+    budget = int(share * _free_blocks(fleet, instance_id)) // max(1, len(donors))
+    for donor in donors:
+        listed = await _listing(fleet, donor, client, result)
+        if listed is not None and listed[0] in models:
+            await _move(fleet, donor, listed, {instance_id: budget}, client, result, "scale_out")
+    log.info("warm-up of %s: %s", instance_id, result)
+    return result
+
+
+Listing = tuple[str, int, list[tuple[list[int], list[int]]]]  # model, block size, prefixes
+
+
+async def _listing(
+    fleet: Fleet, source: str, client: httpx.AsyncClient, result: HandoverResult
+) -> Listing | None:
+    """`source`'s prefixes a request without a key hashes to the very same blocks; None (the
+    reason in `result.error`) when it cannot be asked or answers nonsense."""
+    inst = fleet.instances[source]
+    if not inst.spec.kvherd_agent or inst.spec.pull_address is None:
+        result.error = f"{source} is not a kvherd agent with a block server"
+        return None
     try:
         listed = await client.get(
-            f"{leaver.url}/kvherd/v1/prefixes",
-            params={"max_blocks": max_blocks},
-            headers=auth_headers(token),
+            f"{inst.url}/kvherd/v1/prefixes",
+            params={"max_blocks": MAX_BLOCKS},
+            headers=auth_headers(fleet.settings.fleet_token),
         )
         listed.raise_for_status()
         answer = listed.json()
-        model, block_size = answer["model"], int(answer["block_size"])
+        model, block_size = str(answer["model"]), int(answer["block_size"])
         prefixes = [(p["block_hashes"], p["token_ids"]) for p in answer["prefixes"]]
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-        result.error = f"could not list its prefixes: {exc!r}"
-        return result
-    result.prefixes = len(prefixes)
+        result.error = f"could not list {source}'s prefixes: {exc!r}"
+        return None
+    algo = fleet.cluster.prefix_index.hash_algo
+    plain = [(c, t) for c, t in prefixes if block_hash_chain(t, block_size, algo=algo) == c]
+    result.prefixes += len(prefixes)
+    result.keyed += len(prefixes) - len(plain)
+    return model, block_size, plain
+
+
+def _peers(fleet: Fleet, source: str, model: str | None, block_size: int) -> list[str]:
+    """Instances that can pull from `source`: healthy, not draining kvherd agents with a block
+    server, at `block_size`, serving `model` (None: any)."""
     cluster = fleet.cluster
-    survivors = {
-        i: inst
+    return [
+        i
         for i, inst in fleet.instances.items()
-        if i != instance_id
+        if i != source
         and inst.spec.kvherd_agent
         and inst.spec.pull_address is not None
         and cluster.get(i).healthy
         and not cluster.get(i).draining
         and cluster.get(i).block_size == block_size
-        and model in (fleet.models.models_of(i) or (inst.spec.model,))
-    }
-    index = cluster.prefix_index
-    plain = [
-        (chain, tokens)
-        for chain, tokens in prefixes
-        if block_hash_chain(tokens, block_size, algo=index.hash_algo) == chain
+        and (model is None or model in (fleet.models.models_of(i) or (inst.spec.model,)))
     ]
-    result.keyed = len(prefixes) - len(plain)
+
+
+def _free_blocks(fleet: Fleet, instance_id: str) -> int:
+    return fleet.cluster.get(instance_id).report.num_free_blocks or 0
+
+
+async def _move(
+    fleet: Fleet,
+    source: str,
+    listed: Listing,
+    room: dict[str, int],
+    client: httpx.AsyncClient,
+    result: HandoverResult,
+    cause: str,
+) -> None:
+    """Plan `listed` (the prefixes of `source`) onto the instances of `room`, and pull."""
+    model, _, plain = listed
+    address = fleet.instances[source].spec.pull_address
+    assert address is not None  # (`_listing` lists block servers only)
+    token = fleet.settings.fleet_token
+    index = fleet.cluster.prefix_index
     offers = [
-        Offer(chain, {i: d for i, d in index.match(chain).items() if i in survivors})
+        Offer(chain, {i: d for i, d in index.match(chain).items() if i in room})
         for chain, _ in plain
     ]
-    room = {i: int(share * (cluster.get(i).report.num_free_blocks or 0)) for i in survivors}
     plan = plan_handover(offers, room)
-    result.held, result.no_room = plan.held, plan.no_room
+    result.held += plan.held
+    result.no_room += plan.no_room
     gate = asyncio.Semaphore(CONCURRENT_PULLS)
 
-    async def pull(survivor: str, tokens: list[int], num_blocks: int, moved: int) -> None:
+    async def pull(target: str, tokens: list[int], num_blocks: int, moved: int) -> None:
         # One token past the prefix: every block of it is a prompt block the pull may fill.
         body = {"model": model, "prompt": [*tokens, tokens[-1]], "max_tokens": 1, "temperature": 0}
         headers = {PULL_HEADER: PullAsk(address, num_blocks).header(), **auth_headers(token)}
@@ -118,20 +178,22 @@ async def hand_over(
         async with gate:
             try:
                 r = await client.post(
-                    f"{survivors[survivor].url}/v1/completions", json=body, headers=headers
+                    f"{fleet.instances[target].url}/v1/completions", json=body, headers=headers
                 )
                 if r.status_code == 200:
                     told = parse_outcome(r.headers.get(PULL_OUTCOME_HEADER, ""))
                 else:
-                    log.warning("hand-over to %s: %s %s", survivor, r.status_code, r.text[:200])
-            except httpx.HTTPError as exc:
-                log.warning("hand-over to %s failed: %r", survivor, exc)
-        # The survivor pulls the blocks it lacks (it holds the rest), so those land or not.
+                    log.warning("pull by %s: %s %s", target, r.status_code, r.text[:200])
+            except (httpx.HTTPError, KeyError) as exc:  # (KeyError: it left meanwhile)
+                log.warning("pull by %s failed: %r", target, exc)
+        # The target pulls the blocks it lacks (it holds the rest), so those land or not.
         landed = 0 if told is None else min(moved, told.num_blocks)
         if landed:
             result.pulled_prefixes += 1
         result.pulled_blocks += landed
         result.failed_blocks += moved - landed
+        fleet.metrics.handover_blocks.labels(cause, "pulled").inc(landed)
+        fleet.metrics.handover_blocks.labels(cause, "failed").inc(moved - landed)
 
     await asyncio.gather(
         *(
@@ -141,7 +203,41 @@ async def hand_over(
             for move in plan.moves
         )
     )
-    fleet.metrics.handover_blocks.labels("pulled").inc(result.pulled_blocks)
-    fleet.metrics.handover_blocks.labels("failed").inc(result.failed_blocks)
-    log.info("hand-over of %s: %s", instance_id, result)
-    return result
+
+
+class WarmUps:
+    """Newly registered agents warming up before they take traffic (module contract)."""
+
+    def __init__(self, fleet: Fleet, timeout_s: float = WARM_UP_TIMEOUT_S) -> None:
+        self.fleet = fleet
+        self.timeout_s = timeout_s
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def start(self, instance_id: str) -> None:
+        """Warm `instance_id` up, if some peer it could pull from caches anything."""
+        fleet = self.fleet
+        index = fleet.cluster.prefix_index
+        peers = _peers(fleet, instance_id, None, fleet.cluster.get(instance_id).block_size)
+        if not any(index.num_blocks(p) for p in peers if p in index):
+            return
+        fleet.set_draining(instance_id, True)
+        task = asyncio.create_task(self._warm(instance_id), name=f"kvherd-warm-up-{instance_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _warm(self, instance_id: str) -> None:
+        fleet = self.fleet
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                while fleet.cluster.get(instance_id).report_time is None:  # its free blocks
+                    await asyncio.sleep(REPORT_POLL_S)
+                async with httpx.AsyncClient(timeout=self.timeout_s, trust_env=False) as client:
+                    await warm_up(fleet, instance_id, client)
+        except TimeoutError:
+            log.warning("warm-up of %s took over %.0f s; letting it in", instance_id, self.timeout_s)
+        except KeyError:  # it left meanwhile
+            return
+        finally:
+            inst = fleet.instances.get(instance_id)
+            if inst is not None and not inst.leaving:
+                fleet.set_draining(instance_id, False)

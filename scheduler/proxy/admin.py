@@ -7,10 +7,12 @@ object; bodies are JSON; errors are ``{"error": {"message", "type", "param", "co
   ``GET /admin/v1/instances/{id}``: one of them (404 if unknown).
 - ``POST /admin/v1/instances`` ``{"instance_id", "url", "kv_events_endpoint", "replay_endpoint",
   "pull_address", "model", "block_size", "role", "runtime_lora"}``: register, or re-register
-  (which resubscribes and resyncs the instance's prefix view). The URL's host and the event
-  endpoints' hosts must match the operator's ``--allow-register`` patterns (default: loopback
-  only), else 403. A block size other than the model's is refused with 400 (block hashes would
-  never match). 201 on a new instance, 200 on a re-registration.
+  (which resubscribes and resyncs the instance's prefix view; a new kvherd agent with a block
+  server warms up from its peers' caches first, `scheduler.handover.WarmUps`, unless
+  ``--no-handover``). The URL's host and the event endpoints' hosts must match the operator's
+  ``--allow-register`` patterns (default: loopback only), else 403. A block size other than the
+  model's is refused with 400 (block hashes would never match). 201 on a new instance, 200 on a
+  re-registration.
 - ``POST /admin/v1/instances/{id}/heartbeat``: 200, or 404 when the instance is unknown (the agent
   then registers again). A body with ``"draining": true`` (an agent that got SIGTERM) drains the
   instance as the drain route does, so its requests migrate away; an agent never un-drains
@@ -69,7 +71,7 @@ from kvherd.wire import OpenAIError
 from scheduler.core.load_report import ROLES
 from scheduler.core.rate_limit import RateLimits
 from scheduler.fleet import Fleet, FleetError, InstanceSpec
-from scheduler.handover import HandoverResult, hand_over
+from scheduler.handover import HandoverResult, WarmUps, hand_over
 from scheduler.model_poller import ModelListError, parse_models
 from scheduler.proxy.dashboard import Dashboard
 from scheduler.proxy.model_tokenizers import ModelTokenizers
@@ -215,6 +217,7 @@ def build_admin_app(
     app = FastAPI(title="kvherd admin", docs_url=None, redoc_url=None, openapi_url=None)
     dashboard = Dashboard(fleet, token)
     app.include_router(dashboard.router)
+    warm_ups = WarmUps(fleet)
 
     @app.middleware("http")
     async def require_token(request: Request, call_next: Any) -> Response:
@@ -253,6 +256,8 @@ def build_admin_app(
     async def register(request: Request) -> Response:
         spec = _spec_from_body(await _json_body(request), allow)
         created = await fleet.add_instance(spec)
+        if created and fleet.settings.handover and spec.kvherd_agent and spec.pull_address:
+            warm_ups.start(spec.instance_id)
         return _json(fleet.describe_one(spec.instance_id), status=201 if created else 200)
 
     @app.post("/admin/v1/instances/{instance_id}/heartbeat")

@@ -60,8 +60,9 @@ Contract (what ``GET /metrics`` on the proxy exposes):
   {outcome}`` (what the chosen agent reported: ``landed``, ``partial``, ``nothing_to_pull``,
   ``no_room``, ``failed``: recomputed), ``kvherd_prefix_pull_bytes_total`` and
   ``kvherd_prefix_pull_seconds_total``.
-- Scale-in hand-over (`scheduler.handover`): ``kvherd_handover_blocks_total{outcome}``, blocks
-  of leaving agents' prefixes survivors pulled (``pulled``) or failed to (``failed``).
+- Prefixes moved when the fleet changes size (`scheduler.handover`):
+  ``kvherd_handover_blocks_total{cause,outcome}``, blocks pulled (``pulled``) or not (``failed``)
+  by survivors of a leaving agent (``scale_in``) or by a new agent warming up (``scale_out``).
 - ``kvherd_kv_transfer_params_stripped_total``: client ``kv_transfer_params`` the proxy dropped
   (only a tenant with ``kv_transfer_params=allow`` may send them, `scheduler.core.tenancy`).
 
@@ -269,8 +270,8 @@ class ProxyMetrics:
         )
         self.handover_blocks = Counter(
             "kvherd_handover_blocks",
-            "Blocks of a leaving agent's prefixes that survivors pulled, by outcome",
-            ["outcome"], registry=r,
+            "Prefix blocks moved between agents as the fleet changed size, by cause and outcome",
+            ["cause", "outcome"], registry=r,
         )  # fmt: skip
         self.kv_transfer_params_stripped = Counter(
             "kvherd_kv_transfer_params_stripped",

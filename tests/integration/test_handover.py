@@ -1,5 +1,6 @@
-"""Scale-in keeps the cache: a leaving agent's prefixes are pulled by the survivor before it exits.
+"""The cache outlives a resize: prefixes move between real agents as the fleet shrinks and grows.
 
+Scale-in (hand-over):
 Two real agents register with a real proxy (``--scheduler``). Every prompt is served by ``first``
 (``second`` drained meanwhile), so only ``first`` caches them. ``first`` gets SIGTERM: it drains,
 then asks the proxy for the hand-over (``POST /admin/v1/instances/{id}/handover``), which has
@@ -7,6 +8,9 @@ then asks the proxy for the hand-over (``POST /admin/v1/instances/{id}/handover`
 prompts sent again are served by ``second`` from its prefix cache: its own counters show the hits
 (before the hand-over it held none of those blocks, so without it every prompt token would be
 recomputed), and the greedy text is the one ``first`` gave.
+
+Scale-out (warm-up): a new agent joining a fleet whose agent caches prompts is held out of
+routing while it pulls those prefixes, then let in; it serves them from its cache at once.
 """
 
 from __future__ import annotations
@@ -99,3 +103,46 @@ async def _prompt_tokens(client: httpx.AsyncClient, agent: AgentProcess) -> list
         r = await client.post(f"{agent.url}/tokenize", json={"prompt": prompt})
         tokenized.append(r.json()["tokens"])
     return tokenized
+
+
+async def test_a_new_agent_warms_up_from_its_peer_before_it_takes_traffic() -> None:
+    async with running_proxy([], "--load-interval", "0.05") as proxy:
+        with contextlib.ExitStack() as stack:
+            args = ("--block-size", str(BLOCK), "--scheduler", proxy.admin_url)
+            args += ("--heartbeat-interval", "0.2")
+
+            def join() -> AgentProcess:
+                started = agent_process(*args, kv_events=True, env={"KVHERD_ADMIN_TOKEN": TOKEN})
+                return stack.enter_context(started)
+
+            old = await asyncio.to_thread(join)
+            fleet = proxy.fleet
+            await wait_for(lambda: len(fleet.instances) == 1, timeout=60, interval=0.02)
+            (first,) = fleet.instances
+            async with httpx.AsyncClient(timeout=60) as client:
+                expected = [await _completion(client, proxy.url, p) for p in PROMPTS]
+                index = fleet.cluster.prefix_index
+                await wait_for(lambda: index.num_blocks(first) > 0, timeout=20)
+                held = index.blocks(first)
+
+                new = await asyncio.to_thread(join)
+                await wait_for(lambda: len(fleet.instances) == 2, timeout=60, interval=0.02)
+                (second,) = set(fleet.instances) - {first}
+                # Held out of routing while it warms up, then let in holding the peer's blocks.
+                await wait_for(lambda: not fleet.cluster.get(second).draining, timeout=60)
+                metrics = (await client.get(f"{proxy.url}/metrics")).text
+                pulled = metric_sum(
+                    metrics, "kvherd_handover_blocks_total", cause="scale_out", outcome="pulled"
+                )
+                assert pulled == len(held), (pulled, len(held), new.log())
+                await wait_for(lambda: held <= index.blocks(second), timeout=20)
+
+                drain = f"{proxy.admin_url}/admin/v1/instances/{first}/drain"
+                await client.post(drain, json={"draining": True}, headers=ADMIN)
+                hits_before, _ = await _counters(client, new)
+                again = [await _completion(client, proxy.url, p) for p in PROMPTS]
+                hits, _ = await _counters(client, new)
+                assert again == expected
+                full_blocks = sum((len(t) - 1) // BLOCK for t in await _prompt_tokens(client, new))
+                assert hits - hits_before == full_blocks * BLOCK
+                assert old.process.poll() is None
