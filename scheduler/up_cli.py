@@ -35,11 +35,13 @@ import time
 from typing import TYPE_CHECKING
 
 from kvherd.fleet_token import FLEET_TOKEN_ENV, resolve
+from kvherd.parent_death import die_with_parent
 from scheduler.serve_cli import ADMIN_TOKEN_ENV, add_proxy_arguments
 
 if TYPE_CHECKING:
     from scheduler.autoscaler import AutoscaleLoop
     from scheduler.fleet import Fleet
+    from scheduler.ray_launcher import RayLauncher
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,6 +86,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     scaling.add_argument(
         "--scale-cooldown", type=float, default=5.0, help="seconds after a change before the next"
     )
+    scaling.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        default=None,
+        help="start each agent as a Ray actor on the cluster at ADDRESS ('auto', HOST:PORT), "
+        "placed by Ray (scheduler/ray_launcher.py)",
+    )
+    scaling.add_argument(
+        "--ray-num-cpus", type=float, default=1.0, help="CPUs each agent's actor asks Ray for"
+    )
     parser.add_argument("--log-dir", default=None, help="agent logs (default: a temp directory)")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     parser.add_argument("--stop-timeout", type=float, default=30.0)
@@ -120,14 +132,25 @@ def agent_port(handed: set[int]) -> int:
     raise RuntimeError(f"no free loopback port in {ports.start}-{ports.stop - 1}")
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM it when the `kvherd up` process dies (Linux)."""
-    with contextlib.suppress(OSError, AttributeError):
-        import ctypes
+def agent_command(args: argparse.Namespace, instance_id: str, host: str, port: str, role: str) -> list[str]:
+    """The ``kvherd agent`` arguments (after the interpreter) for one agent of this fleet."""
+    return [
+        "-m", "kvherd", "agent",
+        "--model", args.model,
+        "--host", host,
+        "--port", port,
+        "--instance-id", instance_id,
+        "--kv-events-endpoint", f"tcp://{host}:*",
+        "--kv-events-replay-endpoint", f"tcp://{host}:*",
+        "--scheduler", f"http://{_admin_host(args)}:{args.admin_port}",
+        "--role", role,
+        *args.agent_arg,
+    ]  # fmt: skip
 
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+def _admin_host(args: argparse.Namespace) -> str:
+    host = args.admin_host
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
 class AgentGroup:
@@ -145,26 +168,16 @@ class AgentGroup:
         self._handed = {args.port, args.admin_port}
         self._next = 0
 
-    def start(self) -> None:
-        for role in self.args.roles:
-            self.launch(role)
+    @property
+    def ids(self) -> list[str]:
+        return list(self.procs)
 
     def launch(self, role: str = "mixed") -> str:
         instance_id = f"agent-{self._next}"
         self._next += 1
         env = {**os.environ, ADMIN_TOKEN_ENV: self.token, FLEET_TOKEN_ENV: self.fleet_token}
-        cmd = [
-            sys.executable, "-m", "kvherd", "agent",
-            "--model", self.args.model,
-            "--host", "127.0.0.1",
-            "--port", str(agent_port(self._handed)),
-            "--instance-id", instance_id,
-            "--kv-events-endpoint", "tcp://127.0.0.1:*",
-            "--kv-events-replay-endpoint", "tcp://127.0.0.1:*",
-            "--scheduler", f"http://{self._admin_host()}:{self.args.admin_port}",
-            "--role", role,
-            *self.args.agent_arg,
-        ]  # fmt: skip
+        port = str(agent_port(self._handed))
+        cmd = [sys.executable, *agent_command(self.args, instance_id, "127.0.0.1", port, role)]
         path = os.path.join(self.log_dir, f"{instance_id}.log")
         with open(path, "wb") as log_file:
             self.procs[instance_id] = subprocess.Popen(
@@ -173,14 +186,16 @@ class AgentGroup:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=env,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         self.log_paths[instance_id] = path
         return instance_id
 
-    def _admin_host(self) -> str:
-        host = self.args.admin_host
-        return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    async def describe(self, instance_id: str) -> str:
+        return f"pid {self.procs[instance_id].pid}"
+
+    def log_hint(self, instance_id: str) -> str:
+        return f"see {self.log_paths[instance_id]}"
 
     def alive(self, instance_id: str) -> bool:
         proc = self.procs.get(instance_id)
@@ -222,18 +237,33 @@ async def _up(args: argparse.Namespace) -> int:
     args.fleet_token = resolve(args.fleet_token) or secrets.token_urlsafe(24)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="kvherd-up-")
     os.makedirs(log_dir, exist_ok=True)
-    agents = AgentGroup(args, token, args.fleet_token, log_dir)
+    agents: AgentGroup | RayLauncher
+    if args.ray:
+        from scheduler.ray_launcher import HOST, PORT, RayLauncher
+
+        loopback = _admin_host(args) in ("127.0.0.1", "localhost", "::1")
+        agents = RayLauncher(
+            args.ray,
+            lambda instance_id, role: agent_command(args, instance_id, HOST, PORT, role),
+            {ADMIN_TOKEN_ENV: token, FLEET_TOKEN_ENV: args.fleet_token},
+            "127.0.0.1" if loopback else None,  # a loopback proxy: a one-node cluster
+            num_cpus=args.ray_num_cpus,
+            stop_timeout_s=args.stop_timeout,
+        )
+    else:
+        agents = AgentGroup(args, token, args.fleet_token, log_dir)
     stop = asyncio.Event()
     failure: list[str] = []
 
     async def on_ready(fleet: Fleet) -> None:
-        agents.start()
+        for role in args.roles:
+            agents.launch(role)
         deadline = time.monotonic() + args.startup_timeout
         while fleet.num_dispatchable() < args.num_instances:
             dead = agents.dead()
             if dead or time.monotonic() > deadline or stop.is_set():
                 if dead:
-                    failure.append(f"{dead[0]} exited; see {agents.log_paths[dead[0]]}")
+                    failure.append(f"{dead[0]} exited; {agents.log_hint(dead[0])}")
                 elif not stop.is_set():
                     failure.append(f"agents not ready after {args.startup_timeout}s ({log_dir})")
                 stop.set()
@@ -248,10 +278,12 @@ async def _up(args: argparse.Namespace) -> int:
         ]
         if generated:
             lines.append(f"  admin token {token}  (set {ADMIN_TOKEN_ENV} to choose one)")
-        for instance_id, proc in agents.procs.items():
+        for instance_id in agents.ids:
             inst = fleet.instances[instance_id]
-            lines.append(f"  agent       {instance_id} {inst.url} (pid {proc.pid})")
-        lines.append(f"  agent logs  {log_dir}")
+            where = await agents.describe(instance_id)
+            lines.append(f"  agent       {instance_id} {inst.url} ({where})")
+        if not args.ray:
+            lines.append(f"  agent logs  {log_dir}")
         if args.autoscale:
             scaler = await _autoscaler(args, fleet, agents)
             scaling.append(asyncio.create_task(scaler.run()))
@@ -279,16 +311,18 @@ async def _up(args: argparse.Namespace) -> int:
     return code
 
 
-async def _autoscaler(args: argparse.Namespace, fleet: Fleet, agents: AgentGroup) -> AutoscaleLoop:
+async def _autoscaler(
+    args: argparse.Namespace, fleet: Fleet, agents: AgentGroup | RayLauncher
+) -> AutoscaleLoop:
     from scheduler.autoscaler import AutoscaleLoop
     from scheduler.core.autoscale import AutoscaleSettings
 
     deadline = time.monotonic() + 10.0
     while not args.autoscale_slots and time.monotonic() < deadline:
-        if all(fleet.cluster.get(i).report_time is not None for i in agents.procs):
+        if all(fleet.cluster.get(i).report_time is not None for i in agents.ids):
             break
         await asyncio.sleep(0.05)  # the agents' first load reports state their batch slots
-    reported = sorted(fleet.cluster.get(i).view().batch_slots for i in agents.procs)
+    reported = sorted(fleet.cluster.get(i).view().batch_slots for i in agents.ids)
     slots = args.autoscale_slots or reported[len(reported) // 2] or 8
     settings = AutoscaleSettings(
         min_instances=args.min,
@@ -300,7 +334,7 @@ async def _autoscaler(args: argparse.Namespace, fleet: Fleet, agents: AgentGroup
         scale_in_cooldown_s=args.scale_cooldown,
     )
     scaler = AutoscaleLoop(fleet, agents, settings, start_timeout_s=args.startup_timeout)
-    scaler.owned.update(agents.procs)
+    scaler.owned.update(agents.ids)
     return scaler
 
 

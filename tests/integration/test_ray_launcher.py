@@ -1,0 +1,121 @@
+"""``kvherd up --autoscale --ray ADDRESS``: agents as Ray actors; a lost actor is replaced.
+
+A real local Ray cluster (``ray start --head``, token authentication on, as Ray defaults to)
+started by the test; ``kvherd up`` places its two agents on it as actors (the autoscaler's
+minimum). One client sends greedy requests through the proxy throughout. The test kills one
+actor through Ray (``ray.kill``, from another process): its agent dies with it, the proxy ejects
+and then removes it, and the autoscaler, below its minimum, starts a third actor that registers
+and serves. Every request answers 200, one greedy text per prompt.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from agent_process import free_port
+from test_autoscale import Load, _until
+from test_up import _wait_ready
+
+pytest.importorskip("ray")
+pytestmark = pytest.mark.timeout(420)
+
+TOKEN = "ray-admin-token"
+
+
+@pytest.fixture
+def ray_cluster() -> Iterator[tuple[str, dict[str, str]]]:
+    """A one-node Ray cluster of its own: (its address, the environment that reaches it)."""
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+    env.pop("KVHERD_ADMIN_TOKEN", None)
+    temp_dir = tempfile.mkdtemp(prefix="kvherd-ray-")
+    ray = [sys.executable, "-m", "ray.scripts.scripts"]
+    started = subprocess.run(
+        [*ray, "start", "--head", "--port", str(free_port()), "--num-cpus", "4",
+         "--include-dashboard=false", "--disable-usage-stats", "--temp-dir", temp_dir],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert started.returncode == 0, started.stdout + started.stderr
+    found = re.search(r"--address='([^']+)'", started.stdout + started.stderr)
+    assert found, started.stdout + started.stderr
+    try:
+        yield found.group(1), env
+    finally:
+        subprocess.run([*ray, "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+def _kill_actor(address: str, env: dict[str, str], name: str) -> None:
+    script = (
+        "import ray\n"
+        f"ray.init(address={address!r}, namespace='kvherd', log_to_driver=False)\n"
+        f"ray.kill(ray.get_actor({name!r}), no_restart=True)\n"
+    )
+    killed = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert killed.returncode == 0, killed.stdout + killed.stderr
+
+
+def test_agents_run_as_ray_actors_and_a_lost_one_is_replaced(
+    ray_cluster: tuple[str, dict[str, str]],
+) -> None:
+    address, env = ray_cluster
+    port, admin_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "kvherd", "up", "--autoscale", "--min", "2", "--max", "3",
+           "--ray", address, "--port", str(port), "--admin-port", str(admin_port),
+           "--admin-token", TOKEN, "--agent-arg=--max-num-seqs=4", "--stop-timeout", "30",
+           "--load-interval", "0.2", "--heartbeat-timeout", "5", "--log-level", "info",
+           "--expose-instance", "--max-queue-wait", "60", "--standing-queue-wait", "60"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    output: list[str] = []
+    base = f"http://127.0.0.1:{port}"
+    admin = f"http://127.0.0.1:{admin_port}/admin/v1/instances"
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+
+    def serving() -> list[str]:
+        listed = httpx.get(admin, headers=auth, timeout=10).json()["data"]
+        return sorted(
+            i["instance_id"] for i in listed if i["health"] == "healthy" and not i["draining"]
+        )
+
+    def log() -> str:
+        return "".join(output[-80:])
+
+    try:
+        banner = _wait_ready(proc, timeout=240)
+        assert re.search(r"agent-0 http://127\.0\.0\.1:\d+ \(pid \d+ on ", banner), banner
+        assert proc.stdout is not None
+        stdout = proc.stdout
+        threading.Thread(target=lambda: output.extend(stdout), daemon=True).start()
+        assert serving() == ["agent-0", "agent-1"]
+        load = Load(base, threads=1)
+        time.sleep(2.0)
+        _kill_actor(address, env, "kvherd-agent-0")
+        _until(lambda: serving() == ["agent-1", "agent-2"], 180, "agent-2 replacing agent-0", log)
+        time.sleep(2.0)  # the replacement serves its share
+        load.join()
+        failed = [a for a in load.answers if a[1] != 200]
+        assert not failed, (failed[:5], log())
+        texts: dict[str, set[str]] = {}
+        for prompt, _, text, _ in load.answers:
+            texts.setdefault(prompt, set()).add(text)
+        assert all(len(t) == 1 for t in texts.values()), texts
+        metrics = httpx.get(f"{base}/metrics", timeout=10).text
+        assert re.search(r'kvherd_scale_events_total\{direction="out",reason="min"\} 1\.0', metrics)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
