@@ -955,6 +955,7 @@ class Fleet:
             "health": str(self.health.state(instance_id, self.clock())),
             "draining": state.draining,
             "inflight": self.inflight.count(instance_id),
+            "peer_inflight": state.peer.inflight,  # what other router replicas say
             "served": inst.served,
             "failures": inst.failures,
             "load": {

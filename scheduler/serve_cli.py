@@ -36,6 +36,7 @@ import gc
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import TYPE_CHECKING, Any
@@ -103,6 +104,17 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         "(no automatic migration; draining instances are still emptied)",
     )
     policy.add_argument("--migration-interval", type=float, default=1.0, help="seconds per tick")
+    policy.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        metavar="ADMIN_URL",
+        help="another kvherd serve replica in front of the same instances (its admin URL, the "
+        "same --admin-token): their in-flight charges count in this one's load view; repeatable",
+    )
+    policy.add_argument(
+        "--peer-interval", type=float, default=0.1, help="seconds between reads of the peers"
+    )
     policy.add_argument(
         "--no-handover",
         action="store_true",
@@ -700,6 +712,7 @@ async def serve_fleet(
         return 2
     from policies.registry import PolicyLoadError, load_migration_policy
     from scheduler.migration_driver import MigrationDriver
+    from scheduler.peer_sync import PeerSync
 
     try:
         migration_policy = load_migration_policy(args.migration_policy)
@@ -750,10 +763,12 @@ async def serve_fleet(
         tracing,
     )
     fleet.migration.cuts = proxy.relay.cuts  # vLLM streams migrate by the proxy's own cuts
+    replica = f"{socket.gethostname()}:{args.port}"
+    peers = PeerSync(fleet, replica, args.peer, token, args.peer_interval) if args.peer else None
     level = args.log_level.lower()
     front = build_front(proxy)
     admin_server = _QuietServer.make(
-        build_admin_app(fleet, token, allow, proxy.limits, tokenizers),
+        build_admin_app(fleet, token, allow, proxy.limits, tokenizers, replica),
         args.admin_host,
         args.admin_port,
         level,
@@ -773,6 +788,8 @@ async def serve_fleet(
     proxy.lag.start()
     if fleet.migration is not None:
         fleet.migration.start()
+    if peers is not None:
+        peers.start()
     try:
         for raw in list(config.get("instances") or []) + static_instances:
             entry = {"url": raw} if isinstance(raw, str) else dict(raw)
@@ -827,6 +844,8 @@ async def serve_fleet(
             loop.remove_signal_handler(sig)
         if fleet.migration is not None:
             await fleet.migration.stop()
+        if peers is not None:
+            await peers.stop()
         await fleet.stop()
         await proxy.lag.stop()
         await proxy.pool.close()

@@ -50,6 +50,7 @@ from policies.views import COLUMNS, ClusterView, InstanceView, RequestView
 from scheduler.core.approx_index import ApproxIndex
 from scheduler.core.instance_state import InstanceState
 from scheduler.core.load_report import LoadReport
+from scheduler.core.peer_charges import Charge
 from scheduler.core.prefix_index import (
     ApplyResult,
     InstanceSlots,
@@ -215,6 +216,13 @@ class ClusterState:
     def touch(self, instance_id: str) -> None:
         """Mark an instance's view stale (after any change to its state)."""
         self._dirty.add(instance_id)
+
+    def set_peer_charge(self, instance_id: str, charge: Charge) -> None:
+        """What other router replicas have in flight on `instance_id` (`peer_charges`)."""
+        state = self.instances[instance_id]
+        if state.peer != charge:
+            state.peer = charge
+            self._dirty.add(instance_id)
 
     def set_healthy(self, instance_id: str, healthy: bool) -> None:
         self.instances[instance_id].healthy = healthy

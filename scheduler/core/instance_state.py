@@ -14,6 +14,10 @@ Contract:
   changes since the last snapshot (bounded by `max_log`).
 - Without any report, the load is the router's own accounting alone (a plain server that is
   neither scraped nor reporting still gets balanced).
+- Router replicas: `peer` is what the other replicas last said they have in flight here
+  (`peer_charges`); the view's own-accounting figures (in flight, pending prefill and its tokens,
+  blocks) add it, so every replica guards and costs on the fleet's whole load; the reported
+  figures already count what reached the engine.
 - `view(now)` renders a read-only `InstanceView` for the policies. Pure: no clock, no I/O.
 - P/D: `incoming` holds the requests paired to be handed to this instance after their first token
   elsewhere; they count in the view's `inflight` from the pairing on (so a burst of pairings
@@ -38,6 +42,7 @@ from operator import attrgetter
 
 from policies.views import InstanceView
 from scheduler.core.load_report import LoadReport
+from scheduler.core.peer_charges import NO_CHARGE, Charge
 
 # Every `LoadReport` field, in declaration order (one C call reads them all).
 _REPORT_FIELDS = attrgetter(*LoadReport.__slots__)
@@ -94,6 +99,7 @@ class InstanceState:
         self.pending_prefill = 0
         self.pending_prefill_tokens = 0
         self.inflight_blocks = 0
+        self.peer: Charge = NO_CHARGE  # what other router replicas have in flight here
         # Changes since the last report's snapshot: (time, waiting, running, blocks, prefill tokens)
         # and their running sums.
         self._log: deque[tuple[float, int, int, int, int]] = deque(maxlen=max_log)
@@ -233,17 +239,21 @@ class InstanceState:
     # -- view --------------------------------------------------------------------------------
     def view(self, healthy_override: bool | None = None) -> InstanceView:
         rep = self.report
-        started = len(self.inflight) - self.pending_prefill
-        num_running = _plus(rep.num_running, self._delta_running, started)
-        num_waiting = _plus(rep.num_waiting, self._delta_waiting, self.pending_prefill)
+        peer = self.peer
+        inflight = len(self.inflight) + peer.inflight
+        pending_prefill = self.pending_prefill + peer.pending_prefill
+        pending_tokens = self.pending_prefill_tokens + peer.pending_prefill_tokens
+        inflight_blocks = self.inflight_blocks + peer.blocks
+        num_running = _plus(rep.num_running, self._delta_running, inflight - pending_prefill)
+        num_waiting = _plus(rep.num_waiting, self._delta_waiting, pending_prefill)
         waiting_tokens = _plus(
-            rep.waiting_prefill_tokens, self._delta_prefill_tokens, self.pending_prefill_tokens
+            rep.waiting_prefill_tokens, self._delta_prefill_tokens, pending_tokens
         )
         capacity = rep.num_total_blocks or 0
         if rep.num_free_blocks is not None:
             free = max(0, min(capacity or math.inf, rep.num_free_blocks - self._delta_blocks))
         elif capacity:
-            free = max(0, capacity - self.inflight_blocks)
+            free = max(0, capacity - inflight_blocks)
         else:
             free = 0
         free = int(free)
@@ -268,10 +278,10 @@ class InstanceState:
             free_blocks=free,
             cached_blocks=rep.num_cached_blocks or 0,
             freeness=freeness,
-            inflight=len(self.inflight) + len(self.incoming),
-            pending_prefill=self.pending_prefill,
-            pending_prefill_tokens=self.pending_prefill_tokens,
-            inflight_blocks=self.inflight_blocks,
+            inflight=inflight + len(self.incoming),
+            pending_prefill=pending_prefill,
+            pending_prefill_tokens=pending_tokens,
+            inflight_blocks=inflight_blocks,
             waiting_prefill_tokens=waiting_tokens,
             head_waiting_blocks=head,
             num_preemptions=rep.num_preemptions or 0,

@@ -27,6 +27,9 @@ object; bodies are JSON; errors are ``{"error": {"message", "type", "param", "co
   survivor holds are pulled by survivors (`scheduler.handover`); 200 with what moved, 404 when
   unknown, 409 when not draining (``--no-handover``: 200, nothing moved). A registered agent
   asks for it itself once drained (SIGTERM).
+- ``GET /admin/v1/charges``: what this replica has in flight per instance, by its own
+  accounting (``{"replica", "charges": {id: [inflight, pending_prefill, pending_tokens,
+  blocks]}}``), which its peers (``--peer``) add to their load views (`scheduler.peer_sync`).
 - ``GET /admin/v1/models``: each model and adapter the fleet serves with its block size, the
   tokenizer it is routed with (an adapter's parent's), the instances serving it, and the
   requests, prompt blocks and hit blocks routed for it, and how many of them queued.
@@ -73,6 +76,7 @@ from scheduler.core.rate_limit import RateLimits
 from scheduler.fleet import Fleet, FleetError, InstanceSpec
 from scheduler.handover import HandoverResult, WarmUps, hand_over
 from scheduler.model_poller import ModelListError, parse_models
+from scheduler.peer_sync import own_charges
 from scheduler.proxy.dashboard import Dashboard
 from scheduler.proxy.model_tokenizers import ModelTokenizers
 from scheduler.proxy.rate_gate import RateGate
@@ -210,6 +214,7 @@ def build_admin_app(
     allow: RegistrationPolicy,
     limits: RateGate | None = None,
     tokenizers: ModelTokenizers | None = None,
+    replica: str = "kvherd",
 ) -> FastAPI:
     if not token:
         raise ValueError("the admin API always requires a token")
@@ -294,6 +299,10 @@ def build_admin_app(
         async with httpx.AsyncClient(timeout=HANDOVER_PULL_TIMEOUT_S, trust_env=False) as client:
             result = await hand_over(fleet, instance_id, client)
         return _json(result.body())
+
+    @app.get("/admin/v1/charges")
+    async def charges() -> Response:
+        return _json(own_charges(fleet, replica))
 
     @app.get("/admin/v1/models")
     async def list_models() -> Response:

@@ -6,7 +6,8 @@ Usage::
         httpx.post(served.url + "/v1/completions", ...)
         httpx.get(served.admin_url + "/admin/v1/instances", headers=served.admin_headers)
 
-`instances` are ``--instance`` values; `flags` pass through. It waits until ``/health`` answers
+`instances` are ``--instance`` values; `flags` pass through; `ports` (client, admin) are chosen
+beforehand when a peer must know them. It waits until ``/health`` answers
 (200, or 503 with no instance), fails with the log if the process exits first, and on exit stops
 it (SIGTERM, then SIGKILL after 30 s).
 """
@@ -49,8 +50,9 @@ def serve_process(
     fd_limit: int | None = None,
     env: dict[str, str] | None = None,
     admin_token: str = ADMIN_TOKEN,
+    ports: tuple[int, int] | None = None,
 ) -> Iterator[Served]:
-    port, admin_port = free_port(), free_port()
+    port, admin_port = ports or (free_port(), free_port())
     cmd = [sys.executable, "-m", "kvherd", "serve", "--port", str(port)]
     cmd += ["--admin-port", str(admin_port), "--admin-token", admin_token, "--log-level", "warning"]
     for spec in instances:
