@@ -9,7 +9,8 @@ Contract:
   vendored in ``dashboard_assets/``; nothing is fetched from elsewhere at run time).
 - ``GET /dashboard/data``: ``{"now", "states", "instances", "time", "charts"}``. Each call samples
   the proxy's metrics (requests by status, refusals, migrations, P/D handoffs, continuations,
-  prefix pulls), each instance's load (`Fleet.describe`) and the TTFT and inter-token histograms
+  prefix pulls, scale events, prefix blocks moved at resizes), the instances serving and out of
+  routing, each instance's load (`Fleet.describe`) and the TTFT and inter-token histograms
   scraped from every instance's ``/metrics`` (summed over the fleet) into a `FleetTimeline`;
   charts are its rates, gauges and quantiles over the last minutes.
 """
@@ -50,6 +51,8 @@ _COUNTERS = (
     ("handoffs", "kvherd_pd_handoffs", "outcome", ("ok", "fallback", "failed")),
     ("continuations", "kvherd_continuations", "outcome", ("continued", "gave_up")),
     ("prefix_pulls", "kvherd_prefix_pulls", "outcome", ("landed", "failed")),
+    ("scale_events", "kvherd_scale_events", "direction", ("out", "in")),
+    ("handover", "kvherd_handover_blocks", "outcome", ("pulled", "failed")),
 )
 _HISTOGRAMS = {
     "ttft": "vllm:time_to_first_token_seconds",
@@ -68,6 +71,9 @@ _CHARTS = (
     ("handoffs", "P/D handoffs by outcome", "per s", "rate", "handoffs"),
     ("continuations", "Continuations by outcome", "per s", "rate", "continuations"),
     ("prefix_pulls", "Prefix pulls by outcome", "per s", "rate", "prefix_pulls"),
+    ("instances", "Instances", "instances", "gauge", "instances"),
+    ("scale_events", "Scale events by direction", "per s", "rate", "scale_events"),
+    ("handover", "Prefix blocks moved at resizes", "blocks/s", "rate", "handover"),
 )
 
 
@@ -136,9 +142,14 @@ class Dashboard:
             for value in seeds:
                 counters[group, value] = 0.0
             for s in families[name].samples if name in families else ():
-                if s.name.endswith("_total"):
-                    counters[group, s.labels[label]] = s.value
-        gauges: dict[Key, float] = {}
+                if s.name.endswith("_total"):  # summed over the family's other labels
+                    key = (group, s.labels[label])
+                    counters[key] = counters.get(key, 0.0) + s.value
+        serving = sum(d["health"] == "healthy" and not d["draining"] for d in described)
+        gauges: dict[Key, float] = {
+            ("instances", "serving"): serving,
+            ("instances", "out of routing"): len(described) - serving,  # draining, warming, ejected
+        }
         for d in described:
             load = d["load"]
             gauges["running", d["instance_id"]] = load["num_running"]

@@ -52,6 +52,9 @@ def test_the_feed_shows_each_instance_and_the_fleets_recent_rates(fleet: LiveFle
     charts = {c["id"]: c for c in data["charts"]}
     assert set(charts) >= {"requests", "ttft", "itl", "refusals", "migrations", "handoffs"}
     assert set(charts) >= {"continuations", "running", "waiting", "kv_usage"}
+    assert set(charts) >= {"instances", "scale_events", "handover"}
+    assert charts["instances"]["lines"]["serving"][-1] == 1
+    assert set(charts["scale_events"]["lines"]) == {"out", "in"}
     assert len(data["time"]) >= 1
     assert all(
         len(line) == len(data["time"]) for c in charts.values() for line in c["lines"].values()
