@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter as Tally
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -34,6 +33,7 @@ from scheduler.core.autoscale import (
     FleetLoad,
     ScaleIn,
     ScaleOut,
+    candidates,
     scale_in_victim,
 )
 
@@ -124,7 +124,7 @@ class AutoscaleLoop:
                 self._stop(instance_id)
         present = len(dispatchable) + len(self._starting)
         queued = sum(fleet.cluster.get(i).report.num_waiting or 0 for i in dispatchable)
-        load = FleetLoad(present, fleet.inflight.total, queued)
+        load = FleetLoad(present, fleet.inflight.total, queued, len(self._starting))
         self._present.set(present)
         action = self.core.decide(now, load)
         if isinstance(action, ScaleOut):
@@ -148,14 +148,9 @@ class AutoscaleLoop:
     def _candidates(self, dispatchable: list[str]) -> list[Candidate]:
         index = self.fleet.cluster.prefix_index
         held = {i: index.blocks(i) if i in index else set() for i in dispatchable}
-        holders: Tally[int] = Tally()
-        for blocks in held.values():
-            holders.update(blocks)
-        return [
-            Candidate(i, sum(holders[b] == 1 for b in held[i]), self.fleet.inflight.count(i))
-            for i in dispatchable
-            if i in self.owned
-        ]
+        inflight = {i: self.fleet.inflight.count(i) for i in dispatchable}
+        # Only those it may remove are candidates; all count as holders.
+        return [c for c in candidates(held, inflight) if c.instance_id in self.owned]
 
     def _stop(self, instance_id: str) -> None:
         task = asyncio.create_task(self.launcher.retire(instance_id))

@@ -130,6 +130,7 @@ from policies.base import DispatchPolicy, MigrationPolicy, PDPolicy
 from policies.views import MigrationOrder, NoInstanceError, RunningRequestView
 from scheduler.core.admission import AdmissionSettings
 from scheduler.core.admission_queue import QueueSettings
+from scheduler.core.autoscale import AutoscaleSettings
 from scheduler.core.cache_truth import CacheTruth
 from scheduler.core.cluster_state import ClusterState
 from scheduler.core.load_report import LoadReport
@@ -139,6 +140,7 @@ from scheduler.core.prefix_pull import PullAction, PullChoice
 from scheduler.core.rate_limit import RateLimits
 from scheduler.core.router import Router
 from simulator.admission import SimAdmission
+from simulator.autoscale import SimAutoscaler
 from simulator.host_model import HostModel
 from simulator.instance import DecodeRun, InstanceConfig, SimInstance, make_request
 from simulator.latency.base import LatencyModel
@@ -193,6 +195,10 @@ class ClusterConfig:
     prefix_pull: PullConfig | None = None  # cross-instance prefix pulls (None: off)
     # Models and adapter slots, for a trace that names models (None: the defaults).
     models: FleetModels | None = None
+    # The autoscaler (None: a fixed fleet): its settings, its tick, an instance's cold start.
+    autoscale: AutoscaleSettings | None = None
+    autoscale_interval_s: float = 1.0
+    instance_start_s: float = 30.0
 
     @property
     def disaggregated(self) -> bool:
@@ -368,6 +374,14 @@ class SimCluster:
         self.load_samples: dict[str, list[int]] = {iid: [] for iid in self.instances}
         self.waiting_samples: dict[str, list[int]] = {iid: [] for iid in self.instances}
         self.kv_use_samples: dict[str, list[float]] = {iid: [] for iid in self.instances}
+        self.retired: dict[str, SimInstance] = {}  # instances the autoscaler removed
+        self.autoscaler = (
+            None
+            if config.autoscale is None
+            else SimAutoscaler(
+                self, config.autoscale, config.autoscale_interval_s, config.instance_start_s
+            )
+        )
         self.admission: SimAdmission[tuple[Request, TraceRequest, float]] | None = None
         if config.admission is not None:
             self.admission = SimAdmission(
@@ -412,6 +426,9 @@ class SimCluster:
             self._periodic.append(
                 _Periodic(loop, self.config.migration_interval_s, self._migration_tick)
             )
+        if self.autoscaler is not None:  # it reads the router's ledger and queues: quiet
+            tick = _Periodic(loop, self.autoscaler.interval_s, self.autoscaler.tick, quiet=True)
+            tick.wake()  # (it never sleeps: an idle fleet is when it scales in)
         loop.run()
         self._deliver_events(before=(math.inf, 0))  # the run is over: every delivery is due
         return self.metrics
@@ -427,6 +444,40 @@ class SimCluster:
         self.adapter_slots = {
             iid: AdapterSlots(models.max_loras, models.lora_load_s) for iid in self.instances
         }
+
+    # -- fleet size (the autoscaler's) -------------------------------------------------------------
+    def add_instance(self, instance_id: str) -> None:
+        """A new, empty mixed instance (its load series start at 0 before it joined)."""
+        config = self.config.instance
+        self.instances[instance_id] = SimInstance(instance_id, config, self.latency, self)
+        self.state.add_instance(
+            instance_id,
+            has_kv_events=True,
+            trust_engine_hashes=True,
+            now=self.loop.now,
+            tier_load_ratio=tier_load_ratio(config, self.latency),
+        )
+        for series in (self.load_samples, self.waiting_samples, self.kv_use_samples):
+            series[instance_id] = [0] * len(self.load_times)
+
+    def idle_instance(self, instance_id: str) -> bool:
+        """Nothing runs, waits, migrates or pulls on it, and nothing is routed to it."""
+        inst = self.instances[instance_id]
+        return (
+            inst.idle
+            and not inst.scheduler.has_unfinished()
+            and not self.state.get(instance_id).inflight
+            and not self._pulls_into.get(instance_id)
+            and all(instance_id not in (m.order.src, m.order.dst) for m in self._migrating.values())
+        )
+
+    def remove_instance(self, instance_id: str) -> None:
+        """Take an idle instance out of the fleet (its cache goes with it)."""
+        self.state.remove_instance(instance_id)
+        self.retired[instance_id] = self.instances.pop(instance_id)
+
+    def has_requests_left(self) -> bool:
+        return self._remaining > 0
 
     def _done_one(self) -> None:
         self._remaining -= 1
@@ -804,8 +855,9 @@ class SimCluster:
             apply(due, instance_id, events)
 
     def _apply_events(self, due: float, instance_id: str, events: list[KVEvent]) -> None:
-        """One delivery, due at virtual time `due`."""
-        self.state.apply_kv_events(instance_id, events)
+        """One delivery, due at virtual time `due` (none for an instance removed meanwhile)."""
+        if instance_id in self.state:
+            self.state.apply_kv_events(instance_id, events)
 
     def _run_between_steps(self, instance: SimInstance, action: Callable[[], None]) -> None:
         """Run `action` when no step is in flight on `instance` (now if idle)."""
@@ -879,7 +931,8 @@ class SimCluster:
             self._deliver_report(instance_id, report, taken_at)
 
     def _deliver_report(self, instance_id: str, report: LoadReport, taken_at: float) -> None:
-        self.state.apply_report(instance_id, report, self.loop.now, taken_at)
+        if instance_id in self.state:  # (not one the autoscaler removed meanwhile)
+            self.state.apply_report(instance_id, report, self.loop.now, taken_at)
 
     def _sample_tick(self) -> bool:
         now = self.loop.now
@@ -890,6 +943,10 @@ class SimCluster:
             self.waiting_samples[iid].append(sched.num_waiting)
             free, _ = inst.pool_at(now)
             self.kv_use_samples[iid].append(1.0 - free / inst.block_manager.num_blocks)
+        for iid in self.retired:  # series stay as long as the run's
+            self.load_samples[iid].append(0)
+            self.waiting_samples[iid].append(0)
+            self.kv_use_samples[iid].append(0.0)
         return self._fleet_busy()
 
     # -- migration -------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from policies.registry import (
 )
 from scheduler.core.admission import AdmissionSettings
 from scheduler.core.admission_queue import QueueSettings
+from scheduler.core.autoscale import AutoscaleSettings
 from simulator.admission import AdmissionStats
 from simulator.cluster import ClusterConfig, MigrationStats, SimCluster
 from simulator.host_model import HostModel
@@ -72,6 +73,8 @@ class SimSettings:
     max_inflight_per_instance: int = 256
     prefix_pull: PullConfig | None = None  # cross-instance prefix pulls (None: off)
     models: FleetModels | None = None  # base models, adapter slots (a trace naming models)
+    autoscale: AutoscaleSettings | None = None  # the autoscaler; None: a fixed fleet
+    instance_start_s: float = 30.0  # an autoscaled instance's cold start
 
     def cluster_config(self) -> ClusterConfig:
         return ClusterConfig(
@@ -91,6 +94,8 @@ class SimSettings:
             max_inflight_per_instance=self.max_inflight_per_instance,
             prefix_pull=self.prefix_pull,
             models=self.models,
+            autoscale=self.autoscale,
+            instance_start_s=self.instance_start_s,
         )
 
     @property
@@ -179,6 +184,16 @@ def run_policy(
         summary.update(handoff_summary(cluster))
     if cluster.adapter_slots:
         summary.update(lora_summary(cluster))
+    scaler = cluster.autoscaler
+    if scaler is not None:
+        summary["instance_hours"] = scaler.instance_s / 3600.0
+        summary["scale_outs"] = sum(1 for e in scaler.events if e[1] == "out")
+        summary["scale_ins"] = sum(1 for e in scaler.events if e[1] == "in")
+        summary["instances_max"] = max([settings.num_instances, *(e[4] for e in scaler.events)])
+    else:
+        ends = metrics.columns()["last_token"]  # held from 0 to the last token, as scaled ones
+        held_s = float(np.nanmax(ends)) if len(ends) else 0.0
+        summary["instance_hours"] = settings.num_instances * held_s / 3600.0
     return SimResult(
         label=policy_spec,
         summary=summary,
@@ -190,7 +205,9 @@ def run_policy(
         refused_arrivals=list(metrics.refused_arrivals),
         migration=stats,
         wall_s=wall,
-        num_steps=sum(inst.num_steps for inst in cluster.instances.values()),
+        num_steps=sum(
+            inst.num_steps for inst in [*cluster.instances.values(), *cluster.retired.values()]
+        ),
     )
 
 

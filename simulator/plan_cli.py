@@ -82,6 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(`kvherd profile --url` of a running vLLM writes one)",
     )
     sim.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate")
+    sim.add_argument(
+        "--diurnal", default=None, metavar="PERIOD:TROUGH", help="a daily shape, as for `kvherd sim`"
+    )
     sim.add_argument("--max-requests", type=int, default=None, help="first K requests only")
     sim.add_argument("--seed", type=int, default=0, help="seed for the policies")
     runs = parser.add_argument_group("where the simulations run")
@@ -174,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     from simulator.plan import search
     from simulator.plan_run import evaluator
     from simulator.synthetic import generate, parse_spec
-    from simulator.traces import TraceError, head, load_trace, scale_rate
+    from simulator.traces import TraceError, diurnal, head, load_trace, parse_diurnal, scale_rate
 
     if args.workers < 1:
         return _fail("--workers must be at least 1")
@@ -194,6 +197,8 @@ def run(args: argparse.Namespace) -> int:
         if args.max_requests is not None:
             trace = head(trace, args.max_requests)
         trace = scale_rate(trace, args.rate_scale)
+        if args.diurnal:
+            trace = diurnal(trace, *parse_diurnal(args.diurnal))
     except (ValueError, LatencyModelError, PolicyLoadError, TraceError) as exc:
         return _fail(str(exc))
     kv_tokens = args.kv_tokens or latency.kv_capacity_tokens

@@ -70,6 +70,13 @@ _LORA_ROWS = (
     ("lora_slot_waits", "requests waiting for an adapter slot", "{:.0f}"),
 )
 
+_SCALE_ROWS = (
+    ("instance_hours", "instance-hours held", "{:.2f}"),
+    ("instances_max", "instances at most", "{:.0f}"),
+    ("scale_outs", "scale-outs", "{:.0f}"),
+    ("scale_ins", "scale-ins", "{:.0f}"),
+)
+
 _ADMISSION_ROWS = (
     ("refused", "refused (429)", "{:.0f}"),
     ("refused_queue_wait", "refused: expected wait", "{:.0f}"),
@@ -105,7 +112,7 @@ def markdown_table(results: Mapping[str, Mapping[str, Any]]) -> str:
     ]
     rows = metric_rows()
     # Shown when some run has them.
-    for extra in (_ADMISSION_ROWS, _PD_ROWS, _PULL_ROWS, _LORA_ROWS):
+    for extra in (_SCALE_ROWS, _ADMISSION_ROWS, _PD_ROWS, _PULL_ROWS, _LORA_ROWS):
         rows.extend(row for row in extra if any(row[0] in r for r in results.values()))
     for key, label, fmt in rows:
         cells = [_fmt(results[name].get(key), fmt) for name in labels]

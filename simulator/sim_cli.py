@@ -70,6 +70,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="only requests arriving in [START, END) seconds (either side may be empty)",
     )
     parser.add_argument("--sample", type=float, default=None, help="keep this fraction (0-1]")
+    parser.add_argument(
+        "--diurnal",
+        default=None,
+        metavar="PERIOD:TROUGH",
+        help="warp arrivals to a daily shape: PERIOD seconds a day, the night's rate TROUGH of "
+        "the peak (0-1]; same requests, same span",
+    )
     parser.add_argument("--slo-ttft", type=float, default=None, metavar="MS", help="TTFT SLO (ms)")
     parser.add_argument("--slo-tpot", type=float, default=None, metavar="MS", help="TPOT SLO (ms)")
     parser.add_argument("--seed", type=int, default=0, help="seed for policies and sampling")
@@ -99,6 +106,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         help="serving-loop cost added to every step (default 0)",
+    )
+    scaling = parser.add_argument_group(
+        "autoscaling (scheduler/core/autoscale.py, as kvherd up --autoscale)"
+    )
+    scaling.add_argument(
+        "--autoscale",
+        default=None,
+        metavar="MIN:MAX",
+        help="grow and shrink the mixed instances by load (--instances: how many at the start, "
+        "default MIN); 'instance-hours held' is the cost",
+    )
+    scaling.add_argument(
+        "--autoscale-slots",
+        type=int,
+        default=None,
+        help="requests one instance serves at the target (default: --max-num-seqs)",
+    )
+    scaling.add_argument(
+        "--instance-start", type=float, default=30.0, help="an added instance's cold start (s)"
     )
     fleet = parser.add_argument_group("router and migration")
     fleet.add_argument("--report-interval-ms", type=float, default=100.0, help="load report period")
@@ -350,7 +376,16 @@ def run(args: argparse.Namespace) -> int:
     from simulator.latency import LatencyModelError, load_latency_model
     from simulator.latency.calibrated import CalibratedModel
     from simulator.synthetic import generate, parse_spec
-    from simulator.traces import TraceError, head, load_trace, sample, scale_rate, time_window
+    from simulator.traces import (
+        TraceError,
+        diurnal,
+        head,
+        load_trace,
+        parse_diurnal,
+        sample,
+        scale_rate,
+        time_window,
+    )
 
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     if not policies:
@@ -360,6 +395,17 @@ def run(args: argparse.Namespace) -> int:
     if min(args.prefill_instances, args.decode_instances) < 0:
         return _fail("--prefill-instances and --decode-instances must be non-negative")
     disaggregated = bool(args.prefill_instances or args.decode_instances)
+    scale_range = None
+    if args.autoscale is not None:
+        try:
+            low, high = (int(x) for x in args.autoscale.split(":"))
+        except ValueError:
+            return _fail(f"--autoscale must be MIN:MAX, got {args.autoscale!r}")
+        if disaggregated:
+            return _fail("--autoscale grows mixed instances only (no P/D)")
+        scale_range = (low, high)
+        if args.instances is None:
+            args.instances = low
     if args.instances is None:
         args.instances = 0 if disaggregated else 4
     if args.instances < 0 or args.instances + args.prefill_instances + args.decode_instances < 1:
@@ -396,6 +442,8 @@ def run(args: argparse.Namespace) -> int:
         if args.max_requests is not None:
             trace = head(trace, args.max_requests)
         trace = scale_rate(trace, args.rate_scale)
+        if args.diurnal:
+            trace = diurnal(trace, *parse_diurnal(args.diurnal))
     except TraceError as exc:
         return _fail(str(exc))
     except ValueError as exc:
@@ -448,6 +496,18 @@ def run(args: argparse.Namespace) -> int:
             )
         except ValueError as exc:
             return _fail(str(exc))
+    if scale_range is not None:
+        from scheduler.core.autoscale import AutoscaleSettings
+
+        try:
+            settings.autoscale = AutoscaleSettings(
+                *scale_range, slots=args.autoscale_slots or instance.max_num_seqs
+            )
+        except ValueError as exc:
+            return _fail(f"--autoscale: {exc}")
+        if not args.instance_start >= 0:
+            return _fail("--instance-start must be a non-negative number")
+        settings.instance_start_s = args.instance_start
     if args.admission:
         (
             settings.admission,

@@ -14,7 +14,9 @@ Contract:
 
 from __future__ import annotations
 
+import bisect
 import csv
+import itertools
 import json
 import math
 import random
@@ -397,6 +399,46 @@ def time_window(trace: Trace, start_s: float, end_s: float | None) -> Trace:
         if r.arrival_s >= start_s and (end_s is None or r.arrival_s < end_s)
     ]
     return replace(trace, requests=rows)
+
+
+def diurnal(trace: Trace, period_s: float, trough: float) -> Trace:
+    """The same requests in the same order over the same span, arrival times warped so that the
+    rate follows a day: `trough` of the peak at the start of each `period_s`, the peak halfway
+    (rate(t) proportional to trough + (1 - trough) * (1 - cos(2 pi t / period_s)) / 2)."""
+    if not period_s > 0 or not 0 < trough <= 1:
+        raise ValueError(f"diurnal needs period > 0 and 0 < trough <= 1, got {period_s}, {trough}")
+    if len(trace.requests) < 2:
+        return trace
+    first = min(r.arrival_s for r in trace.requests)
+    span = max(r.arrival_s for r in trace.requests) - first
+    if span <= 0:
+        return trace
+    grid = [span * k / 4096 for k in range(4097)]
+    shape = [trough + (1 - trough) * (1 - math.cos(2 * math.pi * t / period_s)) / 2 for t in grid]
+    cumulative = [0.0]
+    for a, b in itertools.pairwise(shape):
+        cumulative.append(cumulative[-1] + (a + b) / 2)
+    scale = span / cumulative[-1]
+    cumulative = [c * scale for c in cumulative]  # the warped clock's time, on the trace's span
+
+    def warp(t: float) -> float:  # invert the cumulative rate by linear interpolation
+        k = bisect.bisect_left(cumulative, t)
+        if k == 0:
+            return grid[0]
+        low, high = cumulative[k - 1], cumulative[min(k, len(grid) - 1)]
+        share = 0.0 if high == low else (t - low) / (high - low)
+        return grid[k - 1] + share * (grid[min(k, len(grid) - 1)] - grid[k - 1])
+
+    rows = [replace(r, arrival_s=first + warp(r.arrival_s - first)) for r in trace.requests]
+    return replace(trace, requests=rows)
+
+
+def parse_diurnal(text: str) -> tuple[float, float]:
+    """``--diurnal PERIOD:TROUGH`` -> (period_s, trough); ValueError otherwise."""
+    period, sep, trough = text.partition(":")
+    if not sep:
+        raise ValueError(f"--diurnal must be PERIOD:TROUGH, got {text!r}")
+    return float(period), float(trough)
 
 
 def sample(trace: Trace, fraction: float, seed: int) -> Trace:

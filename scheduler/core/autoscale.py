@@ -10,16 +10,19 @@ Contract:
 - Out, by ``needed - present`` (at most ``max_step``): when needed exceeds present, or when
   requests have queued on the engines (``queued`` > 0) for ``window_s`` while in flight exceeds
   what the present instances take at the target; ``scale_out_cooldown_s`` after any change.
-- In, one instance at a time: when needed stayed below present for ``scale_in_delay_s``, and
-  ``scale_in_cooldown_s`` after any change. Below min or above max is corrected at once.
+- In, one instance at a time: when needed stayed below present for ``scale_in_delay_s``, with
+  no instance still starting, and ``scale_in_cooldown_s`` after any change. Below min or above
+  max is corrected at once.
 - `scale_in_victim(candidates)`: whose removal loses least: fewest blocks that no other instance
-  holds, then fewest requests in flight, then the last in order (the newest).
+  holds, then fewest requests in flight, then the last in order (the newest); `candidates(held,
+  inflight)` builds them from each instance's cached blocks.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -51,6 +54,7 @@ class FleetLoad:
     present: int  # instances serving or starting (not those being removed)
     inflight: int  # requests in flight over the fleet
     queued: int = 0  # requests the engines report waiting for room
+    starting: int = 0  # of `present`, those not serving yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +114,7 @@ class Autoscaler:
         queued_long = self._queued_since is not None and now - self._queued_since >= s.window_s
         if queued_long and present < s.max_instances and cooled_out:
             return ScaleOut(1, "queue")
-        if self.needed >= present:
+        if self.needed >= present or load.starting:  # (never in while the fleet is still growing)
             self._below_since = None
             return None
         if self._below_since is None:
@@ -127,6 +131,20 @@ class Autoscaler:
             weight = 1.0 - math.exp(-max(0.0, now - self._last_tick) / self.settings.window_s)
             self.demand += (inflight - self.demand) * weight
         self._last_tick = now
+
+
+def candidates(
+    held: Mapping[str, Collection[int]], inflight: Mapping[str, int]
+) -> list[Candidate]:
+    """A `Candidate` per instance of `held` (its cached blocks): the blocks no other instance of
+    `held` holds, and its requests in flight."""
+    holders: Counter[int] = Counter()
+    for blocks in held.values():
+        holders.update(blocks)
+    return [
+        Candidate(i, sum(holders[b] == 1 for b in blocks), inflight.get(i, 0))
+        for i, blocks in held.items()
+    ]
 
 
 def scale_in_victim(candidates: Sequence[Candidate]) -> str | None:
