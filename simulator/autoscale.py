@@ -15,7 +15,7 @@ Contract:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from scheduler.core.autoscale import (
     Autoscaler,
@@ -27,16 +27,28 @@ from scheduler.core.autoscale import (
     candidates,
     scale_in_victim,
 )
+from scheduler.core.cluster_state import ClusterState
+from simulator.loop import EventLoop
 
-if TYPE_CHECKING:
-    from simulator.cluster import SimCluster
+
+class ScaledFleet(Protocol):
+    """What the autoscaler needs of a `simulator.cluster.SimCluster` (no import circle)."""
+
+    instances: dict[str, Any]
+    state: ClusterState
+    loop: EventLoop
+
+    def add_instance(self, instance_id: str) -> None: ...
+    def idle_instance(self, instance_id: str) -> bool: ...
+    def remove_instance(self, instance_id: str) -> None: ...
+    def has_requests_left(self) -> bool: ...
 
 ScaleEvent = tuple[float, str, str, str, int]  # time, "out"/"in", reason, instance, instances
 
 
 class SimAutoscaler:
     def __init__(
-        self, cluster: SimCluster, settings: AutoscaleSettings, interval_s: float, start_s: float
+        self, cluster: ScaledFleet, settings: AutoscaleSettings, interval_s: float, start_s: float
     ) -> None:
         self.cluster = cluster
         self.core = Autoscaler(settings)
