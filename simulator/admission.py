@@ -1,9 +1,9 @@
 """The proxy's admission on the simulator's clock: the same core objects, their refusals counted.
 
 Contract:
-- `SimAdmission` drives `scheduler.core.admission.Admission` (expected wait), `AdmissionQueue` and
-  `InflightLedger` and `TenantShares` as `scheduler.proxy.admission_gate` does on the proxy's
-  clock: `check(now, views, request_id, tenant, priority, tokens)` at every arrival (the 429
+- `SimAdmission` drives `scheduler.core.admission_control.AdmissionControl` (expected wait, queue,
+  fair share) over its own `InflightLedger`, as `scheduler.proxy.admission_gate` does on the
+  proxy's clock: `check(now, views, request_id, tenant, priority, tokens)` at every arrival (the 429
   code, ``queue_wait``, or None to admit; the wait ahead by class and fair share, weights from
   `tenant_weights`; first the tenant's `tenant_limits`, `scheduler.core.rate_limit`:
   ``rate_limit_requests`` / ``rate_limit_tokens``, `tokens` its prompt and output, known here so
@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from policies.views import InstanceView
-from scheduler.core.admission import Admission, AdmissionSettings, fleet_queue
-from scheduler.core.admission_queue import AdmissionQueue, QueueSettings
-from scheduler.core.fair_share import TenantShares
+from scheduler.core.admission import AdmissionSettings, Refusal, fleet_queue
+from scheduler.core.admission_control import AdmissionControl
+from scheduler.core.admission_queue import QueueSettings
 from scheduler.core.inflight import InflightLedger
 from scheduler.core.rate_limit import RateLimiter, RateLimits
 
@@ -59,14 +59,12 @@ class SimAdmission(Generic[T]):
         def weight(tenant: str | None) -> float:
             return 1.0 if tenant is None else weights.get(tenant, 1.0)
 
-        self.rule = Admission(settings)
-        self.queue: AdmissionQueue[T] = AdmissionQueue(queue, weight)
-        self.shares = TenantShares(weight)
+        self.ledger = InflightLedger(max_inflight_per_instance)
+        self.control: AdmissionControl[T] = AdmissionControl(settings, queue, self.ledger, weight)
         self.limiter = RateLimiter()
         for name, limits in (tenant_limits or {}).items():
             self.limiter.set_limits(0.0, name, limits)
         self._tenant_of: dict[str, str | None] = {}  # admitted requests, until `ended`
-        self.ledger = InflightLedger(max_inflight_per_instance)
         self.stats = AdmissionStats()
         self._joined: dict[T, tuple[float, str | None]] = {}  # when, and whose
 
@@ -97,11 +95,8 @@ class SimAdmission(Generic[T]):
                 return code
         views = list(views)
         queued, free = fleet_queue(views, self.ledger.saturated)
-        self.rule.observe(now, self.ledger.completed, len(self.queue) + queued)
-        ahead = self.queue.ahead(tenant, priority) + queued
-        startable = free > 0 and self.may_start(tenant, len(views))
-        if self.shares.within_share(tenant) or self.rule.refusal(ahead, startable) is None:
-            self.shares.admitted(tenant)
+        decision = self.control.decide(now, queued, free, tenant, priority, len(views))
+        if not isinstance(decision, Refusal):
             self._tenant_of[request_id] = tenant
             return None
         if limited:
@@ -111,7 +106,7 @@ class SimAdmission(Generic[T]):
         return "queue_wait"
 
     def wait(self, now: float, item: T, tenant: str | None = None, priority: int = 0) -> bool:
-        if not self.queue.join(now, item, tenant, priority):
+        if not self.control.join(now, item, tenant, priority):
             self.stats.refuse("queue_full", tenant)
             return False
         self._joined[item] = (now, tenant)
@@ -119,17 +114,17 @@ class SimAdmission(Generic[T]):
         return True
 
     def deadline(self, item: T) -> float:
-        return self.queue.deadline(item)
+        return self.control.deadline(item)
 
     def freed(self, now: float) -> T | None:
         """The next to go (`AdmissionQueue.wake`), when a request finished and its room came free."""
-        item = self.queue.wake(now)
+        item = self.control.wake(now)
         if item is not None:
             self.stats.queue_waits_s.append(now - self._joined.pop(item)[0])
         return item
 
     def expire(self, now: float) -> list[T]:
-        gone = self.queue.expire(now)
+        gone = self.control.expire(now)
         for item in gone:
             joined, tenant = self._joined.pop(item)
             self.stats.refuse("queue_timeout", tenant)
@@ -138,13 +133,12 @@ class SimAdmission(Generic[T]):
 
     def may_start(self, tenant: str | None, instances: int) -> bool:
         """Whether `tenant` may take a free in-flight slot now (`TenantShares.may_start`)."""
-        slots = self.ledger.cap * instances
-        return self.shares.may_start(tenant, slots - self.ledger.total, slots)
+        return self.control.may_start(tenant, instances)
 
     def ended(self, request_id: str) -> None:
         """An admitted request is done (served, or refused from the queue); else a no-op."""
         if request_id in self._tenant_of:
-            self.shares.finished(self._tenant_of.pop(request_id))
+            self.control.finished(self._tenant_of.pop(request_id))
 
     def dispatched(self, instance_id: str, request_id: str) -> None:
         self.ledger.attach(instance_id, request_id)

@@ -27,9 +27,9 @@ import time
 from collections.abc import Callable, Collection
 
 from kvherd.wire import OpenAIError
-from scheduler.core.admission import Admission, AdmissionSettings, fleet_queue
-from scheduler.core.admission_queue import AdmissionQueue, QueueSettings
-from scheduler.core.fair_share import TenantShares
+from scheduler.core.admission import AdmissionSettings, Refusal, fleet_queue
+from scheduler.core.admission_control import AdmissionControl
+from scheduler.core.admission_queue import QueueSettings
 from scheduler.fleet import Fleet, FleetInstance, NoCapacityError
 from scheduler.proxy.metrics import ProxyMetrics
 
@@ -64,24 +64,26 @@ class AdmissionGate:
     ) -> None:
         self.fleet = fleet
         self.metrics = metrics
-        self.rule = Admission(settings)
-        self.queue: AdmissionQueue[asyncio.Future[None]] = AdmissionQueue(queue, weight)
-        self.shares = TenantShares(weight)
+        self.control: AdmissionControl[asyncio.Future[None]] = AdmissionControl(
+            settings, queue, fleet.inflight, weight
+        )
+        self.queue = self.control.queue
         self._queued = 0  # requests the instances queue, as of `_seen_at`
         self._free = 0.0  # batch slots free for new requests since then (math.inf: unbounded)
         self._seen_at = -1.0
 
     def capacity_freed(self) -> None:
         now = time.monotonic()
-        while (waiter := self.queue.wake(now)) is not None:
+        while (waiter := self.control.wake(now)) is not None:
             if not waiter.done():
                 waiter.set_result(None)
                 break
-        self._observe(now)
+        self._read(now)
+        self.control.observe(now, self._queued)
 
     def instance_lost(self) -> None:
         """Its requests fail over onto the others: a burst, allowed the full wait."""
-        self.rule.capacity_lost(time.monotonic())
+        self.control.capacity_lost(time.monotonic())
         self._seen_at = -1.0  # read the survivors afresh
 
     def _read(self, now: float) -> None:
@@ -93,36 +95,28 @@ class AdmissionGate:
         queued, free = fleet_queue(views, self.fleet.inflight.saturated)
         self._queued, self._free, self._seen_at = queued, free, now
 
-    def _observe(self, now: float) -> int:
-        self._read(now)
-        ahead = len(self.queue) + self._queued
-        self.rule.observe(now, self.fleet.inflight.completed, ahead)
-        return ahead
-
     def check(self, tenant: str | None = None, priority: int = 0) -> None:
         """Refuse a new request that would wait longer than the fleet allows (429)."""
-        self._observe(time.monotonic())
-        inflight = self.fleet.inflight
-        slots = inflight.cap * len(self.fleet.instances)
-        startable = self._free > 0 and self.shares.may_start(tenant, slots - inflight.total, slots)
-        ahead = self.queue.ahead(tenant, priority) + self._queued
-        refused = None if self.shares.within_share(tenant) else self.rule.refusal(ahead, startable)
-        if refused is None:
-            if startable:
+        now = time.monotonic()
+        self._read(now)
+        decision = self.control.decide(
+            now, self._queued, self._free, tenant, priority, len(self.fleet.instances)
+        )
+        if not isinstance(decision, Refusal):
+            if decision.startable:
                 self._free -= 1
-            self.shares.admitted(tenant)
             return
         self.metrics.rejected("queue_wait")
         raise Refused(
             f"the fleet is overloaded: a request would wait about "
-            f"{refused.expected_wait_s:.1f}s to start (at most {refused.limit_s:g}s allowed)",
+            f"{decision.expected_wait_s:.1f}s to start (at most {decision.limit_s:g}s allowed)",
             "queue_wait",
-            refused.retry_after_s,
+            decision.retry_after_s,
         )
 
     def finished(self, tenant: str | None) -> None:
         """A request `check` let in has ended (served, refused later or failed)."""
-        self.shares.finished(tenant)
+        self.control.finished(tenant)
 
     async def dispatch(
         self,
@@ -142,10 +136,8 @@ class AdmissionGate:
         waiting in the queue while every instance is saturated; None when nothing dispatchable
         is left."""
         deadline: float | None = None
-        inflight = self.fleet.inflight
         while True:
-            slots = inflight.cap * len(self.fleet.instances)
-            if self.shares.may_start(tenant, slots - inflight.total, slots):
+            if self.control.may_start(tenant, len(self.fleet.instances)):
                 try:
                     instance, matched = self.fleet.dispatch(
                         key, num_tokens, block_hashes,
@@ -161,7 +153,7 @@ class AdmissionGate:
             waiter: asyncio.Future[None] = loop.create_future()
             now = time.monotonic()
             since = None if deadline is None else deadline - self.queue.settings.timeout_s
-            if not self.queue.join(now, waiter, tenant, priority, since):
+            if not self.control.join(now, waiter, tenant, priority, since):
                 self.metrics.rejected("queue_full")
                 raise Refused(
                     "every instance is saturated and the admission queue is full",
@@ -169,7 +161,7 @@ class AdmissionGate:
                     self._retry_after(),
                 )
             if deadline is None:
-                deadline = self.queue.deadline(waiter)
+                deadline = self.control.deadline(waiter)
             self.metrics.queue_depth.set(len(self.queue))
             try:
                 async with asyncio.timeout(max(0.0, deadline - now)):
@@ -182,13 +174,11 @@ class AdmissionGate:
                     self._retry_after(),
                 ) from None
             finally:
-                self.queue.leave(waiter)
+                self.control.leave(waiter)
                 self.metrics.queue_depth.set(len(self.queue))
 
     def _retry_after(self) -> int:
         """Whole seconds until the queue ahead is expected to have drained (at least 1)."""
-        wait = self.rule.expected_wait(self._observe(time.monotonic()))
-        cap = self.rule.settings.max_retry_after_s
-        if wait is None or wait < 1:
-            return 1
-        return cap if wait >= cap else int(wait) + 1
+        now = time.monotonic()
+        self._read(now)
+        return self.control.retry_after(now, self._queued)
