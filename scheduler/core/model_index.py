@@ -4,7 +4,8 @@ Contract:
 - Pure, no clock. `set_models(instance_id, cards)` records what an instance serves, as the model
   cards of its ``/v1/models`` (vLLM: ``id``, ``parent`` = the base model of a LoRA adapter, None for
   a base model; kvherd agents: their model); None means "not known" (the instance did not describe
-  itself): it may be sent any model. Returns whether anything changed. `remove_instance` forgets one.
+  itself): it may be sent any model. Returns whether anything changed (``created`` aside: vLLM
+  stamps it with the time of every listing). `remove_instance` forgets one.
 - `route(model)` is the request path's one dict lookup: None when every instance may take the
   model (a one-model fleet, or no `model` in the request), else the frozenset of instances that
   serve it (plus those whose models are unknown); `UnknownModelError` when none may. The answers
@@ -19,6 +20,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 ModelCard = Mapping[str, Any]
+
+
+def _listed(cards: Sequence[ModelCard] | None) -> list[dict[str, Any]] | None:
+    """What a model list says, without its listing time."""
+    if cards is None:
+        return None
+    return [{k: v for k, v in card.items() if k != "created"} for card in cards]
 
 
 class UnknownModelError(KeyError):
@@ -37,7 +45,7 @@ class ModelIndex:
 
     def set_models(self, instance_id: str, cards: Sequence[ModelCard] | None) -> bool:
         new = None if cards is None else tuple(cards)
-        if instance_id in self._cards and self._cards[instance_id] == new:
+        if instance_id in self._cards and _listed(self._cards[instance_id]) == _listed(new):
             return False
         self._cards[instance_id] = new
         self._rebuild()

@@ -45,6 +45,8 @@ def test_index_routes_each_model_to_its_instances_and_rebuilds_on_change() -> No
     assert index.set_models("a", [card("tiny"), card("A", "tiny"), card("B", "tiny")])
     assert index.set_models("b", [card("tiny"), card("C", "tiny")])
     assert not index.set_models("b", [card("tiny"), card("C", "tiny")])  # a steady poll
+    restamped = [{**card("tiny"), "created": 2}, {**card("C", "tiny"), "created": 2}]
+    assert not index.set_models("b", restamped)  # vLLM stamps every listing with its time
     assert index.route("tiny") is None  # every instance: no restriction
     assert index.route(None) is None
     assert index.route("A") == index.route("B") == frozenset({"a"})
