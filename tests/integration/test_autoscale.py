@@ -16,62 +16,17 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 
 import httpx
 import pytest
 from agent_process import free_port
+from step_load import StepLoad, until
 from test_up import _wait_ready
 
 pytestmark = pytest.mark.timeout(420)
 
 TOKEN = "autoscale-admin-token"
 PROMPTS = [f"Tell me about autoscaling, part {i}." for i in range(4)]
-
-
-class Load:
-    """`threads` clients, each sending greedy requests back to back until told to stop."""
-
-    def __init__(self, base: str, threads: int) -> None:
-        self.base = base
-        self.stop = threading.Event()
-        self.answers: list[tuple[str, int, str, str]] = []  # prompt, status, text, instance
-        self._lock = threading.Lock()
-        self._threads = [
-            threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(threads)
-        ]
-        for t in self._threads:
-            t.start()
-
-    def _client(self, index: int) -> None:
-        with httpx.Client(timeout=120) as client:
-            n = 0
-            while not self.stop.is_set():
-                prompt = PROMPTS[(index + n) % len(PROMPTS)]
-                n += 1
-                body = {"prompt": prompt, "max_tokens": 96, "temperature": 0.0}
-                try:
-                    r = client.post(f"{self.base}/v1/completions", json=body)
-                    text = r.json()["choices"][0]["text"] if r.status_code == 200 else r.text
-                    instance = r.headers.get("x-kvherd-instance", "")
-                    status = r.status_code
-                except httpx.HTTPError as exc:
-                    status, text, instance = 0, repr(exc), ""
-                with self._lock:
-                    self.answers.append((prompt, status, text, instance))
-
-    def join(self) -> None:
-        self.stop.set()
-        for t in self._threads:
-            t.join(timeout=150)
-
-
-def _until(check: Callable[[], bool], timeout: float, what: str, log: Callable[[], str]) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} within {timeout} s\n{log()}")
-        time.sleep(0.25)
 
 
 def test_a_load_step_scales_the_fleet_out_and_back_in_without_a_failed_request() -> None:
@@ -110,12 +65,12 @@ def test_a_load_step_scales_the_fleet_out_and_back_in_without_a_failed_request()
         reader.start()
         assert serving() == ["agent-0"]
 
-        step = Load(base, threads=8)
-        _until(lambda: len(serving()) == 3, 180, "3 agents serving under the step", log)
+        step = StepLoad(base, 8, PROMPTS, 96)
+        until(lambda: len(serving()) == 3, 180, "3 agents serving under the step", log)
         time.sleep(2.0)  # the step keeps running on the grown fleet
         step.join()
-        trickle = Load(base, threads=1)  # one stream: one agent's worth of load
-        _until(lambda: len(serving()) == 1, 120, "back to 1 agent after the step", log)
+        trickle = StepLoad(base, 1, PROMPTS, 96)  # one stream: one agent's worth of load
+        until(lambda: len(serving()) == 1, 120, "back to 1 agent after the step", log)
         time.sleep(1.0)
         trickle.join()
 
