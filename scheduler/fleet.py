@@ -103,8 +103,8 @@ from scheduler.core.ttft_model import TERMS
 from scheduler.fleet_health import FleetHealth
 from scheduler.kv_subscriber import KVEventSubscriber
 from scheduler.load_poller import LoadPoller
+from scheduler.metrics import ProxyMetrics
 from scheduler.model_poller import ModelPoller
-from scheduler.proxy.metrics import ProxyMetrics
 
 if TYPE_CHECKING:
     from scheduler.migration_driver import MigrationDriver

@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 from scheduler.core.cluster_state import ClusterState
 from scheduler.core.outliers import Health, OutlierDetector
+from scheduler.metrics import ProxyMetrics
 from scheduler.prober import ActiveProber
-from scheduler.proxy.metrics import ProxyMetrics
 
 log = logging.getLogger("kvherd.fleet")
 

@@ -15,7 +15,7 @@ Contract:
 - Instances are read from `targets()` at every round, so registration and removal need no calls here.
   Polls of one round run concurrently, each bounded by `timeout_s`, and send `headers` (the fleet
   token: the state route is a control route).
-- Polls go over a keep-alive `scheduler.proxy.forwarding.UpstreamPool` of their own, not httpx: a
+- Polls go over a keep-alive `scheduler.forwarding.UpstreamPool` of their own, not httpx: a
   vLLM /metrics page (~50 KB) costs about 1.5 ms of CPU through httpx and 0.3 ms through the pool,
   on the cores the engines need (issue 35).
 """
@@ -34,8 +34,8 @@ from scheduler.core.load_report import (
     parse_agent_state,
     parse_prometheus,
 )
+from scheduler.forwarding import UpstreamError, UpstreamPool, UpstreamTimeout
 from scheduler.periodic import PeriodicTask
-from scheduler.proxy.forwarding import UpstreamError, UpstreamPool, UpstreamTimeout
 
 log = logging.getLogger("kvherd.load")
 

@@ -7,7 +7,7 @@ Contract:
   lucky request. A draining agent (503 ``{"status": "draining"}``) passes: it is alive and still
   serving, or handing over, its open requests; ejecting it would fail them over mid-migration.
 - A probe's timeout, like the request path's deadlines, does not count the time the proxy's own
-  event loop was late (`lag_owed(since)`: `scheduler.proxy.loop_lag.LoopLag.owed`, given by
+  event loop was late (`lag_owed(since)`: `scheduler.loop_lag.LoopLag.owed`, given by
   ``kvherd serve``): the probe waits on for as long as the loop owed, and one still unanswered after
   ``max_extension`` times its timeout of the loop's lag is inconclusive (neither failure nor
   success), so a saturated proxy never ejects a healthy instance by its probes.

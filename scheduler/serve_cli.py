@@ -609,10 +609,10 @@ async def serve_fleet(
     from scheduler.core.door import DoorSettings
     from scheduler.core.tenancy import SALT_SECRET_ENV, build_registry
     from scheduler.fleet import Fleet, FleetError, FleetSettings
+    from scheduler.loop_lag import LoopLag
+    from scheduler.metrics import ProxyMetrics
     from scheduler.proxy.admin import LOOPBACK_PATTERNS, RegistrationPolicy, build_admin_app
-    from scheduler.proxy.loop_lag import LoopLag
     from scheduler.proxy.lora_loader import LoraLoader, parse_lora_module
-    from scheduler.proxy.metrics import ProxyMetrics
     from scheduler.proxy.model_tokenizers import ModelTokenizers, parse_tokenizer_specs
     from scheduler.proxy.proxy import Proxy, ProxyConfig, build_front
 

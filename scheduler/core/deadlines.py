@@ -9,7 +9,7 @@ Contract:
 - `first_byte(id, queued)` = ``slack`` x step time x (1 + `queued`, the requests ahead of it there),
   clamped to ``[first_byte_floor_s, first_byte_cap_s]``.
 - A deadline that passes is evidence the instance is hung (the proxy continues or retries the
-  request elsewhere); the proxy's own loop lag is never counted (`scheduler.proxy.loop_lag`).
+  request elsewhere); the proxy's own loop lag is never counted (`scheduler.loop_lag`).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from scheduler.core.admission import AdmissionSettings, Refusal, fleet_queue
 from scheduler.core.admission_control import AdmissionControl
 from scheduler.core.admission_queue import QueueSettings
 from scheduler.fleet import Fleet, FleetInstance, NoCapacityError
-from scheduler.proxy.metrics import ProxyMetrics
+from scheduler.metrics import ProxyMetrics
 
 # How long the instances' figures are reused: they change by load reports, far more slowly
 # than requests arrive.

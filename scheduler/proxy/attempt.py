@@ -22,13 +22,13 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from scheduler.proxy.forwarding import (
+from scheduler.forwarding import (
     UpstreamConnectTimeout,
     UpstreamError,
     UpstreamPool,
     UpstreamResponse,
 )
-from scheduler.proxy.loop_lag import LoopLag
+from scheduler.loop_lag import LoopLag
 
 if TYPE_CHECKING:
     from scheduler.fleet import Fleet, FleetInstance

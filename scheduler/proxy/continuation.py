@@ -48,7 +48,7 @@ from typing import Any
 import orjson
 
 from kvherd import wire
-from scheduler.proxy.forwarding import UpstreamError
+from scheduler.forwarding import UpstreamError
 
 _LEDGER = re.compile(rb"^" + re.escape(wire.LEDGER_PREFIX) + rb"[^\n]*\n", re.MULTILINE)
 # How vLLM's token id lists start (``"token_ids":[`` and ``"prompt_token_ids":[``). A quote

@@ -22,8 +22,8 @@ import orjson
 from kvherd.wire import OpenAIError
 from scheduler.core.door import Door, DoorSettings, Key, Shed
 from scheduler.core.tenancy import TenantRegistry
+from scheduler.metrics import ProxyMetrics
 from scheduler.proxy.admission_gate import AdmissionGate, Refused
-from scheduler.proxy.metrics import ProxyMetrics
 from scheduler.proxy.routed_request import parse_priority_header, resolve_priority
 
 ADMISSION_CODES = frozenset({"queue_wait", "queue_full", "queue_timeout"})

@@ -34,7 +34,7 @@ import httpx
 from kvherd.wire import OpenAIError
 from scheduler.core.model_index import UnknownModelError
 from scheduler.fleet import Fleet, NoCapacityError
-from scheduler.proxy.metrics import ProxyMetrics
+from scheduler.metrics import ProxyMetrics
 from scheduler.proxy.routed_request import RoutedRequest
 
 log = logging.getLogger("kvherd.lora")

@@ -36,8 +36,8 @@ import orjson
 
 from kvherd import wire
 from scheduler.fleet import Fleet
-from scheduler.proxy.forwarding import UpstreamError, UpstreamResponse
-from scheduler.proxy.metrics import ProxyMetrics
+from scheduler.forwarding import UpstreamError, UpstreamResponse
+from scheduler.metrics import ProxyMetrics
 
 HANDOFF_HEADER = b"x-kvherd-handoff"
 _LINE = wire.LEDGER_PREFIX + b'{"handoff":'

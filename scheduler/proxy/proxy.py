@@ -42,17 +42,17 @@ from scheduler.core.deadlines import Deadlines, DeadlineSettings
 from scheduler.core.door import DoorSettings
 from scheduler.core.tenancy import Tenant, TenantRegistry
 from scheduler.fleet import Fleet, FleetInstance
+from scheduler.forwarding import UpstreamError, UpstreamPool, UpstreamTimeout
+from scheduler.loop_lag import LoopLag
+from scheduler.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from scheduler.metrics import ProxyMetrics
 from scheduler.proxy import pd
 from scheduler.proxy.admission_gate import AdmissionGate, Refused
 from scheduler.proxy.attempt import Attempt, Upstream, UpstreamStatus
 from scheduler.proxy.continuation import Continued, with_token_ids
 from scheduler.proxy.door_gate import DoorGate
-from scheduler.proxy.forwarding import UpstreamError, UpstreamPool, UpstreamTimeout
 from scheduler.proxy.http_front import Exchange, FrontServer
-from scheduler.proxy.loop_lag import LoopLag
 from scheduler.proxy.lora_loader import LoraLoader
-from scheduler.proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from scheduler.proxy.metrics import ProxyMetrics
 from scheduler.proxy.model_tokenizers import ModelTokenizers
 from scheduler.proxy.rate_gate import Lease, RateGate
 from scheduler.proxy.relay import Job, Relay

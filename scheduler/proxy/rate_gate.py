@@ -29,8 +29,8 @@ from scheduler.core.rate_limit import (
     token_cost,
 )
 from scheduler.core.tenancy import TenantRegistry
+from scheduler.metrics import ProxyMetrics
 from scheduler.proxy.admission_gate import Refused
-from scheduler.proxy.metrics import ProxyMetrics
 
 
 class Lease:

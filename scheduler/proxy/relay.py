@@ -36,6 +36,8 @@ import orjson
 
 from kvherd import wire
 from scheduler.core.deadlines import Deadlines
+from scheduler.forwarding import UpstreamError, UpstreamPool, UpstreamResponse
+from scheduler.metrics import ProxyMetrics
 from scheduler.proxy.attempt import Attempt, Upstream
 from scheduler.proxy.continuation import (
     Continued,
@@ -43,9 +45,7 @@ from scheduler.proxy.continuation import (
     continuable_on_vllm,
     error_frame,
 )
-from scheduler.proxy.forwarding import UpstreamError, UpstreamPool, UpstreamResponse
 from scheduler.proxy.http_front import Exchange
-from scheduler.proxy.metrics import ProxyMetrics
 from scheduler.proxy.routed_request import RoutedRequest
 from scheduler.proxy.stream_cuts import StreamCuts
 

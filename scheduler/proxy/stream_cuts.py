@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 from migration.core.protocol import AbortReason, MigrationOutcome, MigrationStatus
-from scheduler.proxy.forwarding import UpstreamResponse
+from scheduler.forwarding import UpstreamResponse
 
 
 @dataclass(slots=True)

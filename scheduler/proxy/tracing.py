@@ -33,8 +33,8 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from kvherd.otlp import remote_parent
 from scheduler.core.router import Routed
 from scheduler.fleet import FleetInstance
+from scheduler.forwarding import UpstreamError
 from scheduler.proxy.attempt import UpstreamStatus
-from scheduler.proxy.forwarding import UpstreamError
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 

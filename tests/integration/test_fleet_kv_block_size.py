@@ -16,7 +16,7 @@ from instance_agent.kv_publisher import KVEventPublisher
 from kvherd.block_hash import block_hash_chain
 from kvherd.kv_events import BlockStored, KVEventBatch
 from scheduler.fleet import Fleet, FleetError, FleetSettings, InstanceSpec
-from scheduler.proxy.metrics import ProxyMetrics
+from scheduler.metrics import ProxyMetrics
 
 TOKENS = list(range(1, 257))
 

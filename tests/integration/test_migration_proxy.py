@@ -330,7 +330,7 @@ def test_a_notice_split_across_chunks_is_held_back_only_while_it_may_be_one() ->
 
 async def test_fleet_counts_a_migrated_request_where_it_runs() -> None:
     from scheduler.fleet import Fleet, FleetSettings, InstanceSpec
-    from scheduler.proxy.metrics import ProxyMetrics
+    from scheduler.metrics import ProxyMetrics
 
     fleet = Fleet("round_robin", FleetSettings(block_size=16), ProxyMetrics())
     try:
@@ -351,7 +351,7 @@ async def test_fleet_counts_a_migrated_request_where_it_runs() -> None:
 
 async def test_a_stream_is_in_flight_between_its_attempts() -> None:
     from scheduler.fleet import Fleet, FleetSettings, InstanceSpec
-    from scheduler.proxy.metrics import ProxyMetrics
+    from scheduler.metrics import ProxyMetrics
 
     fleet = Fleet("round_robin", FleetSettings(block_size=16), ProxyMetrics())
     try:

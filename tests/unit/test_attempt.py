@@ -16,11 +16,11 @@ import pytest
 from kvherd import wire
 from scheduler.core.deadlines import Deadlines, DeadlineSettings
 from scheduler.fleet import Fleet, FleetSettings, InstanceSpec, NoCapacityError
+from scheduler.forwarding import UpstreamError, UpstreamPool
+from scheduler.loop_lag import LoopLag
+from scheduler.metrics import ProxyMetrics
 from scheduler.proxy.attempt import Attempt, UpstreamStatus
 from scheduler.proxy.continuation import Continued
-from scheduler.proxy.forwarding import UpstreamError, UpstreamPool
-from scheduler.proxy.loop_lag import LoopLag
-from scheduler.proxy.metrics import ProxyMetrics
 from scheduler.proxy.relay import Job, Relay
 from scheduler.proxy.routed_request import RoutedRequest
 

@@ -9,6 +9,8 @@
 - Nothing outside the simulator (and the tests and benchmarks) imports the simulator, and the
   simulator imports of the other packages only their ``core/`` modules, ``policies`` and ``kvherd``:
   none of the live fleet's I/O modules.
+- The live fleet's modules under ``scheduler/`` import nothing from the proxy's request path
+  (``scheduler/proxy/``) above them, but the commands that assemble a process.
 - kvherd's own modules import each other without a circle.
 """
 
@@ -130,6 +132,24 @@ def test_the_simulator_imports_no_module_of_the_live_fleet() -> None:
         if imported in modules
         and imported.split(".")[0] in {"scheduler", "instance_agent", "migration"}
         and "core" not in imported.split(".")
+    ]
+    assert offenders == []
+
+
+# The commands that assemble a process: the proxy's parts and the fleet under them.
+ASSEMBLERS = {"scheduler.serve_cli", "scheduler.up_cli"}
+
+
+def test_the_fleet_imports_nothing_of_the_proxy_above_it() -> None:
+    modules = _product_modules()
+    offenders = [
+        f"{name} -> {imported}"
+        for name, path in modules.items()
+        if name.startswith("scheduler.")
+        and not name.startswith("scheduler.proxy")
+        and name not in ASSEMBLERS
+        for imported in _imports(path)
+        if imported in modules and imported.startswith("scheduler.proxy")
     ]
     assert offenders == []
 

@@ -10,9 +10,9 @@ import pytest
 from kvherd import wire
 from scheduler.core.deadlines import Deadlines, DeadlineSettings
 from scheduler.core.outliers import Health, OutlierDetector
+from scheduler.forwarding import UpstreamConnectError, UpstreamError, UpstreamPool
+from scheduler.loop_lag import LoopLag
 from scheduler.proxy.continuation import StreamLedger, with_token_ids
-from scheduler.proxy.forwarding import UpstreamConnectError, UpstreamError, UpstreamPool
-from scheduler.proxy.loop_lag import LoopLag
 
 RESUME = {
     "from": 0,

@@ -10,7 +10,7 @@ from kvherd.block_hash import block_hash_chain
 from kvherd.tokenizer import load_tokenizer
 from kvherd.wire import OpenAIError
 from scheduler.fleet import Fleet, FleetSettings
-from scheduler.proxy.metrics import ProxyMetrics
+from scheduler.metrics import ProxyMetrics
 from scheduler.proxy.model_tokenizers import ModelTokenizers
 from scheduler.proxy.routed_request import RequestReader, RoutedRequest
 

@@ -13,9 +13,9 @@ from scheduler.core.cluster_state import ClusterState
 from scheduler.core.load_report import LoadReport, LoadReportError, parse_agent_state
 from scheduler.core.router import Router
 from scheduler.fleet import Fleet, FleetSettings
+from scheduler.forwarding import UpstreamError
+from scheduler.metrics import ProxyMetrics
 from scheduler.proxy import pd
-from scheduler.proxy.forwarding import UpstreamError
-from scheduler.proxy.metrics import ProxyMetrics
 
 BS = 16
 PROMPT = list(range(3, 3 + 400))  # 25 full blocks, past kvherd's local_prefill_tokens

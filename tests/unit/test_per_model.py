@@ -15,7 +15,7 @@ from kvherd.tokenizer import ByteTokenizer, TokenizerUnavailable
 from scheduler.core.cluster_state import ClusterState
 from scheduler.core.prefix_index import PrefixIndex
 from scheduler.fleet import Fleet, FleetError, FleetSettings, InstanceSpec
-from scheduler.proxy.metrics import ProxyMetrics
+from scheduler.metrics import ProxyMetrics
 from scheduler.proxy.model_tokenizers import ModelTokenizers, parse_tokenizer_specs
 from scheduler.proxy.routed_request import RequestReader
 from scheduler.serve_cli import block_size_pins

@@ -13,8 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from scheduler.loop_lag import LoopLag
 from scheduler.prober import ActiveProber
-from scheduler.proxy.loop_lag import LoopLag
 
 TIMEOUT_S = 0.3
 

@@ -16,9 +16,9 @@ import pytest
 from kvherd.tokenizer import ByteTokenizer
 from scheduler.core.tenancy import TenantRegistry
 from scheduler.fleet import Fleet, FleetSettings, InstanceSpec
+from scheduler.metrics import ProxyMetrics
 from scheduler.proxy.admission_gate import AdmissionGate
 from scheduler.proxy.attempt import Attempt
-from scheduler.proxy.metrics import ProxyMetrics
 from scheduler.proxy.model_tokenizers import ModelTokenizers
 from scheduler.proxy.proxy import Proxy, ProxyConfig
 from scheduler.proxy.relay import Relay

@@ -20,9 +20,9 @@ from kvherd.wire import OpenAIError
 from scheduler.core.cluster_state import ClusterState
 from scheduler.core.outliers import Health, OutlierDetector
 from scheduler.core.tenancy import KeySpec, build_registry, parse_key_spec, read_keys_file
+from scheduler.forwarding import UpstreamConnectError, UpstreamPool, UpstreamTimeout
 from scheduler.kv_subscriber import KVEventSubscriber
 from scheduler.proxy.admin import RegistrationPolicy
-from scheduler.proxy.forwarding import UpstreamConnectError, UpstreamPool, UpstreamTimeout
 from scheduler.proxy.routing_tokens import prompt_token_ids
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -464,8 +464,8 @@ async def test_migration_driver_sends_orders_and_moves_charges() -> None:
     from policies.registry import load_migration_policy
     from scheduler.core.load_report import parse_agent_state
     from scheduler.fleet import Fleet, FleetSettings, InstanceSpec
+    from scheduler.metrics import ProxyMetrics
     from scheduler.migration_driver import MigrationDriver
-    from scheduler.proxy.metrics import ProxyMetrics
 
     calls: list[dict[str, Any]] = []
 
@@ -522,7 +522,7 @@ async def test_migration_driver_sends_orders_and_moves_charges() -> None:
 # -- fleet accounting -----------------------------------------------------------------------------
 async def test_fleet_saturation_exclusion_and_reregistration() -> None:
     from scheduler.fleet import Fleet, FleetSettings, InstanceSpec, NoCapacityError
-    from scheduler.proxy.metrics import ProxyMetrics
+    from scheduler.metrics import ProxyMetrics
 
     fleet = Fleet("least_requests", FleetSettings(max_inflight_per_instance=1), ProxyMetrics())
     woken: list[str] = []
@@ -615,7 +615,7 @@ async def test_load_poller_falls_back_to_prometheus_then_backs_off() -> None:
 def test_loop_histogram_exposes_what_prometheus_client_would() -> None:
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-    from scheduler.proxy.metrics import LoopHistogram
+    from scheduler.metrics import LoopHistogram
 
     bounds = (0, 1, 2, 4, 8, 16)
     values = [0, 0.5, 1, 1.5, 2, 3, 4, 8, 8.5, 16, 17, 1000]

@@ -19,8 +19,8 @@ from scheduler.core.rate_limit import (
     token_cost,
 )
 from scheduler.core.tenancy import build_registry
+from scheduler.metrics import ProxyMetrics
 from scheduler.proxy.admission_gate import Refused
-from scheduler.proxy.metrics import ProxyMetrics
 from scheduler.proxy.rate_gate import RateGate, _duration
 
 

@@ -7,7 +7,7 @@ import asyncio
 from typing import Any, cast
 
 from migration.core.protocol import AbortReason, MigrationStatus
-from scheduler.proxy.forwarding import UpstreamResponse
+from scheduler.forwarding import UpstreamResponse
 from scheduler.proxy.stream_cuts import StreamCuts
 
 

@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from kvherd.tokenizer import ByteTokenizer
 from scheduler.core.tenancy import TenantRegistry
 from scheduler.fleet import Fleet, FleetSettings, InstanceSpec
-from scheduler.proxy.metrics import ProxyMetrics
+from scheduler.metrics import ProxyMetrics
 from scheduler.proxy.model_tokenizers import ModelTokenizers
 from scheduler.proxy.proxy import Proxy, ProxyConfig
 from scheduler.proxy.tracing import Tracing

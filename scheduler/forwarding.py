@@ -16,7 +16,7 @@ Contract:
   for a Content-Length body, the whole body arrived (queueing, prefill and decode of a non-streamed
   request: the per-request timeout there); ``read_timeout`` between body chunks of a stream.
   `UpstreamResponse.read_timeout` may be changed between chunks (the proxy's first-byte and
-  inter-chunk deadlines). Time the proxy's own event loop was late (`scheduler.proxy.loop_lag`,
+  inter-chunk deadlines). Time the proxy's own event loop was late (`scheduler.loop_lag`,
   given as `lag`) is added to every deadline: a connect, head or chunk wait that expires while the
   loop owes time is extended by what it owes.
 - `UpstreamResponse.close()` on an unfinished response closes its connection: the instance sees the
@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, cast
 from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
-    from scheduler.proxy.loop_lag import LoopLag
+    from scheduler.loop_lag import LoopLag
 
 # Response headers that describe the hop, not the payload: never relayed.
 HOP_BY_HOP = frozenset(

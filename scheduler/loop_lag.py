@@ -6,7 +6,7 @@ Contract:
   ``window_s`` seconds of ticks.
 - `owed(since)`: the loop's lag since monotonic time `since` (the sum of the late ticks' lateness,
   plus the current tick's lateness while it is overdue): the part of a wait that was the proxy's,
-  not the instance's. Deadlines are extended by it (`scheduler.proxy.forwarding`).
+  not the instance's. Deadlines are extended by it (`scheduler.forwarding`).
 - `saturated()`: the loop ran late by more than ``saturated_fraction`` of the recent window;
   timeouts then are not evidence against an instance (`scheduler.proxy.proxy`).
 - Without `start()` (or before the first tick) nothing is owed: `owed` returns 0.
