@@ -14,6 +14,9 @@ fleet token that guards the agents' ``/kvherd/v1/*`` control routes is ``--fleet
 ``$KVHERD_FLEET_TOKEN``, else a fresh random one; the agents get it by their environment, the proxy
 sends it.
 
+Other engines: ``--launch COMMAND`` starts each instance from a command template instead (a vLLM or
+SGLang server: `scheduler.command_launcher`), added to the fleet by the proxy once healthy.
+
 P/D disaggregation: ``--prefill N --decode M`` starts N agents with ``--role prefill`` and M with
 ``--role decode`` (``-n K`` adds K mixed ones; without --prefill/--decode, -n defaults to 2).
 """
@@ -32,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvherd.fleet_token import FLEET_TOKEN_ENV, resolve
@@ -40,6 +44,7 @@ from scheduler.serve_cli import ADMIN_TOKEN_ENV, add_proxy_arguments
 
 if TYPE_CHECKING:
     from scheduler.autoscaler import AutoscaleLoop
+    from scheduler.command_launcher import CommandGroup
     from scheduler.fleet import Fleet
     from scheduler.ray_launcher import RayLauncher
 
@@ -95,6 +100,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     scaling.add_argument(
         "--ray-num-cpus", type=float, default=1.0, help="CPUs each agent's actor asks Ray for"
+    )
+    engines = parser.add_argument_group(
+        "other engines (--launch): vLLM, SGLang or any OpenAI server, scheduler/command_launcher.py"
+    )
+    engines.add_argument(
+        "--launch",
+        metavar="COMMAND",
+        default=None,
+        help="start each instance with COMMAND instead of a kvherd agent; {id}, {port}, "
+        "{port1}..{port3} (fresh ports) and {cpu} are filled in per instance",
+    )
+    engines.add_argument(
+        "--launch-instance",
+        metavar="INSTANCE",
+        default="http://127.0.0.1:{port}",
+        help="how the proxy reaches a launched instance, as an --instance value with the same "
+        "placeholders (e.g. http://127.0.0.1:{port},kv_events=tcp://127.0.0.1:{port1})",
     )
     parser.add_argument("--log-dir", default=None, help="agent logs (default: a temp directory)")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
@@ -237,8 +259,24 @@ async def _up(args: argparse.Namespace) -> int:
     args.fleet_token = resolve(args.fleet_token) or secrets.token_urlsafe(24)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="kvherd-up-")
     os.makedirs(log_dir, exist_ok=True)
-    agents: AgentGroup | RayLauncher
-    if args.ray:
+    agents: AgentGroup | RayLauncher | CommandGroup
+    commands: CommandGroup | None = None
+    if args.launch:
+        from scheduler.command_launcher import CommandGroup
+
+        handed = {args.port, args.admin_port}
+        env = {**os.environ, ADMIN_TOKEN_ENV: token, FLEET_TOKEN_ENV: args.fleet_token}
+        agents = CommandGroup(
+            args.launch,
+            args.launch_instance,
+            lambda: agent_port(handed),
+            env,
+            log_dir,
+            stop_timeout_s=args.stop_timeout,
+            ready_timeout_s=args.startup_timeout,
+        )
+        commands = agents
+    elif args.ray:
         from scheduler.ray_launcher import HOST, PORT, RayLauncher
 
         loopback = _admin_host(args) in ("127.0.0.1", "localhost", "::1")
@@ -256,6 +294,8 @@ async def _up(args: argparse.Namespace) -> int:
     failure: list[str] = []
 
     async def on_ready(fleet: Fleet) -> None:
+        if commands is not None:  # launched engines are added by the proxy, not self-registered
+            commands.bind(fleet, not args.no_kv_events, args.fleet_token, tokenizer_named(args))
         for role in args.roles:
             agents.launch(role)
         deadline = time.monotonic() + args.startup_timeout
@@ -311,8 +351,15 @@ async def _up(args: argparse.Namespace) -> int:
     return code
 
 
+def tokenizer_named(args: argparse.Namespace) -> Callable[[str | None], bool]:
+    """Whether a ``--tokenizer`` covers a model (its own or the default)."""
+    from scheduler.proxy.model_tokenizers import ModelTokenizers, parse_tokenizer_specs
+
+    return ModelTokenizers.load(parse_tokenizer_specs(args.tokenizer)).named
+
+
 async def _autoscaler(
-    args: argparse.Namespace, fleet: Fleet, agents: AgentGroup | RayLauncher
+    args: argparse.Namespace, fleet: Fleet, agents: AgentGroup | RayLauncher | CommandGroup
 ) -> AutoscaleLoop:
     from scheduler.autoscaler import AutoscaleLoop
     from scheduler.core.autoscale import AutoscaleSettings
@@ -338,9 +385,21 @@ async def _autoscaler(
     return scaler
 
 
+def _launch_error(args: argparse.Namespace) -> str | None:
+    """Why the --launch flags cannot work, before anything starts."""
+    from scheduler.command_launcher import check_templates
+
+    if args.ray or args.prefill or args.decode:
+        return "--launch starts local mixed instances: not with --ray, --prefill or --decode"
+    return check_templates(args.launch, args.launch_instance)
+
+
 def run(args: argparse.Namespace) -> int:
     from scheduler.serve_cli import configure_logging, run_loop
 
+    if args.launch and (message := _launch_error(args)):
+        print(f"kvherd up: {message}", file=sys.stderr)
+        return 2
     if args.autoscale:
         if args.prefill or args.decode:
             print("kvherd up: --autoscale starts mixed agents only", file=sys.stderr)

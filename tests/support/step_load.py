@@ -1,13 +1,15 @@
 """Client load for scaling tests: threads sending greedy completions back to back until stopped.
 
 `StepLoad(base, threads, prompts, max_tokens, model)` starts at once; each thread cycles through
-`prompts` from its own offset. `answers` holds (prompt, status, text, instance): status 0 is a
-failed connection, ``instance`` the ``X-Kvherd-Instance`` header (``--expose-instance``).
-`join()` stops and waits. `until(check, timeout, what, log)` polls `check` or fails with `log()`.
+`prompts` from its own offset, or, `prompts` a function, asks it for the load's k-th prompt.
+`answers` holds (prompt, status, text, instance): status 0 is a failed connection, ``instance``
+the ``X-Kvherd-Instance`` header (``--expose-instance``). `join()` stops and waits.
+`until(check, timeout, what, log)` polls `check` or fails with `log()`.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -20,12 +22,13 @@ class StepLoad:
         self,
         base: str,
         threads: int,
-        prompts: Sequence[str],
+        prompts: Sequence[str] | Callable[[int], str],
         max_tokens: int,
         model: str | None = None,
     ) -> None:
         self.base = base
-        self.prompts = list(prompts)
+        self.prompts = prompts
+        self._counter = itertools.count()
         self.max_tokens = max_tokens
         self.model = model
         self.stop = threading.Event()
@@ -41,7 +44,11 @@ class StepLoad:
         with httpx.Client(timeout=300) as client:
             n = 0
             while not self.stop.is_set():
-                prompt = self.prompts[(index + n) % len(self.prompts)]
+                prompts = self.prompts
+                if callable(prompts):
+                    prompt = prompts(next(self._counter))
+                else:
+                    prompt = prompts[(index + n) % len(prompts)]
                 n += 1
                 body = {"prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0.0}
                 if self.model is not None:

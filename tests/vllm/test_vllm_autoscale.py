@@ -1,0 +1,182 @@
+"""``kvherd up --launch``: the autoscaler starts and removes real vLLM servers from a command template.
+
+One vLLM server at start (``-n 1``); a load step of 4 streams (each server sized for 2 in flight)
+makes the controller launch a second from the same template, which the proxy adds once its
+``/health`` answers (its KV events subscribed); the grown fleet serves part of the step; when the
+load falls to one stream the second is drained, removed and stopped: its port is closed and no
+process of it is left. Every request answers 200 with the same greedy text per prompt on either
+server (same checkpoint), and the scale events are counted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from agent_process import free_port
+from step_load import StepLoad, until
+
+TOKEN = "vllm-autoscale-admin-token"
+MAX_NUM_SEQS = 4
+
+
+def _launch_command(python: str, model: Path) -> str:
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": "tcp://*:{port1}",
+        "replay_endpoint": "tcp://127.0.0.1:{port2}",
+    }
+    argv = [
+        "env", "-u", "PYTHONPATH", "-u", "VIRTUAL_ENV", "-u", "PYTHONHASHSEED",
+        "VLLM_CPU_OMP_THREADS_BIND={cpu}",
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model), "--served-model-name", "tiny",
+        "--host", "127.0.0.1", "--port", "{port}", "--dtype", "float32",
+        "--max-model-len", "4096", "--max-num-seqs", str(MAX_NUM_SEQS),
+        "--enable-prefix-caching", "--enable-prompt-tokens-details",
+        "--kv-events-config", json.dumps(events),
+    ]  # fmt: skip
+    return shlex.join(argv)
+
+
+def _stat(entry: Path) -> tuple[str, int] | None:
+    """A process's state and process group (None: it is gone)."""
+    try:
+        fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0], int(fields[2])
+
+
+def _group_of(argument: str) -> int:
+    """The process group of the live process whose command line holds the word `argument`."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                words = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue  # it exited meanwhile
+            stat = _stat(entry)
+            if argument.encode() in words and stat is not None and stat[0] != "Z":
+                return stat[1]
+    raise AssertionError(f"no process runs with {argument!r}")
+
+
+def _live_members(group: int) -> list[int]:
+    return [
+        int(entry.name)
+        for entry in Path("/proc").iterdir()
+        if entry.name.isdigit()
+        and (stat := _stat(entry)) is not None
+        and stat[1] == group
+        and stat[0] != "Z"
+    ]
+
+
+def test_the_autoscaler_launches_and_retires_a_vllm_server(
+    vllm_python: str, tiny_model: Path, tmp_path: Path
+) -> None:
+    port, admin_port = free_port(), free_port()
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "KVHERD_ADMIN_TOKEN"},
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    instance = (
+        "http://127.0.0.1:{port},kv_events=tcp://127.0.0.1:{port1},"
+        f"replay=tcp://127.0.0.1:{{port2}},max_num_seqs={MAX_NUM_SEQS}"
+    )
+    cmd = [sys.executable, "-m", "kvherd", "up", "-n", "1", "--autoscale", "--min", "1",
+           "--max", "2", "--model", str(tiny_model), "--launch", _launch_command(vllm_python, tiny_model),
+           "--launch-instance", instance, "--log-dir", str(tmp_path),
+           "--port", str(port), "--admin-port", str(admin_port), "--admin-token", TOKEN,
+           "--autoscale-slots", str(MAX_NUM_SEQS), "--target-utilization", "0.5",
+           "--scale-in-delay", "3", "--scale-cooldown", "2", "--stop-timeout", "30",
+           "--startup-timeout", "600", "--load-interval", "0.2", "--log-level", "info",
+           "--expose-instance", "--max-queue-wait", "600", "--standing-queue-wait", "600"]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    output: list[str] = []
+    base = f"http://127.0.0.1:{port}"
+    admin = f"http://127.0.0.1:{admin_port}/admin/v1/instances"
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+
+    def listed() -> dict[str, dict[str, object]]:
+        return {
+            i["instance_id"]: i for i in httpx.get(admin, headers=auth, timeout=10).json()["data"]
+        }
+
+    def serving() -> list[str]:
+        return sorted(
+            k for k, i in listed().items() if i["health"] == "healthy" and not i["draining"]
+        )
+
+    def log() -> str:
+        engine_log = tmp_path / "engine-1.log"
+        tail = engine_log.read_text(errors="replace")[-3000:] if engine_log.exists() else ""
+        return "".join(output[-80:]) + "\n--- engine-1:\n" + tail
+
+    assert proc.stdout is not None
+    stdout = proc.stdout
+    reader = threading.Thread(target=lambda: output.extend(stdout), daemon=True)
+    reader.start()
+    def prompts(k: int) -> str:
+        """New conversations keep arriving (every other request), spread by load; the returning
+        ones are cached on engine-0 and stay there by cache affinity."""
+        conversation = k if k % 2 else k % 8
+        return f"Scaling a fleet of vLLM servers, conversation {conversation}. " * 12
+
+    try:
+        until(lambda: any("stops everything" in line for line in output), 600, "ready", log)
+        assert serving() == ["engine-0"], log()
+        step = StepLoad(base, 4, prompts, 64, model="tiny")
+        until(lambda: serving() == ["engine-0", "engine-1"], 600, "engine-1 serving", log)
+        engine_1 = str(listed()["engine-1"]["url"])
+        group = _group_of(engine_1.rsplit(":", 1)[1])  # its API server, EngineCore and worker
+        assert len(_live_members(group)) >= 2, "vLLM's engine core runs in the server's group"
+        time.sleep(6.0)  # the step runs on the grown fleet
+        step.join()
+        trickle = StepLoad(base, 1, prompts, 64, model="tiny")
+        until(lambda: serving() == ["engine-0"], 120, "back to engine-0 alone", log)
+        until(lambda: "engine-1" not in listed(), 60, "engine-1 removed", log)
+        trickle.join()
+
+        with pytest.raises(httpx.ConnectError):  # stopped: nothing listens on its port
+            httpx.get(f"{engine_1}/health", timeout=5)
+        assert not _live_members(group), "a process of engine-1 outlived it"
+        metrics = httpx.get(f"{base}/metrics", timeout=10).text
+        outs = re.search(
+            r'kvherd_scale_events_total\{direction="out",reason="load"\} (\S+)', metrics
+        )
+        ins = re.search(r'kvherd_scale_events_total\{direction="in",reason="load"\} (\S+)', metrics)
+        assert outs and float(outs.group(1)) >= 1 and ins and float(ins.group(1)) >= 1, metrics
+        answers = step.answers + trickle.answers
+        failed = [a for a in answers if a[1] != 200]
+        assert not failed, failed[:5]
+        texts: dict[str, set[str]] = {}
+        for prompt, _, text, _ in answers:
+            texts.setdefault(prompt, set()).add(text)
+        assert all(len(t) == 1 for t in texts.values()), texts  # greedy: one text per prompt
+        assert {instance for *_, instance in step.answers} == {"engine-0", "engine-1"}
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
