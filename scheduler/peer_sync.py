@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import astuple
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -35,13 +36,7 @@ log = logging.getLogger("kvherd.peers")
 def own_charges(fleet: Fleet, replica: str) -> dict[str, Any]:
     charges = {}
     for instance_id in fleet.instances:
-        state = fleet.cluster.get(instance_id)
-        charges[instance_id] = [
-            len(state.inflight),
-            state.pending_prefill,
-            state.pending_prefill_tokens,
-            state.inflight_blocks,
-        ]
+        charges[instance_id] = list(astuple(fleet.cluster.get(instance_id).own_charge()))
     return {"replica": replica, "charges": charges}
 
 

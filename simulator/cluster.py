@@ -86,6 +86,7 @@ Contract:
 
 from __future__ import annotations
 
+import copy
 import heapq
 import itertools
 import math
@@ -158,6 +159,7 @@ from simulator.pull import (
     PullStats,
     pull_settings,
 )
+from simulator.routers import RouterReplicas, StateFanout
 from simulator.traces import Trace, TraceRequest
 from simulator.transfer import TransferLink, TransferModel
 
@@ -199,6 +201,8 @@ class ClusterConfig:
     autoscale: AutoscaleSettings | None = None
     autoscale_interval_s: float = 1.0
     instance_start_s: float = 30.0
+    routers: int = 1  # router replicas in front of the fleet (`simulator.routers`)
+    peer_interval_s: float | None = None  # replicas exchange their charges this often (None: not)
 
     @property
     def disaggregated(self) -> bool:
@@ -299,14 +303,24 @@ class SimCluster:
         self.metrics = MetricsCollector()
         # One approximate-index shard: shards keep the proxy's single decisions from stalling
         # while the index grows; a simulation only pays their overhead (same decisions).
-        self.state = ClusterState(block_size=config.instance.block_size, approx_shards=1)
         pull = config.prefix_pull
-        self.router = Router(
-            self.state,
-            dispatch,
-            pd_policy if config.disaggregated else None,
-            None if pull is None or config.disaggregated else pull_settings(pull, latency),
-        )
+        pulls = None if pull is None or config.disaggregated else pull_settings(pull, latency)
+        pd = pd_policy if config.disaggregated else None
+        if config.routers < 1:
+            raise ValueError("at least one router")
+        states = [
+            ClusterState(block_size=config.instance.block_size, approx_shards=1)
+            for _ in range(config.routers)
+        ]
+        routers = [
+            Router(state, copy.deepcopy(dispatch) if i else dispatch, copy.deepcopy(pd) if i else pd, pulls)
+            for i, state in enumerate(states)
+        ]
+        self.state = states[0]  # the fleet's view for what one process decides
+        self.router: Router | RouterReplicas = routers[0]
+        self.states: ClusterState | StateFanout = self.state  # membership and observations
+        if config.routers > 1:
+            self.router, self.states = RouterReplicas(routers), StateFanout(states)
         self.pull_stats = PullStats()
         self._pull_links = PullLinks()
         self._pull_plans: dict[str, PullChoice] = {}  # routed as a PULL, not reached yet
@@ -329,7 +343,7 @@ class SimCluster:
             iid = f"inst-{i}"
             self.instances[iid] = SimInstance(iid, config.instance, latency, self)
             # kvherd agents hash with the very same function, so their hashes are trusted.
-            self.state.add_instance(
+            self.states.add_instance(
                 iid,
                 has_kv_events=True,
                 trust_engine_hashes=True,
@@ -343,7 +357,7 @@ class SimCluster:
             for i in range(count):
                 iid = f"{role}-{i}"
                 self.instances[iid] = SimInstance(iid, config.instance, latency, self)
-                self.state.add_instance(
+                self.states.add_instance(
                     iid, has_kv_events=True, trust_engine_hashes=True, now=0.0, role=role
                 )
         self._migration_link = TransferLink(
@@ -426,6 +440,10 @@ class SimCluster:
             self._periodic.append(
                 _Periodic(loop, self.config.migration_interval_s, self._migration_tick)
             )
+        if isinstance(self.router, RouterReplicas) and self.config.peer_interval_s is not None:
+            self._periodic.append(
+                _Periodic(loop, self.config.peer_interval_s, self._peer_tick, quiet=True)
+            )
         if self.autoscaler is not None:  # it reads the router's ledger and queues: quiet
             tick = _Periodic(loop, self.autoscaler.interval_s, self.autoscaler.tick, quiet=True)
             tick.wake()  # (it never sleeps: an idle fleet is when it scales in)
@@ -450,7 +468,7 @@ class SimCluster:
         """A new, empty mixed instance (its load series start at 0 before it joined)."""
         config = self.config.instance
         self.instances[instance_id] = SimInstance(instance_id, config, self.latency, self)
-        self.state.add_instance(
+        self.states.add_instance(
             instance_id,
             has_kv_events=True,
             trust_engine_hashes=True,
@@ -473,7 +491,7 @@ class SimCluster:
 
     def remove_instance(self, instance_id: str) -> None:
         """Take an idle instance out of the fleet (its cache goes with it)."""
-        self.state.remove_instance(instance_id)
+        self.states.remove_instance(instance_id)
         self.retired[instance_id] = self.instances.pop(instance_id)
 
     def has_requests_left(self) -> bool:
@@ -857,7 +875,7 @@ class SimCluster:
     def _apply_events(self, due: float, instance_id: str, events: list[KVEvent]) -> None:
         """One delivery, due at virtual time `due` (none for an instance removed meanwhile)."""
         if instance_id in self.state:
-            self.state.apply_kv_events(instance_id, events)
+            self.states.apply_kv_events(instance_id, events)
 
     def _run_between_steps(self, instance: SimInstance, action: Callable[[], None]) -> None:
         """Run `action` when no step is in flight on `instance` (now if idle)."""
@@ -926,13 +944,18 @@ class SimCluster:
         )
         return self._fleet_busy()
 
+    def _peer_tick(self) -> bool:
+        assert isinstance(self.router, RouterReplicas)
+        self.router.exchange(self.loop.now)
+        return self._fleet_busy()
+
     def _deliver_reports(self, reports: list[tuple[str, LoadReport]], taken_at: float) -> None:
         for instance_id, report in reports:
             self._deliver_report(instance_id, report, taken_at)
 
     def _deliver_report(self, instance_id: str, report: LoadReport, taken_at: float) -> None:
         if instance_id in self.state:  # (not one the autoscaler removed meanwhile)
-            self.state.apply_report(instance_id, report, self.loop.now, taken_at)
+            self.states.apply_report(instance_id, report, self.loop.now, taken_at)
 
     def _sample_tick(self) -> bool:
         now = self.loop.now

@@ -75,6 +75,8 @@ class SimSettings:
     models: FleetModels | None = None  # base models, adapter slots (a trace naming models)
     autoscale: AutoscaleSettings | None = None  # the autoscaler; None: a fixed fleet
     instance_start_s: float = 30.0  # an autoscaled instance's cold start
+    routers: int = 1  # router replicas in front of the fleet, each with its own view
+    peer_interval_s: float | None = None  # how often they exchange charges (None: never)
 
     def cluster_config(self) -> ClusterConfig:
         return ClusterConfig(
@@ -96,6 +98,8 @@ class SimSettings:
             models=self.models,
             autoscale=self.autoscale,
             instance_start_s=self.instance_start_s,
+            routers=self.routers,
+            peer_interval_s=self.peer_interval_s,
         )
 
     @property
@@ -169,6 +173,7 @@ def run_policy(
         float(np.mean(stats.downtime_s)) * 1000.0 if stats.downtime_s else float("nan")
     )
     summary["unfinished"] = metrics.num_unfinished
+    summary["routers"] = settings.routers
     summary["cache_missing_tokens"] = cluster.truth.missing_tokens()  # 0: the index is true
     learned = cluster.state.ttft.quality()  # the fleet's learned TTFT model, as the proxy's
     summary["ttft_model_r2"] = learned.r2

@@ -127,6 +127,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--instance-start", type=float, default=30.0, help="an added instance's cold start (s)"
     )
     fleet = parser.add_argument_group("router and migration")
+    fleet.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        help="router replicas in front of the fleet, requests spread over them in turn; each "
+        "charges only what it routed and reads every report and KV event (default 1)",
+    )
+    fleet.add_argument(
+        "--peer-interval-ms",
+        type=float,
+        default=None,
+        help="router replicas read each other's in-flight charges this often, as kvherd serve "
+        "--peer (default: never)",
+    )
     fleet.add_argument("--report-interval-ms", type=float, default=100.0, help="load report period")
     fleet.add_argument("--kv-event-delay-ms", type=float, default=5.0, help="KV event latency")
     fleet.add_argument(
@@ -496,6 +510,15 @@ def run(args: argparse.Namespace) -> int:
             )
         except ValueError as exc:
             return _fail(str(exc))
+    if args.routers < 1:
+        return _fail("--routers must be at least 1")
+    if args.routers > 1 and scale_range is not None:
+        return _fail("--routers with --autoscale: the autoscaler would see one replica's load")
+    settings.routers = args.routers
+    if args.peer_interval_ms is not None:
+        if not args.peer_interval_ms > 0:
+            return _fail("--peer-interval-ms must be positive")
+        settings.peer_interval_s = args.peer_interval_ms / 1000.0
     if scale_range is not None:
         from scheduler.core.autoscale import AutoscaleSettings
 

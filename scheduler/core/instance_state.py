@@ -110,6 +110,15 @@ class InstanceState:
         self._log_overflowed = False  # the log dropped entries: recount the sums from it
 
     # -- reports -----------------------------------------------------------------------------
+    def own_charge(self) -> Charge:
+        """What this router replica itself has in flight here (never what peers said)."""
+        return Charge(
+            len(self.inflight),
+            self.pending_prefill,
+            self.pending_prefill_tokens,
+            self.inflight_blocks,
+        )
+
     def apply_report(self, report: LoadReport, now: float, taken_at: float | None = None) -> bool:
         """Take a report; False when the instance's view cannot have changed (the same figures
         as the previous report, and no logged change left the log)."""
