@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 
 import httpx
 import pytest
@@ -38,6 +39,13 @@ async def _completion(client: httpx.AsyncClient, base: str, prompt: str) -> str:
     return str(response.json()["choices"][0]["text"])
 
 
+def _join(stack: contextlib.ExitStack, admin_url: str) -> AgentProcess:
+    """Start an agent that registers with the proxy at `admin_url`, stopped with `stack`."""
+    args = ("--block-size", str(BLOCK), "--scheduler", admin_url, "--heartbeat-interval", "0.2")
+    started = agent_process(*args, kv_events=True, env={"KVHERD_ADMIN_TOKEN": TOKEN})
+    return stack.enter_context(started)
+
+
 async def _counters(client: httpx.AsyncClient, agent: AgentProcess) -> tuple[float, float]:
     text = (await client.get(f"{agent.url}/metrics")).text
     return (
@@ -49,12 +57,7 @@ async def _counters(client: httpx.AsyncClient, agent: AgentProcess) -> tuple[flo
 async def test_a_leaving_agent_hands_its_prefixes_to_the_survivor() -> None:
     async with running_proxy([], "--load-interval", "0.05") as proxy:
         with contextlib.ExitStack() as stack:
-            args = ("--block-size", str(BLOCK), "--scheduler", proxy.admin_url)
-            args += ("--heartbeat-interval", "0.2")
-
-            def join() -> AgentProcess:
-                started = agent_process(*args, kv_events=True, env={"KVHERD_ADMIN_TOKEN": TOKEN})
-                return stack.enter_context(started)
+            join = functools.partial(_join, stack, proxy.admin_url)
 
             pair = await asyncio.gather(asyncio.to_thread(join), asyncio.to_thread(join))
             fleet = proxy.fleet
@@ -108,12 +111,7 @@ async def _prompt_tokens(client: httpx.AsyncClient, agent: AgentProcess) -> list
 async def test_a_new_agent_warms_up_from_its_peer_before_it_takes_traffic() -> None:
     async with running_proxy([], "--load-interval", "0.05") as proxy:
         with contextlib.ExitStack() as stack:
-            args = ("--block-size", str(BLOCK), "--scheduler", proxy.admin_url)
-            args += ("--heartbeat-interval", "0.2")
-
-            def join() -> AgentProcess:
-                started = agent_process(*args, kv_events=True, env={"KVHERD_ADMIN_TOKEN": TOKEN})
-                return stack.enter_context(started)
+            join = functools.partial(_join, stack, proxy.admin_url)
 
             old = await asyncio.to_thread(join)
             fleet = proxy.fleet

@@ -10,9 +10,11 @@ and serves. Every request answers 200, one greedy text per prompt.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
+import signal
 import subprocess
 import sys
 import tempfile
@@ -23,7 +25,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from agent_process import free_port
-from test_autoscale import Load, _until
+from step_load import StepLoad, until
+from test_autoscale import PROMPTS
 from test_up import _wait_ready
 
 pytest.importorskip("ray")
@@ -41,7 +44,10 @@ def ray_cluster() -> Iterator[tuple[str, dict[str, str]]]:
     ray = [sys.executable, "-m", "ray.scripts.scripts"]
     started = subprocess.run(
         [*ray, "start", "--head", "--port", str(free_port()), "--num-cpus", "4",
-         "--include-dashboard=false", "--disable-usage-stats", "--temp-dir", temp_dir],
+         "--include-dashboard=false", "--disable-usage-stats", "--temp-dir", temp_dir,
+         # Workers below the tests' own port range (agent_process._PORTS), so the head's port
+         # never falls in Ray's default worker range (10002-19999).
+         "--min-worker-port", "10002", "--max-worker-port", "14999"],
         env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert started.returncode == 0, started.stdout + started.stderr
@@ -50,7 +56,35 @@ def ray_cluster() -> Iterator[tuple[str, dict[str, str]]]:
     try:
         yield found.group(1), env
     finally:
-        subprocess.run([*ray, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        _stop_cluster(temp_dir)
+
+
+def _stop_cluster(temp_dir: str) -> None:
+    """Stop this cluster's processes only (they name its temp dir): ``ray stop`` stops every Ray
+    cluster on the machine."""
+    pids = [p for p in _pids_naming(temp_dir) if p != os.getpid()]
+    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace
+        while (
+            pids := [p for p in pids if p in _pids_naming(temp_dir)]
+        ) and time.monotonic() < deadline:
+            time.sleep(0.1)  # Ray's processes exit on their own schedule
+
+
+def _pids_naming(text: str) -> set[int]:
+    found = set()
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/cmdline", "rb") as handle:
+                    if text.encode() in handle.read():
+                        found.add(int(entry.name))
+            except OSError:
+                continue  # it exited meanwhile
+    return found
 
 
 def _kill_actor(address: str, env: dict[str, str], name: str) -> None:
@@ -75,7 +109,9 @@ def test_agents_run_as_ray_actors_and_a_lost_one_is_replaced(
            "--admin-token", TOKEN, "--agent-arg=--max-num-seqs=4", "--stop-timeout", "30",
            "--load-interval", "0.2", "--heartbeat-timeout", "5", "--log-level", "info",
            "--expose-instance", "--max-queue-wait", "60", "--standing-queue-wait", "60"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
     output: list[str] = []
     base = f"http://127.0.0.1:{port}"
     admin = f"http://127.0.0.1:{admin_port}/admin/v1/instances"
@@ -97,10 +133,10 @@ def test_agents_run_as_ray_actors_and_a_lost_one_is_replaced(
         stdout = proc.stdout
         threading.Thread(target=lambda: output.extend(stdout), daemon=True).start()
         assert serving() == ["agent-0", "agent-1"]
-        load = Load(base, threads=1)
+        load = StepLoad(base, 1, PROMPTS, 96)
         time.sleep(2.0)
         _kill_actor(address, env, "kvherd-agent-0")
-        _until(lambda: serving() == ["agent-1", "agent-2"], 180, "agent-2 replacing agent-0", log)
+        until(lambda: serving() == ["agent-1", "agent-2"], 180, "agent-2 replacing agent-0", log)
         time.sleep(2.0)  # the replacement serves its share
         load.join()
         failed = [a for a in load.answers if a[1] != 200]
