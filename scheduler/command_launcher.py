@@ -10,6 +10,7 @@ Contract:
 - `launch()` starts the engine in its own process group (it dies with this process) and a task that
   polls ``GET /health`` until 200, then describes it (`probe_instance`) and adds it to the fleet (no
   heartbeats expected); one whose model no ``--tokenizer`` covers is stopped instead (logged).
+  One that later exits on its own is removed from the fleet (the autoscaler then replaces it).
 - `retire(id)`: it is drained (no new requests; the migration driver moves its streams: stream cuts
   for vLLM), then removed from the fleet once nothing is in flight on it (at most ``stop_timeout_s``),
   then its process group gets SIGTERM (SIGKILL after ``stop_timeout_s``). `stop(timeout)`: all.
@@ -179,6 +180,12 @@ class CommandGroup:
             return
         self._added.add(instance_id)
         log.info("launched %s serves at %s", instance_id, spec.url)
+        while self.alive(instance_id):
+            await asyncio.sleep(_HEALTH_POLL_S)  # a child's exit has no event on this loop
+        if instance_id in self._added:  # it died on its own: out of the fleet (the autoscaler
+            self._added.discard(instance_id)  # replaces it if the fleet is then too small)
+            log.warning("launched %s exited (%s)", instance_id, self.log_hint(instance_id))
+            await self._fleet.remove_instance(instance_id)
 
     async def describe(self, instance_id: str) -> str:
         return f"pid {self.procs[instance_id].pid}"
