@@ -14,7 +14,7 @@ Contract:
 - `retire(id)`: it is drained (no new requests; the migration driver moves its streams: stream cuts
   for vLLM), then removed from the fleet once nothing is in flight on it (at most ``stop_timeout_s``),
   then its process group gets SIGTERM (SIGKILL after ``stop_timeout_s``). `stop(timeout)`: all.
-- `alive(id)`, `dead()`, `ids`, `describe(id)`, `log_hint(id)`: as `scheduler.up_cli.AgentGroup`.
+- `alive(id)`, `dead()`, `ids`, `describe(id)`, `log_hint(id)`: `scheduler.child_processes`.
 """
 
 from __future__ import annotations
@@ -25,13 +25,11 @@ import logging
 import os
 import re
 import shlex
-import signal
-import subprocess
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvherd.parent_death import die_with_parent
+from scheduler.child_processes import ChildProcesses
 
 if TYPE_CHECKING:
     from scheduler.fleet import Fleet
@@ -40,11 +38,6 @@ log = logging.getLogger("kvherd.launch")
 
 _PLACEHOLDER = re.compile(r"\{(id|port|port1|port2|port3|cpu)\}")
 _HEALTH_POLL_S = 0.5  # an engine loads for seconds to minutes; there is nothing to await
-
-
-def _new_group() -> None:
-    os.setsid()
-    die_with_parent()
 
 
 def check_templates(command: str, instance: str) -> str | None:
@@ -74,7 +67,7 @@ def _fields(instance_id: str, ports: list[int], ordinal: int) -> dict[str, str]:
     }
 
 
-class CommandGroup:
+class CommandGroup(ChildProcesses):
     def __init__(
         self,
         command: str,
@@ -87,15 +80,13 @@ class CommandGroup:
     ) -> None:
         if problem := check_templates(command, instance):
             raise ValueError(problem)
+        super().__init__(log_dir, own_group=True)
         self.argv = shlex.split(command)
         self.instance = instance
         self.port = port
         self.env = env
-        self.log_dir = log_dir
         self.stop_timeout_s = stop_timeout_s
         self.ready_timeout_s = ready_timeout_s
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.log_paths: dict[str, str] = {}
         self._added: set[str] = set()  # those in the fleet
         self._tasks: set[asyncio.Task[None]] = set()
         self._next = 0
@@ -116,10 +107,6 @@ class CommandGroup:
         self._fleet_token = fleet_token
         self._named = tokenizer_named
 
-    @property
-    def ids(self) -> list[str]:
-        return list(self.procs)
-
     def launch(self, role: str = "mixed") -> str:
         if self._fleet is None:
             raise RuntimeError("CommandGroup.bind(fleet, ...) first")
@@ -129,17 +116,7 @@ class CommandGroup:
         fields = _fields(instance_id, [self.port() for _ in range(4)], ordinal)
         argv = [fill(arg, fields) for arg in self.argv]
         instance = fill(self.instance, fields)
-        path = os.path.join(self.log_dir, f"{instance_id}.log")
-        with open(path, "wb") as log_file:
-            self.procs[instance_id] = subprocess.Popen(
-                argv,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=self.env,
-                preexec_fn=_new_group,
-            )
-        self.log_paths[instance_id] = path
+        self._start(instance_id, argv, self.env)
         task = asyncio.get_running_loop().create_task(self._join(instance_id, instance))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -187,19 +164,6 @@ class CommandGroup:
             log.warning("launched %s exited (%s)", instance_id, self.log_hint(instance_id))
             await self._fleet.remove_instance(instance_id)
 
-    async def describe(self, instance_id: str) -> str:
-        return f"pid {self.procs[instance_id].pid}"
-
-    def log_hint(self, instance_id: str) -> str:
-        return f"see {self.log_paths[instance_id]}"
-
-    def alive(self, instance_id: str) -> bool:
-        proc = self.procs.get(instance_id)
-        return proc is not None and proc.poll() is None
-
-    def dead(self) -> list[str]:
-        return [i for i, proc in self.procs.items() if proc.poll() is not None]
-
     async def retire(self, instance_id: str) -> None:
         fleet = self._fleet
         if fleet is not None and instance_id in self._added and instance_id in fleet.instances:
@@ -209,28 +173,9 @@ class CommandGroup:
                 await asyncio.sleep(0.05)  # its streams end or are moved; no event to await
             await fleet.remove_instance(instance_id)
         self._added.discard(instance_id)
-        await self._stop([instance_id], self.stop_timeout_s)
+        await self._stop_children([instance_id], self.stop_timeout_s)
 
     async def stop(self, timeout: float) -> None:
         for task in self._tasks:
             task.cancel()
-        await self._stop(list(self.procs), timeout)
-
-    def _terminate(self, instance_id: str) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.procs[instance_id].pid, signal.SIGTERM)
-
-    async def _stop(self, ids: list[str], timeout: float) -> None:
-        """SIGTERM each process group, SIGKILL what is left after `timeout` (an engine's workers
-        share its group and may outlive it)."""
-        procs = [self.procs[i] for i in ids]
-        for instance_id, proc in zip(ids, procs, strict=True):
-            if proc.poll() is None:
-                self._terminate(instance_id)
-        deadline = time.monotonic() + timeout
-        while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)  # engines exit on their own schedule; no event to await
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        await self._stop_children(self.ids, timeout)

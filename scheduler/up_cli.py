@@ -29,9 +29,7 @@ import contextlib
 import os
 import random
 import secrets
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +37,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvherd.fleet_token import FLEET_TOKEN_ENV, resolve
-from kvherd.parent_death import die_with_parent
+from scheduler.child_processes import ChildProcesses
 from scheduler.serve_cli import ADMIN_TOKEN_ENV, add_proxy_arguments
 
 if TYPE_CHECKING:
@@ -175,24 +173,18 @@ def _admin_host(args: argparse.Namespace) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
-class AgentGroup:
+class AgentGroup(ChildProcesses):
     """The child agents: start, watch, stop (all, or one: the autoscaler's `Launcher`)."""
 
     def __init__(
         self, args: argparse.Namespace, token: str, fleet_token: str, log_dir: str
     ) -> None:
+        super().__init__(log_dir, own_group=False)
         self.args = args
         self.token = token
         self.fleet_token = fleet_token
-        self.log_dir = log_dir
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}  # instance id -> its process
-        self.log_paths: dict[str, str] = {}
         self._handed = {args.port, args.admin_port}
         self._next = 0
-
-    @property
-    def ids(self) -> list[str]:
-        return list(self.procs)
 
     def launch(self, role: str = "mixed") -> str:
         instance_id = f"agent-{self._next}"
@@ -200,50 +192,14 @@ class AgentGroup:
         env = {**os.environ, ADMIN_TOKEN_ENV: self.token, FLEET_TOKEN_ENV: self.fleet_token}
         port = str(agent_port(self._handed))
         cmd = [sys.executable, *agent_command(self.args, instance_id, "127.0.0.1", port, role)]
-        path = os.path.join(self.log_dir, f"{instance_id}.log")
-        with open(path, "wb") as log_file:
-            self.procs[instance_id] = subprocess.Popen(
-                cmd,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                preexec_fn=die_with_parent,
-            )
-        self.log_paths[instance_id] = path
+        self._start(instance_id, cmd, env)
         return instance_id
 
-    async def describe(self, instance_id: str) -> str:
-        return f"pid {self.procs[instance_id].pid}"
-
-    def log_hint(self, instance_id: str) -> str:
-        return f"see {self.log_paths[instance_id]}"
-
-    def alive(self, instance_id: str) -> bool:
-        proc = self.procs.get(instance_id)
-        return proc is not None and proc.poll() is None
-
-    def dead(self) -> list[str]:
-        return [i for i, proc in self.procs.items() if proc.poll() is not None]
-
     async def retire(self, instance_id: str) -> None:
-        await self._stop([self.procs[instance_id]], self.args.stop_timeout)
+        await self._stop_children([instance_id], self.args.stop_timeout)
 
     async def stop(self, timeout: float) -> None:
-        await self._stop(list(self.procs.values()), timeout)
-
-    @staticmethod
-    async def _stop(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)  # children exit on their own schedule; no event to await
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        await self._stop_children(self.ids, timeout)
 
 
 async def _up(args: argparse.Namespace) -> int:
