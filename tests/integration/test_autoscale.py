@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
-import threading
 import time
 
 import httpx
 import pytest
-from agent_process import free_port
+from kvherd_up import running_up
 from step_load import StepLoad, until
-from test_up import _wait_ready
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -30,51 +26,27 @@ PROMPTS = [f"Tell me about autoscaling, part {i}." for i in range(4)]
 
 
 def test_a_load_step_scales_the_fleet_out_and_back_in_without_a_failed_request() -> None:
-    port, admin_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k != "KVHERD_ADMIN_TOKEN"}
-    cmd = [sys.executable, "-m", "kvherd", "up", "--autoscale", "--min", "1", "--max", "3",
-           "--port", str(port), "--admin-port", str(admin_port), "--admin-token", TOKEN,
-           "--agent-arg=--max-num-seqs=4", "--target-utilization", "0.5",
-           "--scale-in-delay", "3", "--scale-cooldown", "2", "--stop-timeout", "30",
-           "--load-interval", "0.2", "--log-level", "info", "--expose-instance",
-           # Requests wait while agents start rather than being refused: an autoscaled fleet.
-           "--max-queue-wait", "60", "--standing-queue-wait", "60"]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    )
-    output: list[str] = []
-    base = f"http://127.0.0.1:{port}"
-    admin = f"http://127.0.0.1:{admin_port}/admin/v1/instances"
-    auth = {"Authorization": f"Bearer {TOKEN}"}
-
-    def serving() -> list[str]:
-        listed = httpx.get(admin, headers=auth, timeout=10).json()["data"]
-        return sorted(
-            i["instance_id"] for i in listed if i["health"] == "healthy" and not i["draining"]
-        )
-
-    def log() -> str:
-        return "".join(output[-80:])
-
-    try:
-        banner = _wait_ready(proc, timeout=240)
+    args = ["--autoscale", "--min", "1", "--max", "3", "--agent-arg=--max-num-seqs=4",
+            "--target-utilization", "0.5", "--scale-in-delay", "3", "--scale-cooldown", "2",
+            "--stop-timeout", "30", "--load-interval", "0.2",
+            # Requests wait while agents start rather than being refused: an autoscaled fleet.
+            "--max-queue-wait", "60", "--standing-queue-wait", "60"]  # fmt: skip
+    with running_up(args, env, TOKEN) as up:
+        banner = up.wait_ready(240)
         assert "autoscale   1..3 agents, 4 batch slots each" in banner, banner
-        assert proc.stdout is not None
-        stdout = proc.stdout
-        reader = threading.Thread(target=lambda: output.extend(stdout), daemon=True)
-        reader.start()
-        assert serving() == ["agent-0"]
+        assert up.serving() == ["agent-0"]
 
-        step = StepLoad(base, 8, PROMPTS, 96)
-        until(lambda: len(serving()) == 3, 180, "3 agents serving under the step", log)
+        step = StepLoad(up.base, 8, PROMPTS, 96)
+        until(lambda: len(up.serving()) == 3, 180, "3 agents serving under the step", up.log)
         time.sleep(2.0)  # the step keeps running on the grown fleet
         step.join()
-        trickle = StepLoad(base, 1, PROMPTS, 96)  # one stream: one agent's worth of load
-        until(lambda: len(serving()) == 1, 120, "back to 1 agent after the step", log)
+        trickle = StepLoad(up.base, 1, PROMPTS, 96)  # one stream: one agent's worth of load
+        until(lambda: len(up.serving()) == 1, 120, "back to 1 agent after the step", up.log)
         time.sleep(1.0)
         trickle.join()
 
-        metrics = httpx.get(f"{base}/metrics", timeout=10).text
+        metrics = httpx.get(f"{up.base}/metrics", timeout=10).text
         outs = re.search(
             r'kvherd_scale_events_total\{direction="out",reason="\w+"\} (\S+)', metrics
         )
@@ -89,11 +61,3 @@ def test_a_load_step_scales_the_fleet_out_and_back_in_without_a_failed_request()
         assert all(len(t) == 1 for t in texts.values()), texts  # greedy: one text per prompt
         landed = {instance for *_, instance in step.answers}
         assert len(landed) >= 2, landed  # the grown agents served part of the step
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()

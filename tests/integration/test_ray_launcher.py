@@ -18,16 +18,15 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 from agent_process import free_port
+from kvherd_up import running_up
 from step_load import StepLoad, until
 from test_autoscale import PROMPTS
-from test_up import _wait_ready
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.timeout(420)
@@ -103,55 +102,26 @@ def test_agents_run_as_ray_actors_and_a_lost_one_is_replaced(
     ray_cluster: tuple[str, dict[str, str]],
 ) -> None:
     address, env = ray_cluster
-    port, admin_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "kvherd", "up", "--autoscale", "--min", "2", "--max", "3",
-           "--ray", address, "--port", str(port), "--admin-port", str(admin_port),
-           "--admin-token", TOKEN, "--agent-arg=--max-num-seqs=4", "--stop-timeout", "30",
-           "--load-interval", "0.2", "--heartbeat-timeout", "5", "--log-level", "info",
-           "--expose-instance", "--max-queue-wait", "60", "--standing-queue-wait", "60"]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    )
-    output: list[str] = []
-    base = f"http://127.0.0.1:{port}"
-    admin = f"http://127.0.0.1:{admin_port}/admin/v1/instances"
-    auth = {"Authorization": f"Bearer {TOKEN}"}
-
-    def serving() -> list[str]:
-        listed = httpx.get(admin, headers=auth, timeout=10).json()["data"]
-        return sorted(
-            i["instance_id"] for i in listed if i["health"] == "healthy" and not i["draining"]
-        )
-
-    def log() -> str:
-        return "".join(output[-80:])
-
-    try:
-        banner = _wait_ready(proc, timeout=240)
+    args = ["--autoscale", "--min", "2", "--max", "3", "--ray", address,
+            "--agent-arg=--max-num-seqs=4", "--stop-timeout", "30", "--load-interval", "0.2",
+            "--heartbeat-timeout", "5", "--max-queue-wait", "60", "--standing-queue-wait", "60"]  # fmt: skip
+    with running_up(args, env, TOKEN) as up:
+        banner = up.wait_ready(240)
         assert re.search(r"agent-0 http://127\.0\.0\.1:\d+ \(pid \d+ on ", banner), banner
-        assert proc.stdout is not None
-        stdout = proc.stdout
-        threading.Thread(target=lambda: output.extend(stdout), daemon=True).start()
-        assert serving() == ["agent-0", "agent-1"]
-        load = StepLoad(base, 1, PROMPTS, 96)
+        assert up.serving() == ["agent-0", "agent-1"]
+        load = StepLoad(up.base, 1, PROMPTS, 96)
         time.sleep(2.0)
         _kill_actor(address, env, "kvherd-agent-0")
-        until(lambda: serving() == ["agent-1", "agent-2"], 180, "agent-2 replacing agent-0", log)
+        until(
+            lambda: up.serving() == ["agent-1", "agent-2"], 180, "agent-2 replacing agent-0", up.log
+        )
         time.sleep(2.0)  # the replacement serves its share
         load.join()
         failed = [a for a in load.answers if a[1] != 200]
-        assert not failed, (failed[:5], log())
+        assert not failed, (failed[:5], up.log())
         texts: dict[str, set[str]] = {}
         for prompt, _, text, _ in load.answers:
             texts.setdefault(prompt, set()).add(text)
         assert all(len(t) == 1 for t in texts.values()), texts
-        metrics = httpx.get(f"{base}/metrics", timeout=10).text
+        metrics = httpx.get(f"{up.base}/metrics", timeout=10).text
         assert re.search(r'kvherd_scale_events_total\{direction="out",reason="min"\} 1\.0', metrics)
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()

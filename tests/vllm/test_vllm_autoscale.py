@@ -15,15 +15,12 @@ import json
 import os
 import re
 import shlex
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from agent_process import free_port
+from kvherd_up import running_up
 from step_load import StepLoad, until
 
 TOKEN = "vllm-autoscale-admin-token"
@@ -87,7 +84,6 @@ def _live_members(group: int) -> list[int]:
 def test_the_autoscaler_launches_and_retires_a_vllm_server(
     vllm_python: str, tiny_model: Path, tmp_path: Path
 ) -> None:
-    port, admin_port = free_port(), free_port()
     env = {
         **{k: v for k, v in os.environ.items() if k != "KVHERD_ADMIN_TOKEN"},
         "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -100,41 +96,12 @@ def test_the_autoscaler_launches_and_retires_a_vllm_server(
         "http://127.0.0.1:{port},kv_events=tcp://127.0.0.1:{port1},"
         f"replay=tcp://127.0.0.1:{{port2}},max_num_seqs={MAX_NUM_SEQS}"
     )
-    cmd = [sys.executable, "-m", "kvherd", "up", "-n", "1", "--autoscale", "--min", "1",
-           "--max", "2", "--model", str(tiny_model), "--launch", _launch_command(vllm_python, tiny_model),
-           "--launch-instance", instance, "--log-dir", str(tmp_path),
-           "--port", str(port), "--admin-port", str(admin_port), "--admin-token", TOKEN,
-           "--autoscale-slots", str(MAX_NUM_SEQS), "--target-utilization", "0.5",
-           "--scale-in-delay", "10", "--scale-cooldown", "2", "--stop-timeout", "30",
-           "--startup-timeout", "600", "--load-interval", "0.2", "--log-level", "info",
-           "--expose-instance", "--max-queue-wait", "600", "--standing-queue-wait", "600"]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    )
-    output: list[str] = []
-    base = f"http://127.0.0.1:{port}"
-    admin = f"http://127.0.0.1:{admin_port}/admin/v1/instances"
-    auth = {"Authorization": f"Bearer {TOKEN}"}
-
-    def listed() -> dict[str, dict[str, object]]:
-        return {
-            i["instance_id"]: i for i in httpx.get(admin, headers=auth, timeout=10).json()["data"]
-        }
-
-    def serving() -> list[str]:
-        return sorted(
-            k for k, i in listed().items() if i["health"] == "healthy" and not i["draining"]
-        )
-
-    def log() -> str:
-        engine_log = tmp_path / "engine-1.log"
-        tail = engine_log.read_text(errors="replace")[-3000:] if engine_log.exists() else ""
-        return "".join(output[-80:]) + "\n--- engine-1:\n" + tail
-
-    assert proc.stdout is not None
-    stdout = proc.stdout
-    reader = threading.Thread(target=lambda: output.extend(stdout), daemon=True)
-    reader.start()
+    args = ["-n", "1", "--autoscale", "--min", "1", "--max", "2", "--model", str(tiny_model),
+            "--launch", _launch_command(vllm_python, tiny_model), "--launch-instance", instance,
+            "--log-dir", str(tmp_path), "--autoscale-slots", str(MAX_NUM_SEQS),
+            "--target-utilization", "0.5", "--scale-in-delay", "10", "--scale-cooldown", "2",
+            "--stop-timeout", "30", "--startup-timeout", "600", "--load-interval", "0.2",
+            "--max-queue-wait", "600", "--standing-queue-wait", "600"]  # fmt: skip
 
     def prompts(k: int) -> str:
         """New conversations keep arriving (every other request), spread by load; the returning
@@ -142,33 +109,39 @@ def test_the_autoscaler_launches_and_retires_a_vllm_server(
         conversation = k if k % 2 else k % 8
         return f"Scaling a fleet of vLLM servers, conversation {conversation}. " * 12
 
-    try:
-        until(lambda: any("stops everything" in line for line in output), 600, "ready", log)
-        assert serving() == ["engine-0"], log()
-        step = StepLoad(base, 4, prompts, 64, model="tiny")
-        until(lambda: "autoscale: out engine-1" in "".join(output), 120, "a scale-out", log)
+    with running_up(args, env, TOKEN) as up:
+
+        def log() -> str:
+            engine_log = tmp_path / "engine-1.log"
+            tail = engine_log.read_text(errors="replace")[-3000:] if engine_log.exists() else ""
+            return up.log() + "\n--- engine-1:\n" + tail
+
+        up.wait_ready(600)
+        assert up.serving() == ["engine-0"], log()
+        step = StepLoad(up.base, 4, prompts, 64, model="tiny")
+        until(lambda: "autoscale: out engine-1" in "".join(up.output), 120, "a scale-out", log)
         # The launched server's cold start competes with the step for the 2 cores (it took over
         # 10 minutes so in the full suite): the load pauses while it starts, which cannot scale
         # the fleet back in (never while an instance starts).
         step.join()
-        until(lambda: serving() == ["engine-0", "engine-1"], 600, "engine-1 serving", log)
-        engine_1 = str(listed()["engine-1"]["url"])
+        until(lambda: up.serving() == ["engine-0", "engine-1"], 600, "engine-1 serving", log)
+        engine_1 = str(up.listed()["engine-1"]["url"])
         group = _group_of(engine_1.rsplit(":", 1)[1])  # its API server, EngineCore and worker
         assert len(_live_members(group)) >= 2, "vLLM's engine core runs in the server's group"
         # The step goes on with conversations the first part never sent.
-        grown = StepLoad(base, 4, lambda k: prompts(k + 1_000_000), 64, model="tiny")
+        grown = StepLoad(up.base, 4, lambda k: prompts(k + 1_000_000), 64, model="tiny")
         time.sleep(6.0)
         grown.join()
-        trickle = StepLoad(base, 1, prompts, 64, model="tiny")
-        until(lambda: serving() == ["engine-0"], 120, "back to engine-0 alone", log)
-        until(lambda: "engine-1" not in listed(), 60, "engine-1 removed", log)
+        trickle = StepLoad(up.base, 1, prompts, 64, model="tiny")
+        until(lambda: up.serving() == ["engine-0"], 120, "back to engine-0 alone", log)
+        until(lambda: "engine-1" not in up.listed(), 60, "engine-1 removed", log)
         trickle.join()
 
         with pytest.raises(httpx.ConnectError):  # stopped: nothing listens on its port
             httpx.get(f"{engine_1}/health", timeout=5)
         # Removed from the fleet first, then stopped: SIGTERM, SIGKILL after --stop-timeout (30 s).
         until(lambda: not _live_members(group), 60, "engine-1's processes gone", log)
-        metrics = httpx.get(f"{base}/metrics", timeout=10).text
+        metrics = httpx.get(f"{up.base}/metrics", timeout=10).text
         outs = re.search(
             r'kvherd_scale_events_total\{direction="out",reason="load"\} (\S+)', metrics
         )
@@ -182,11 +155,3 @@ def test_the_autoscaler_launches_and_retires_a_vllm_server(
             texts.setdefault(prompt, set()).add(text)
         assert all(len(t) == 1 for t in texts.values()), texts  # greedy: one text per prompt
         assert {instance for *_, instance in grown.answers} == {"engine-0", "engine-1"}
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
