@@ -137,10 +137,11 @@ def test_the_autoscaler_launches_and_retires_a_vllm_server(
         until(lambda: "engine-1" not in up.listed(), 60, "engine-1 removed", log)
         trickle.join()
 
+        # Removed from the fleet first, then stopped: SIGTERM, SIGKILL after --stop-timeout (30 s).
+        # Until its processes are gone the closing server may still accept and reset a connection.
+        until(lambda: not _live_members(group), 60, "engine-1's processes gone", log)
         with pytest.raises(httpx.ConnectError):  # stopped: nothing listens on its port
             httpx.get(f"{engine_1}/health", timeout=5)
-        # Removed from the fleet first, then stopped: SIGTERM, SIGKILL after --stop-timeout (30 s).
-        until(lambda: not _live_members(group), 60, "engine-1's processes gone", log)
         metrics = httpx.get(f"{up.base}/metrics", timeout=10).text
         outs = re.search(
             r'kvherd_scale_events_total\{direction="out",reason="load"\} (\S+)', metrics
