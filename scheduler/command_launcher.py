@@ -12,8 +12,9 @@ Contract:
   heartbeats expected); one whose model no ``--tokenizer`` covers is stopped instead (logged).
   One that later exits on its own is removed from the fleet (the autoscaler then replaces it).
 - `retire(id)`: it is drained (no new requests; the migration driver moves its streams: stream cuts
-  for vLLM), then removed from the fleet once nothing is in flight on it (at most ``stop_timeout_s``),
-  then its process group gets SIGTERM (SIGKILL after ``stop_timeout_s``). `stop(timeout)`: all.
+  for vLLM), once nothing is in flight on it (at most ``stop_timeout_s``) survivors pull its hot
+  prefixes (`scheduler.handover`, unless ``--no-handover``), then it is removed from the fleet and
+  its process group gets SIGTERM (SIGKILL after ``stop_timeout_s``). `stop(timeout)`: all.
 - `alive(id)`, `dead()`, `ids`, `describe(id)`, `log_hint(id)`: `scheduler.child_processes`.
 """
 
@@ -30,6 +31,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from scheduler.child_processes import ChildProcesses
+from scheduler.handover import hand_over
 
 if TYPE_CHECKING:
     from scheduler.fleet import Fleet
@@ -171,6 +173,8 @@ class CommandGroup(ChildProcesses):
             deadline = time.monotonic() + self.stop_timeout_s
             while fleet.inflight.count(instance_id) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)  # its streams end or are moved; no event to await
+            if fleet.settings.handover:
+                await hand_over(fleet, instance_id)
             await fleet.remove_instance(instance_id)
         self._added.discard(instance_id)
         await self._stop_children([instance_id], self.stop_timeout_s)

@@ -98,6 +98,7 @@ from scheduler.core.load_report import LoadReport
 from scheduler.core.model_index import ModelCard, ModelIndex
 from scheduler.core.outliers import Health
 from scheduler.core.prefix_pull import PullAction, PullPeer, PullSettings, pull_peer
+from scheduler.core.prompt_book import PromptBook
 from scheduler.core.router import Routed, Router
 from scheduler.core.ttft_model import TERMS
 from scheduler.fleet_health import FleetHealth
@@ -234,6 +235,7 @@ class Fleet:
         )
         self._handoffs: dict[str, str] = {}  # routing key -> its decode instance (P/D)
         self.truth = CacheTruth()  # engines' reported hits against the event index's claims
+        self.prompts = PromptBook()  # tokens behind what vLLM servers cache (`scheduler.handover`)
         metrics.cache_truth = self.truth
         metrics.ttft_model = self.cluster.ttft
         self.last_routed: Routed | None = None  # the last dispatch's decision (for traces)

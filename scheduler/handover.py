@@ -1,19 +1,22 @@
 """Prefixes moved as the fleet changes size, on the proxy's clock: hand-over and warm-up.
 
 Contract:
-- `hand_over(fleet, id, client)` (scale-in), once a leaving agent runs nothing (it asks from its
-  drain, ``POST /admin/v1/instances/{id}/handover``): survivors pull its hot prefixes, within
-  `share` of each one's free blocks. `warm_up(fleet, id, client)` (scale-out), before a new agent
-  takes traffic: it pulls every peer's hottest prefixes, each peer's within an equal part of
-  `share` of its own free blocks. `WarmUps.start(id)` holds a newly registered agent out of
-  routing (drained), when some peer caches anything, until its first load report and its warm-up
-  are done (or `timeout_s`), then lets it in unless it is leaving meanwhile.
-- A source's prefixes come hottest first from ``GET /kvherd/v1/prefixes``; keyed chains (salt,
-  adapter: no request without the key hits them) are left; the prefix index says who holds how
-  much; `scheduler.core.handover` plans; each move is a one-token greedy completion of the prefix
-  sent to its target with `kvherd.kv_pull.PULL_HEADER` (the source's block server, fleet token).
-- Targets and peers: healthy, not draining kvherd agents with a block server, serving the model
-  at the block size. Failures never raise: they are counted in the result and in
+- `hand_over(fleet, id, client)` (scale-in), once a leaving engine runs nothing (an agent asks
+  from its drain, ``POST /admin/v1/instances/{id}/handover``; a launched engine's retire calls it):
+  survivors pull its hot prefixes, within `share` of each one's free blocks. `warm_up(fleet, id,
+  client)` (scale-out), before a new engine takes traffic: it pulls every peer's hottest prefixes,
+  each peer's within an equal part of `share` of its own free blocks. `WarmUps.start(id)` holds a
+  new engine out of routing (drained), when some peer caches anything, until its first load
+  report and its warm-up are done (or `timeout_s`), then lets it in unless it is leaving meanwhile.
+- A kvherd agent lists its prefixes hottest first (``GET /kvherd/v1/prefixes``; keyed chains, salt
+  or adapter, are left); a vLLM server cannot, so its are the prompts the proxy routed to vLLM
+  (`Fleet.prompts`, most recent first) as far as its KV events say it holds them. The prefix index
+  says who holds how much; `scheduler.core.handover` plans; each move is a one-token greedy
+  completion of the prefix sent to its target, asking it to pull from the source's block server:
+  `kvherd.kv_pull.PULL_HEADER` (fleet token) to an agent, ``kv_transfer_params.kvherd_pull`` to
+  vLLM's kvherd connector.
+- Targets and peers: healthy, not draining engines of the source's kind with a block server,
+  serving the model at the block size. Failures never raise: they are counted in the result and in
   ``kvherd_handover_blocks_total{cause,outcome}``."""
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvherd.handover")
 
+PULL_TIMEOUT_S = 30.0  # one survivor's pull of one prefix, and the listing
 MAX_BLOCKS = 4096  # the most blocks of one instance's cache a hand-over or warm-up considers
 CONCURRENT_PULLS = 4
 WARM_UP_TIMEOUT_S = 30.0  # the longest a new agent is held out of routing to warm up
@@ -58,9 +62,13 @@ class HandoverResult:
 
 
 async def hand_over(
-    fleet: Fleet, instance_id: str, client: httpx.AsyncClient, share: float = 0.5
+    fleet: Fleet, instance_id: str, client: httpx.AsyncClient | None = None, share: float = 0.5
 ) -> HandoverResult:
-    """Scale-in: survivors pull the leaving `instance_id`'s prefixes (module contract)."""
+    """Scale-in: survivors pull the leaving `instance_id`'s prefixes (module contract), through
+    `client` (None: one of its own, `PULL_TIMEOUT_S`)."""
+    if client is None:
+        async with httpx.AsyncClient(timeout=PULL_TIMEOUT_S, trust_env=False) as own:
+            return await hand_over(fleet, instance_id, own, share)
     result = HandoverResult(instance_id)
     listed = await _listing(fleet, instance_id, client, result)
     if listed is not None:
@@ -78,8 +86,8 @@ async def warm_up(
     model, each peer's within an equal part of `share` of its free blocks."""
     result = HandoverResult(instance_id)
     new = fleet.instances[instance_id]
-    if not new.spec.kvherd_agent or new.spec.pull_address is None:
-        result.error = "not a kvherd agent with a block server"
+    if new.spec.pull_address is None:
+        result.error = "no block server"
         return result
     block_size = fleet.cluster.get(instance_id).block_size
     models = fleet.models.models_of(instance_id) or (new.spec.model,)
@@ -102,9 +110,11 @@ async def _listing(
     """`source`'s prefixes a request without a key hashes to the very same blocks; None (the
     reason in `result.error`) when it cannot be asked or answers nonsense."""
     inst = fleet.instances[source]
-    if not inst.spec.kvherd_agent or inst.spec.pull_address is None:
-        result.error = f"{source} is not a kvherd agent with a block server"
+    if inst.spec.pull_address is None:
+        result.error = f"{source} has no block server"
         return None
+    if not inst.spec.kvherd_agent:
+        return _booked(fleet, source, result)
     try:
         listed = await client.get(
             f"{inst.url}/kvherd/v1/prefixes",
@@ -125,15 +135,36 @@ async def _listing(
     return model, block_size, plain
 
 
+def _booked(fleet: Fleet, source: str, result: HandoverResult) -> Listing:
+    """What vLLM server `source` holds, as its KV events told the prefix index, of the prompts
+    the proxy routed to vLLM servers (`Fleet.prompts`), most recently routed first."""
+    inst = fleet.instances[source]
+    block_size = fleet.cluster.get(source).block_size
+    model = (fleet.models.models_of(source) or [inst.spec.model or ""])[0]
+    index = fleet.cluster.prefix_index
+    prefixes: list[tuple[list[int], list[int]]] = []
+    blocks = 0
+    for chain, tokens in fleet.prompts.recent():
+        held = index.match(chain).get(source, 0)
+        if held:
+            prefixes.append((list(chain[:held]), tokens[: held * block_size].tolist()))
+            blocks += held
+            if blocks >= MAX_BLOCKS:
+                break
+    result.prefixes += len(prefixes)
+    return model, block_size, prefixes
+
+
 def _peers(fleet: Fleet, source: str, model: str | None, block_size: int) -> list[str]:
-    """Instances that can pull from `source`: healthy, not draining kvherd agents with a block
-    server, at `block_size`, serving `model` (None: any)."""
+    """Instances that can pull from `source`: healthy, not draining engines of its kind (kvherd
+    agents, or vLLM servers) with a block server, at `block_size`, serving `model` (None: any)."""
     cluster = fleet.cluster
+    agent = fleet.instances[source].spec.kvherd_agent
     return [
         i
         for i, inst in fleet.instances.items()
         if i != source
-        and inst.spec.kvherd_agent
+        and inst.spec.kvherd_agent == agent
         and inst.spec.pull_address is not None
         and cluster.get(i).healthy
         and not cluster.get(i).draining
@@ -156,7 +187,7 @@ async def _move(
     cause: str,
 ) -> None:
     """Plan `listed` (the prefixes of `source`) onto the instances of `room`, and pull."""
-    model, _, plain = listed
+    model, block_size, plain = listed
     address = fleet.instances[source].spec.pull_address
     assert address is not None  # (`_listing` lists block servers only)
     token = fleet.settings.fleet_token
@@ -172,22 +203,29 @@ async def _move(
 
     async def pull(target: str, tokens: list[int], num_blocks: int, moved: int) -> None:
         # One token past the prefix: every block of it is a prompt block the pull may fill.
-        body = {"model": model, "prompt": [*tokens, tokens[-1]], "max_tokens": 1, "temperature": 0}
-        headers = {PULL_HEADER: PullAsk(address, num_blocks).header(), **auth_headers(token)}
-        told = None
+        body: dict[str, Any] = {
+            "model": model, "prompt": [*tokens, tokens[-1]], "max_tokens": 1, "temperature": 0,
+        }  # fmt: skip
+        headers = auth_headers(token)
+        agent = fleet.instances[source].spec.kvherd_agent
+        if agent:
+            headers[PULL_HEADER] = PullAsk(address, num_blocks).header()
+        else:  # vLLM: its kvherd connector pulls (`kvherd.vllm_connector`)
+            body["kv_transfer_params"] = {"kvherd_pull": {"from": address, "tokens": len(tokens)}}
+        pulled = 0
         async with gate:
             try:
                 r = await client.post(
                     f"{fleet.instances[target].url}/v1/completions", json=body, headers=headers
                 )
                 if r.status_code == 200:
-                    told = parse_outcome(r.headers.get(PULL_OUTCOME_HEADER, ""))
+                    pulled = _pulled_blocks(r, agent, block_size)
                 else:
                     log.warning("pull by %s: %s %s", target, r.status_code, r.text[:200])
             except (httpx.HTTPError, KeyError) as exc:  # (KeyError: it left meanwhile)
                 log.warning("pull by %s failed: %r", target, exc)
         # The target pulls the blocks it lacks (it holds the rest), so those land or not.
-        landed = 0 if told is None else min(moved, told.num_blocks)
+        landed = min(moved, pulled)
         if landed:
             result.pulled_prefixes += 1
         result.pulled_blocks += landed
@@ -203,6 +241,19 @@ async def _move(
             for move in plan.moves
         )
     )
+
+
+def _pulled_blocks(answer: httpx.Response, agent: bool, block_size: int) -> int:
+    """The blocks a pull's answer says landed: a kvherd agent's `PULL_OUTCOME_HEADER`, vLLM's
+    connector's ``kv_transfer_params.kvherd_pull`` (tokens loaded)."""
+    if agent:
+        told = parse_outcome(answer.headers.get(PULL_OUTCOME_HEADER, ""))
+        return 0 if told is None else told.num_blocks
+    try:
+        loaded = answer.json()["kv_transfer_params"]["kvherd_pull"]
+        return int(loaded["tokens"]) // block_size if loaded["outcome"] == "loaded" else 0
+    except (ValueError, KeyError, TypeError):
+        return 0
 
 
 class WarmUps:

@@ -65,7 +65,6 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -84,7 +83,6 @@ from scheduler.proxy.rate_gate import RateGate
 LOOPBACK_PATTERNS: tuple[str, ...] = ("127.0.0.0/8", "::1", "localhost")
 # How long a migration order waits for a stream being continued to be placed on its next instance.
 ORDER_WAIT_S = 10.0
-HANDOVER_PULL_TIMEOUT_S = 30.0  # one survivor's pull of one prefix, and the listing
 
 
 def _error(status: int, message: str, type: str, param: str | None = None) -> Response:
@@ -296,9 +294,7 @@ def build_admin_app(
             raise FleetError(409, f"{instance_id!r} is not draining: drain it first")
         if not fleet.settings.handover:
             return _json(HandoverResult(instance_id, error="hand-over is off").body())
-        async with httpx.AsyncClient(timeout=HANDOVER_PULL_TIMEOUT_S, trust_env=False) as client:
-            result = await hand_over(fleet, instance_id, client)
-        return _json(result.body())
+        return _json((await hand_over(fleet, instance_id)).body())
 
     @app.get("/admin/v1/charges")
     async def charges() -> Response:

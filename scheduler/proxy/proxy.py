@@ -471,6 +471,9 @@ class Proxy:
         if chosen is None:
             return None
         instance, matched, queued = chosen
+        spec = instance.spec
+        if not spec.kvherd_agent and spec.pull_address is not None and not request.keyed:
+            self.fleet.prompts.note(request.block_hashes, request.token_ids, request.block_size)
         if not job.tried:
             if not queued:  # time spent queueing is not decision time
                 self.metrics.decision_seconds.observe(time.perf_counter() - job.started)

@@ -70,6 +70,8 @@ class RoutedRequest:
     model: str | None = None  # the model it names
     block_size: int = 16  # its model's: the blocks `block_hashes` covers
     tokenizer: Tokenizer = field(default_factory=ByteTokenizer)  # its model's
+    token_ids: list[int] = field(default_factory=list)  # its prompt's, as the engine computes them
+    keyed: bool = False  # its blocks are hashed with a salt or an adapter's name
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -152,6 +154,7 @@ class RequestReader:
         return RoutedRequest(
             path, chat, body, raw, len(token_ids), hashes, tenant, max_tokens, streamed,
             resolved, target.only, adapter, target.lora_load, target.model, block_size, tokenizer,
+            token_ids, salt is not None or adapter is not None,
         )  # fmt: skip
 
     def _model(self, model: Any) -> _Target:
