@@ -9,7 +9,8 @@ Contract:
   tokenizer_named)` before the first launch.
 - `launch()` starts the engine in its own process group (it dies with this process) and a task that
   polls ``GET /health`` until 200, then describes it (`probe_instance`) and adds it to the fleet (no
-  heartbeats expected); one whose model no ``--tokenizer`` covers is stopped instead (logged).
+  heartbeats expected), warming up from its peers' caches first (`scheduler.handover.WarmUps`,
+  unless ``--no-handover``); one whose model no ``--tokenizer`` covers is stopped instead (logged).
   One that later exits on its own is removed from the fleet (the autoscaler then replaces it).
 - `retire(id)`: it is drained (no new requests; the migration driver moves its streams: stream cuts
   for vLLM), once nothing is in flight on it (at most ``stop_timeout_s``) survivors pull its hot
@@ -31,7 +32,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from scheduler.child_processes import ChildProcesses
-from scheduler.handover import hand_over
+from scheduler.handover import WarmUps, hand_over
 
 if TYPE_CHECKING:
     from scheduler.fleet import Fleet
@@ -105,6 +106,7 @@ class CommandGroup(ChildProcesses):
         tokenizer_named: Callable[[str | None], bool],
     ) -> None:
         self._fleet = fleet
+        self._warm_ups = WarmUps(fleet)
         self._kv_events = kv_events
         self._fleet_token = fleet_token
         self._named = tokenizer_named
@@ -158,6 +160,8 @@ class CommandGroup(ChildProcesses):
             self._terminate(instance_id)
             return
         self._added.add(instance_id)
+        if self._fleet.settings.handover:
+            self._warm_ups.start(instance_id)
         log.info("launched %s serves at %s", instance_id, spec.url)
         while self.alive(instance_id):
             await asyncio.sleep(_HEALTH_POLL_S)  # a child's exit has no event on this loop
@@ -169,6 +173,7 @@ class CommandGroup(ChildProcesses):
     async def retire(self, instance_id: str) -> None:
         fleet = self._fleet
         if fleet is not None and instance_id in self._added and instance_id in fleet.instances:
+            fleet.instances[instance_id].leaving = True  # (a warm-up ending lets it in else)
             fleet.set_draining(instance_id, True)
             deadline = time.monotonic() + self.stop_timeout_s
             while fleet.inflight.count(instance_id) and time.monotonic() < deadline:

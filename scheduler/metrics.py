@@ -62,7 +62,7 @@ Contract (what ``GET /metrics`` on the proxy exposes):
   ``kvherd_prefix_pull_seconds_total``.
 - Prefixes moved when the fleet changes size (`scheduler.handover`):
   ``kvherd_handover_blocks_total{cause,outcome}``, blocks pulled (``pulled``) or not (``failed``)
-  by survivors of a leaving agent (``scale_in``) or by a new agent warming up (``scale_out``).
+  by survivors of a leaving engine (``scale_in``) or by a new engine warming up (``scale_out``).
 - ``kvherd_kv_transfer_params_stripped_total``: client ``kv_transfer_params`` the proxy dropped
   (only a tenant with ``kv_transfer_params=allow`` may send them, `scheduler.core.tenancy`).
 
@@ -270,7 +270,7 @@ class ProxyMetrics:
         )
         self.handover_blocks = Counter(
             "kvherd_handover_blocks",
-            "Prefix blocks moved between agents as the fleet changed size, by cause and outcome",
+            "Prefix blocks moved between engines as the fleet changed size, by cause and outcome",
             ["cause", "outcome"], registry=r,
         )  # fmt: skip
         self.kv_transfer_params_stripped = Counter(

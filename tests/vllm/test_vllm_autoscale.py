@@ -2,9 +2,11 @@
 
 One vLLM server at start (``-n 1``); a load step of 4 streams (each server sized for 2 in flight)
 makes the controller launch a second from the same template (the load pauses while it starts),
-which the proxy adds once its ``/health`` answers (its KV events subscribed); the grown fleet
+which the proxy adds once its ``/health`` answers (its KV events subscribed) and once it has
+pulled the first's hottest prefixes through kvherd's KV connector (the warm-up); the grown fleet
 serves part of the step's new conversations; when the load falls to one stream the second is
-drained, removed and stopped: its port is closed and no process of it is left. Every request
+drained, the first pulls the prefixes only the second holds (the hand-over), and the second is
+removed and stopped: its port is closed and no process of it is left. Every request
 answers 200 with the same greedy text per prompt on either server (same checkpoint), and the
 scale events are counted.
 """
@@ -22,6 +24,7 @@ import httpx
 import pytest
 from kvherd_up import running_up
 from step_load import StepLoad, until
+from vllm_fleet import REPO_ROOT, connector_config
 
 TOKEN = "vllm-autoscale-admin-token"
 MAX_NUM_SEQS = 4
@@ -34,15 +37,17 @@ def _launch_command(python: str, model: Path) -> str:
         "endpoint": "tcp://*:{port1}",
         "replay_endpoint": "tcp://127.0.0.1:{port2}",
     }
+    connector = json.dumps(connector_config(0)).replace('"port": 0', '"port": {port3}')
     argv = [
-        "env", "-u", "PYTHONPATH", "-u", "VIRTUAL_ENV", "-u", "PYTHONHASHSEED",
+        "env", "-u", "VIRTUAL_ENV", "-u", "PYTHONHASHSEED",
+        f"PYTHONPATH={REPO_ROOT}",  # this tree's kvherd connector
         "VLLM_CPU_OMP_THREADS_BIND={cpu}",
         python, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model), "--served-model-name", "tiny",
         "--host", "127.0.0.1", "--port", "{port}", "--dtype", "float32",
         "--max-model-len", "4096", "--max-num-seqs", str(MAX_NUM_SEQS),
         "--enable-prefix-caching", "--enable-prompt-tokens-details",
-        "--kv-events-config", json.dumps(events),
+        "--kv-events-config", json.dumps(events), "--kv-transfer-config", connector,
     ]  # fmt: skip
     return shlex.join(argv)
 
@@ -94,7 +99,8 @@ def test_the_autoscaler_launches_and_retires_a_vllm_server(
     }
     instance = (
         "http://127.0.0.1:{port},kv_events=tcp://127.0.0.1:{port1},"
-        f"replay=tcp://127.0.0.1:{{port2}},max_num_seqs={MAX_NUM_SEQS}"
+        f"replay=tcp://127.0.0.1:{{port2}},pull_address=tcp://127.0.0.1:{{port3}},"
+        f"max_num_seqs={MAX_NUM_SEQS}"
     )
     args = ["-n", "1", "--autoscale", "--min", "1", "--max", "2", "--model", str(tiny_model),
             "--launch", _launch_command(vllm_python, tiny_model), "--launch-instance", instance,
@@ -148,6 +154,12 @@ def test_the_autoscaler_launches_and_retires_a_vllm_server(
         )
         ins = re.search(r'kvherd_scale_events_total\{direction="in",reason="load"\} (\S+)', metrics)
         assert outs and float(outs.group(1)) >= 1 and ins and float(ins.group(1)) >= 1, metrics
+        # engine-1 warmed up from engine-0's conversations; engine-0 took engine-1's over.
+        for cause in ("scale_out", "scale_in"):
+            pulled = re.search(
+                rf'kvherd_handover_blocks_total{{cause="{cause}",outcome="pulled"}} (\S+)', metrics
+            )
+            assert pulled and float(pulled.group(1)) > 0, (cause, metrics, log())
         answers = step.answers + grown.answers + trickle.answers
         failed = [a for a in answers if a[1] != 200]
         assert not failed, failed[:5]
