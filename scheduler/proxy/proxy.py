@@ -472,8 +472,14 @@ class Proxy:
             return None
         instance, matched, queued = chosen
         spec = instance.spec
-        if not spec.kvherd_agent and spec.pull_address is not None and not request.keyed:
-            self.fleet.prompts.note(request.block_hashes, request.token_ids, request.block_size)
+        fleet = self.fleet
+        if (
+            spec.pull_address
+            and not spec.kvherd_agent
+            and not request.keyed
+            and fleet.settings.handover
+        ):
+            fleet.prompts.note(request.block_hashes, request.token_ids, request.block_size)
         if not job.tried:
             if not queued:  # time spent queueing is not decision time
                 self.metrics.decision_seconds.observe(time.perf_counter() - job.started)

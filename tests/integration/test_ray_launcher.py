@@ -21,11 +21,10 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-import httpx
 import pytest
 from agent_process import free_port
 from kvherd_up import running_up
-from step_load import StepLoad, until
+from step_load import StepLoad, assert_served, until
 from test_autoscale import PROMPTS
 
 pytest.importorskip("ray")
@@ -117,11 +116,5 @@ def test_agents_run_as_ray_actors_and_a_lost_one_is_replaced(
         )
         time.sleep(2.0)  # the replacement serves its share
         load.join()
-        failed = [a for a in load.answers if a[1] != 200]
-        assert not failed, (failed[:5], up.log())
-        texts: dict[str, set[str]] = {}
-        for prompt, _, text, _ in load.answers:
-            texts.setdefault(prompt, set()).add(text)
-        assert all(len(t) == 1 for t in texts.values()), texts
-        metrics = httpx.get(f"{up.base}/metrics", timeout=10).text
-        assert re.search(r'kvherd_scale_events_total\{direction="out",reason="min"\} 1\.0', metrics)
+        assert_served(load)
+        assert up.metric("kvherd_scale_events_total", direction="out", reason="min") == 1

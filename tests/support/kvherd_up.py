@@ -4,7 +4,8 @@
 (free), ``--admin-token``, ``--log-level info`` and ``--expose-instance``, reads its output in a
 thread and yields an `Up`: `base` (the client URL), `output` (its lines), `log()` (the last 80),
 `wait_ready(timeout)` (the banner, once printed), `listed()` (the admin listing by instance id),
-`serving()` (the healthy, not draining ones, sorted). On exit it is sent SIGTERM (SIGKILL after
+`serving()` (the healthy, not draining ones, sorted), `metric(name, **labels)` (the sum of the
+proxy's samples of `name` with those labels). On exit it is sent SIGTERM (SIGKILL after
 60 s) and reaped.
 """
 
@@ -21,6 +22,8 @@ from typing import Any
 import httpx
 from agent_process import free_port
 from step_load import until
+
+from scheduler.core.prom_text import samples
 
 READY_LINE = "Ctrl-C or SIGTERM stops everything"
 
@@ -55,6 +58,10 @@ class Up:
         return sorted(
             k for k, i in self.listed().items() if i["health"] == "healthy" and not i["draining"]
         )
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = httpx.get(f"{self.base}/metrics", timeout=10).text
+        return sum(v for _, got, v in samples(text, {name}) if labels.items() <= got.items())
 
 
 @contextlib.contextmanager

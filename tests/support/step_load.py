@@ -4,6 +4,7 @@
 `prompts` from its own offset, or, `prompts` a function, asks it for the load's k-th prompt.
 `answers` holds (prompt, status, text, instance): status 0 is a failed connection, ``instance``
 the ``X-Kvherd-Instance`` header (``--expose-instance``). `join()` stops and waits.
+`assert_served(*loads)`: every answer of the loads was a 200, and one greedy text per prompt.
 `until(check, timeout, what, log)` polls `check` or fails with `log()`.
 """
 
@@ -67,6 +68,16 @@ class StepLoad:
         self.stop.set()
         for t in self._threads:
             t.join(timeout=300)
+
+
+def assert_served(*loads: StepLoad) -> None:
+    answers = [a for load in loads for a in load.answers]
+    failed = [a for a in answers if a[1] != 200]
+    assert not failed, failed[:5]
+    texts: dict[str, set[str]] = {}
+    for prompt, _, text, _ in answers:
+        texts.setdefault(prompt, set()).add(text)
+    assert all(len(t) == 1 for t in texts.values()), texts  # greedy: one text per prompt
 
 
 def until(check: Callable[[], bool], timeout: float, what: str, log: Callable[[], str]) -> None:
