@@ -1,13 +1,14 @@
 """Engines started from a command template (vLLM, SGLang, any OpenAI server): ``kvherd up --launch``.
 
 Contract:
-- `CommandGroup(command, instance, ...)`: `command` is a shell-style command line and `instance` an
-  ``--instance`` value (`scheduler.serve_cli.parse_instance_spec`), both formatted per launch with
-  ``{id}`` (``engine-N``), ``{port}``, ``{port1}``..``{port3}`` (fresh loopback ports: e.g. the
-  engine's KV-event PUB, replay ROUTER and block server) and ``{cpu}`` (the launch's ordinal modulo
-  the host's CPUs); other braces stay (a JSON flag). `bind(fleet, kv_events, fleet_token,
-  tokenizer_named)` before the first launch.
-- `launch()` starts the engine in its own process group (it dies with this process) and a task that
+- `CommandGroup(command, instance, engines, env)`: `command` is a shell-style command line and
+  `instance` an ``--instance`` value (`scheduler.serve_cli.parse_instance_spec`), both filled per
+  launch (`fields_for`) with ``{id}`` (``engine-N``), ``{host}``, ``{port}``, ``{port1}``..``{port3}``
+  (fresh ports: e.g. the engine's KV-event PUB, replay ROUTER and block server) and ``{cpu}``;
+  other braces stay (a JSON flag). `engines` runs them: `LocalEngines` (child processes, loopback)
+  or `scheduler.ray_launcher.RayLauncher` (Ray actors, filled on their node). `bind(fleet,
+  kv_events, fleet_token, tokenizer_named)` before the first launch.
+- `launch()` starts the engine in its own process group (it dies with its parent) and a task that
   polls ``GET /health`` until 200, then describes it (`probe_instance`) and adds it to the fleet (no
   heartbeats expected), warming up from its peers' caches first (`scheduler.handover.WarmUps`,
   unless ``--no-handover``); one whose model no ``--tokenizer`` covers is stopped instead (logged).
@@ -16,7 +17,7 @@ Contract:
   for vLLM), once nothing is in flight on it (at most ``stop_timeout_s``) survivors pull its hot
   prefixes (`scheduler.handover`, unless ``--no-handover``), then it is removed from the fleet and
   its process group gets SIGTERM (SIGKILL after ``stop_timeout_s``). `stop(timeout)`: all.
-- `alive(id)`, `dead()`, `ids`, `describe(id)`, `log_hint(id)`: `scheduler.child_processes`.
+- `alive(id)`, `dead()`, `ids`, `describe(id)`, `log_hint(id)`: its `engines`'.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import re
 import shlex
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from scheduler.child_processes import ChildProcesses
 from scheduler.handover import WarmUps, hand_over
@@ -39,7 +40,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvherd.launch")
 
-_PLACEHOLDER = re.compile(r"\{(id|port|port1|port2|port3|cpu)\}")
+_PLACEHOLDER = re.compile(r"\{(id|host|port|port1|port2|port3|cpu)\}")
+LOOPBACK = "127.0.0.1"
 _HEALTH_POLL_S = 0.5  # an engine loads for seconds to minutes; there is nothing to await
 
 
@@ -50,7 +52,7 @@ def check_templates(command: str, instance: str) -> str | None:
     try:
         if not shlex.split(command):
             return "--launch: empty command"
-        parse_instance_spec(fill(instance, _fields("engine-0", [1, 2, 3, 4], 0)))
+        parse_instance_spec(fill(instance, fields_for("engine-0", [1, 2, 3, 4], 0)))
     except ValueError as exc:
         return str(exc)
     return None
@@ -61,32 +63,80 @@ def fill(template: str, fields: dict[str, str]) -> str:
     return _PLACEHOLDER.sub(lambda m: fields[m.group(1)], template)
 
 
-def _fields(instance_id: str, ports: list[int], ordinal: int) -> dict[str, str]:
+def fields_for(
+    instance_id: str, ports: list[int], ordinal: int, host: str = LOOPBACK
+) -> dict[str, str]:
+    """What fills one launch's placeholders: `ports` are {port}, {port1}..{port3}; {cpu} is the
+    launch's ordinal modulo this host's CPUs."""
     return {
         "id": instance_id,
+        "host": host,
         "port": str(ports[0]),
         **{f"port{i}": str(p) for i, p in enumerate(ports[1:], 1)},
         "cpu": str(ordinal % (os.cpu_count() or 1)),
     }
 
 
-class CommandGroup(ChildProcesses):
+class Engines(Protocol):
+    """Where launched engines run: local child processes (`LocalEngines`) or Ray actors
+    (`scheduler.ray_launcher.RayLauncher`)."""
+
+    @property
+    def ids(self) -> list[str]: ...
+    def start(self, instance_id: str, argv: list[str], env: dict[str, str], ordinal: int) -> None:
+        """Start `argv` (a template: `fill` per launch, where it runs) as `instance_id`."""
+    async def placed(self, instance_id: str) -> dict[str, str]:
+        """The fields its template was filled with (its host and ports)."""
+        ...
+    def alive(self, instance_id: str) -> bool: ...
+    def dead(self) -> list[str]: ...
+    async def describe(self, instance_id: str) -> str: ...
+    def log_hint(self, instance_id: str) -> str: ...
+    async def retire(self, instance_id: str) -> None:
+        """SIGTERM to its process group, SIGKILL after the stop timeout; returns once gone."""
+    async def stop(self, timeout: float) -> None: ...
+
+
+class LocalEngines(ChildProcesses):
+    """Engines as child processes of this one, each leading its own process group, on loopback
+    ports from `port()`."""
+
+    def __init__(self, log_dir: str, port: Callable[[], int], stop_timeout_s: float) -> None:
+        super().__init__(log_dir, own_group=True)
+        self.port = port
+        self.stop_timeout_s = stop_timeout_s
+        self._fields: dict[str, dict[str, str]] = {}
+
+    def start(self, instance_id: str, argv: list[str], env: dict[str, str], ordinal: int) -> None:
+        fields = fields_for(instance_id, [self.port() for _ in range(4)], ordinal)
+        self._fields[instance_id] = fields
+        self._start(instance_id, [fill(arg, fields) for arg in argv], env)
+
+    async def placed(self, instance_id: str) -> dict[str, str]:
+        return self._fields[instance_id]
+
+    async def retire(self, instance_id: str) -> None:
+        await self._stop_children([instance_id], self.stop_timeout_s)
+
+    async def stop(self, timeout: float) -> None:
+        await self._stop_children(self.ids, timeout)
+
+
+class CommandGroup:
     def __init__(
         self,
         command: str,
         instance: str,
-        port: Callable[[], int],
+        engines: Engines,
         env: dict[str, str],
-        log_dir: str,
         stop_timeout_s: float = 30.0,
         ready_timeout_s: float = 300.0,
     ) -> None:
         if problem := check_templates(command, instance):
             raise ValueError(problem)
-        super().__init__(log_dir, own_group=True)
         self.argv = shlex.split(command)
         self.instance = instance
-        self.port = port
+        self.engines = engines
         self.env = env
         self.stop_timeout_s = stop_timeout_s
         self.ready_timeout_s = ready_timeout_s
@@ -97,6 +147,22 @@ class CommandGroup(ChildProcesses):
         self._kv_events = True
         self._fleet_token: str | None = None
         self._named: Callable[[str | None], bool] = lambda model: False
+
+    @property
+    def ids(self) -> list[str]:
+        return self.engines.ids
+
+    def alive(self, instance_id: str) -> bool:
+        return self.engines.alive(instance_id)
+
+    def dead(self) -> list[str]:
+        return self.engines.dead()
+
+    async def describe(self, instance_id: str) -> str:
+        return await self.engines.describe(instance_id)
+
+    def log_hint(self, instance_id: str) -> str:
+        return self.engines.log_hint(instance_id)
 
     def bind(
         self,
@@ -117,16 +183,13 @@ class CommandGroup(ChildProcesses):
         ordinal = self._next
         self._next += 1
         instance_id = f"engine-{ordinal}"
-        fields = _fields(instance_id, [self.port() for _ in range(4)], ordinal)
-        argv = [fill(arg, fields) for arg in self.argv]
-        instance = fill(self.instance, fields)
-        self._start(instance_id, argv, self.env)
-        task = asyncio.get_running_loop().create_task(self._join(instance_id, instance))
+        self.engines.start(instance_id, self.argv, self.env, ordinal)
+        task = asyncio.get_running_loop().create_task(self._join(instance_id))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return instance_id
 
-    async def _join(self, instance_id: str, instance: str) -> None:
+    async def _join(self, instance_id: str) -> None:
         """Wait for the engine's health, then add it to the fleet under `instance_id`."""
         import httpx
 
@@ -138,6 +201,7 @@ class CommandGroup(ChildProcesses):
         )
 
         assert self._fleet is not None
+        instance = fill(self.instance, await self.engines.placed(instance_id))
         raw = {**parse_instance_spec(instance), "id": instance_id}
         deadline = time.monotonic() + self.ready_timeout_s
         async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
@@ -151,13 +215,13 @@ class CommandGroup(ChildProcesses):
         spec = await probe_instance(raw, self._kv_events, self._fleet_token)
         if refusal := foreign_without_tokenizer(spec, self._named):
             log.error("launched %s not added: %s", instance_id, refusal)
-            self._terminate(instance_id)
+            await self.engines.retire(instance_id)
             return
         try:
             await self._fleet.add_instance(spec)
         except FleetError as exc:
             log.error("launched %s not added: %s", instance_id, exc.message)
-            self._terminate(instance_id)
+            await self.engines.retire(instance_id)
             return
         self._added.add(instance_id)
         if self._fleet.settings.handover:
@@ -182,9 +246,9 @@ class CommandGroup(ChildProcesses):
                 await hand_over(fleet, instance_id)
             await fleet.remove_instance(instance_id)
         self._added.discard(instance_id)
-        await self._stop_children([instance_id], self.stop_timeout_s)
+        await self.engines.retire(instance_id)
 
     async def stop(self, timeout: float) -> None:
         for task in self._tasks:
             task.cancel()
-        await self._stop_children(self.ids, timeout)
+        await self.engines.stop(timeout)

@@ -106,15 +106,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--launch",
         metavar="COMMAND",
         default=None,
-        help="start each instance with COMMAND instead of a kvherd agent; {id}, {port}, "
-        "{port1}..{port3} (fresh ports) and {cpu} are filled in per instance",
+        help="start each instance with COMMAND instead of a kvherd agent (with --ray, in a Ray "
+        "actor); {id}, {host} (where it runs), {port}, {port1}..{port3} (fresh ports there) and "
+        "{cpu} are filled in per instance",
     )
     engines.add_argument(
         "--launch-instance",
         metavar="INSTANCE",
-        default="http://127.0.0.1:{port}",
+        default="http://{host}:{port}",
         help="how the proxy reaches a launched instance, as an --instance value with the same "
-        "placeholders (e.g. http://127.0.0.1:{port},kv_events=tcp://127.0.0.1:{port1})",
+        "placeholders (e.g. http://{host}:{port},kv_events=tcp://{host}:{port1})",
     )
     parser.add_argument("--log-dir", default=None, help="agent logs (default: a temp directory)")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
@@ -217,17 +218,28 @@ async def _up(args: argparse.Namespace) -> int:
     os.makedirs(log_dir, exist_ok=True)
     agents: AgentGroup | RayLauncher | CommandGroup
     commands: CommandGroup | None = None
+    loopback = _admin_host(args) in ("127.0.0.1", "localhost", "::1")
+    ray_host = "127.0.0.1" if loopback else None  # a loopback proxy: a one-node cluster
+    tokens = {ADMIN_TOKEN_ENV: token, FLEET_TOKEN_ENV: args.fleet_token}
     if args.launch:
-        from scheduler.command_launcher import CommandGroup
+        from scheduler.command_launcher import CommandGroup, Engines, LocalEngines
 
-        handed = {args.port, args.admin_port}
-        env = {**os.environ, ADMIN_TOKEN_ENV: token, FLEET_TOKEN_ENV: args.fleet_token}
+        engines: Engines
+        if args.ray:
+            from scheduler.ray_launcher import RayLauncher
+
+            engines = RayLauncher(args.ray, tokens, ray_host, num_cpus=args.ray_num_cpus,
+                                  stop_timeout_s=args.stop_timeout)  # fmt: skip
+            env = tokens  # (the actor adds its node's environment)
+        else:
+            handed = {args.port, args.admin_port}
+            engines = LocalEngines(log_dir, lambda: agent_port(handed), args.stop_timeout)
+            env = {**os.environ, **tokens}
         agents = CommandGroup(
             args.launch,
             args.launch_instance,
-            lambda: agent_port(handed),
+            engines,
             env,
-            log_dir,
             stop_timeout_s=args.stop_timeout,
             ready_timeout_s=args.startup_timeout,
         )
@@ -235,12 +247,11 @@ async def _up(args: argparse.Namespace) -> int:
     elif args.ray:
         from scheduler.ray_launcher import HOST, PORT, RayLauncher
 
-        loopback = _admin_host(args) in ("127.0.0.1", "localhost", "::1")
         agents = RayLauncher(
             args.ray,
+            tokens,
+            ray_host,
             lambda instance_id, role: agent_command(args, instance_id, HOST, PORT, role),
-            {ADMIN_TOKEN_ENV: token, FLEET_TOKEN_ENV: args.fleet_token},
-            "127.0.0.1" if loopback else None,  # a loopback proxy: a one-node cluster
             num_cpus=args.ray_num_cpus,
             stop_timeout_s=args.stop_timeout,
         )
@@ -345,8 +356,8 @@ def _launch_error(args: argparse.Namespace) -> str | None:
     """Why the --launch flags cannot work, before anything starts."""
     from scheduler.command_launcher import check_templates
 
-    if args.ray or args.prefill or args.decode:
-        return "--launch starts local mixed instances: not with --ray, --prefill or --decode"
+    if args.prefill or args.decode:
+        return "--launch starts mixed instances: not with --prefill or --decode"
     return check_templates(args.launch, args.launch_instance)
 
 

@@ -5,7 +5,8 @@ started by the test; ``kvherd up`` places its two agents on it as actors (the au
 minimum). One client sends greedy requests through the proxy throughout. The test kills one
 actor through Ray (``ray.kill``, from another process): its agent dies with it, the proxy ejects
 and then removes it, and the autoscaler, below its minimum, starts a third actor that registers
-and serves. Every request answers 200, one greedy text per prompt.
+and serves. Every request answers 200, one greedy text per prompt. The same with ``--launch``:
+engines from a command template run in Ray actors and a killed one is replaced.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import contextlib
 import os
 import re
 import secrets
+import shlex
 import signal
 import subprocess
 import sys
@@ -118,3 +120,32 @@ def test_agents_run_as_ray_actors_and_a_lost_one_is_replaced(
         load.join()
         assert_served(load)
         assert up.metric("kvherd_scale_events_total", direction="out", reason="min") == 1
+
+
+def test_launched_engines_run_as_ray_actors_and_a_lost_one_is_replaced(
+    ray_cluster: tuple[str, dict[str, str]],
+) -> None:
+    """``--launch`` with ``--ray``: the command template is filled and started in a Ray actor
+    (here a kvherd agent that never registers itself, standing in for a vLLM server: the proxy
+    adds it once ``/health`` answers); the actor killed, the proxy removes its engine and the
+    autoscaler's replacement serves."""
+    address, env = ray_cluster
+    command = shlex.join([sys.executable, "-m", "kvherd", "agent", "--model", "tiny",
+                          "--host", "{host}", "--port", "{port}", "--instance-id", "{id}"])  # fmt: skip
+    args = ["-n", "1", "--autoscale", "--min", "1", "--max", "2", "--ray", address,
+            "--launch", command, "--autoscale-slots", "8", "--stop-timeout", "20"]  # fmt: skip
+    with running_up(args, env, TOKEN) as up:
+        banner = up.wait_ready(240)
+        assert re.search(r"engine-0 http://127\.0\.0\.1:\d+ \(pid \d+ on ", banner), banner
+        assert up.serving() == ["engine-0"]
+        before = StepLoad(up.base, 1, PROMPTS, 8)
+        until(lambda: len(before.answers) >= 4, 60, "answers from engine-0", up.log)
+        before.join()
+        assert {(a[1], a[3]) for a in before.answers} == {(200, "engine-0")}, before.answers[:3]
+        _kill_actor(address, env, "kvherd-engine-0")
+        until(lambda: up.serving() == ["engine-1"], 180, "engine-1 replacing engine-0", up.log)
+        after = StepLoad(up.base, 1, PROMPTS, 8)
+        until(lambda: len(after.answers) >= 4, 60, "answers from engine-1", up.log)
+        after.join()
+        assert {(a[1], a[3]) for a in after.answers} == {(200, "engine-1")}, after.answers[:3]
+        assert any("launched engine-0 exited" in line for line in up.output), up.log()

@@ -6,16 +6,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from scheduler.command_launcher import check_templates, fill
+from scheduler.command_launcher import check_templates, fields_for, fill
 
-FIELDS = {
-    "id": "engine-3",
-    "port": "9000",
-    "port1": "9001",
-    "port2": "9002",
-    "port3": "9003",
-    "cpu": "1",
-}
+FIELDS = fields_for("engine-3", [9000, 9001, 9002, 9003], 1, host="10.0.0.7")
 
 
 def test_placeholders_are_filled_and_json_braces_kept() -> None:
@@ -25,8 +18,11 @@ def test_placeholders_are_filled_and_json_braces_kept() -> None:
         == '{"endpoint": "tcp://*:9001", "replay_endpoint": "tcp://127.0.0.1:9002"}'
     )
     assert (
-        fill("--port {port} --name {id} {other}", FIELDS) == "--port 9000 --name engine-3 {other}"
+        fill("--host {host} --port {port} --name {id} {other}", FIELDS)
+        == "--host 10.0.0.7 --port 9000 --name engine-3 {other}"
     )
+    assert fields_for("engine-0", [1, 2, 3, 4], 0)["host"] == "127.0.0.1"
+    assert check_templates("vllm serve --port {port}", "http://{host}:{port}") is None
 
 
 def test_templates_that_cannot_work_are_named() -> None:
@@ -50,4 +46,4 @@ def test_up_refuses_a_bad_launch_before_starting_anything() -> None:
         [sys.executable, "-m", "kvherd", "up", "--launch", "vllm", "--prefill", "1"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    assert result.returncode == 2 and "not with --ray, --prefill or --decode" in result.stderr
+    assert result.returncode == 2 and "not with --prefill or --decode" in result.stderr
