@@ -63,9 +63,10 @@ from scheduler.proxy.routed_request import (
     parse_slo_header,
     resolve_priority,
 )
+from scheduler.proxy.untraced import UNTRACED, Trace
 
 if TYPE_CHECKING:
-    from scheduler.proxy.tracing import RequestTrace, Tracing
+    from scheduler.proxy.tracing import Tracing
 
 _PULL_OUTCOME = PULL_OUTCOME_HEADER.encode()
 
@@ -190,7 +191,7 @@ class Proxy:
                 tracestate = value
         if not request_id:
             request_id = b"%s-%x" % (self._id_prefix, next(self._id_counter))
-        trace: RequestTrace | None = None
+        trace: Trace = UNTRACED
         if self.tracing is not None:  # the attempts send their own traceparent
             trace = self.tracing.request(path, request_id, traceparent, tracestate)
         elif traceparent is not None:  # off: the client's trace goes on to the instances
@@ -219,15 +220,11 @@ class Proxy:
             slo_ttft_s = None if slo is None else parse_slo_header(slo)
             tenant_name = None if tenant is None else tenant.name
             klass = resolve_priority(asked, tenant)
-            if trace is None:
+            with trace.span("kvherd.admission", **{"kvherd.priority": klass}) as span:
+                if tenant_name is not None:
+                    span.set_attribute("kvherd.tenant", tenant_name)
                 lease = self.limits.admit(tenant_name)
                 self.admission.check(tenant_name, klass)
-            else:
-                with trace.span("kvherd.admission", **{"kvherd.priority": klass}) as span:
-                    if tenant_name is not None:
-                        span.set_attribute("kvherd.tenant", tenant_name)
-                    lease = self.limits.admit(tenant_name)
-                    self.admission.check(tenant_name, klass)
             admitted = True
             self.door.admitted(tenant_name, klass)
             started = time.perf_counter()
@@ -268,8 +265,7 @@ class Proxy:
             self.admission.finished(tenant_name)
         if lease is not None:
             lease.settle(None)  # a no-op when settled by `_serve` or given back
-        if trace is not None:
-            trace.end(status)
+        trace.end(status)
         self.metrics.request_done(status)
 
     def _kv_transfer_params_checked(self, request: RoutedRequest) -> RoutedRequest:
@@ -303,7 +299,7 @@ class Proxy:
         headers: list[tuple[bytes, bytes]],
         started: float,
         lease: Lease | None = None,
-        trace: RequestTrace | None = None,
+        trace: Trace = UNTRACED,
         slo_ttft_s: float | None = None,
     ) -> int | str:
         """The first attempt and the retries, until one instance answers; a limited tenant's
@@ -358,24 +354,18 @@ class Proxy:
             elif pull is not None:  # a vLLM with kvherd's connector: asked in the body
                 address, num_blocks = pull
                 payload = _with_vllm_pull(payload, address, num_blocks * request.block_size)
-            if trace is None:
+            with trace.span(
+                "kvherd.attempt",
+                **{"kvherd.attempt": attempt_no, "kvherd.instance": instance.instance_id},
+            ) as span:
+                if decode is not None:
+                    span.add_event("kvherd.handoff", {"kvherd.decode": decode.instance_id})
+                sent = [*sent, *trace.headers(span)]
                 outcome = await self._attempt(
                     exchange, job, attempt, sent, payload, first_byte, watch, pull, decode,
                     vllm_decode,
                 )  # fmt: skip
-            else:
-                with trace.span(
-                    "kvherd.attempt",
-                    **{"kvherd.attempt": attempt_no, "kvherd.instance": instance.instance_id},
-                ) as span:
-                    if decode is not None:
-                        span.add_event("kvherd.handoff", {"kvherd.decode": decode.instance_id})
-                    sent = [*sent, *trace.headers(span)]
-                    outcome = await self._attempt(
-                        exchange, job, attempt, sent, payload, first_byte, watch, pull, decode,
-                        vllm_decode,
-                    )  # fmt: skip
-                    trace.outcome(span, outcome)
+                trace.outcome(span, outcome)
             if isinstance(outcome, UpstreamStatus):
                 last_status = outcome
                 continue
@@ -461,13 +451,10 @@ class Proxy:
             request.block_size,
             job.slo_ttft_s,
         )
-        if job.trace is None:
+        with job.trace.span("kvherd.route", **{"kvherd.prompt_tokens": num_tokens}) as span:
             chosen = await dispatching
-        else:
-            with job.trace.span("kvherd.route", **{"kvherd.prompt_tokens": num_tokens}) as span:
-                chosen = await dispatching
-                if chosen is not None:
-                    job.trace.route(span, chosen, self.fleet.last_routed)
+            if chosen is not None:
+                job.trace.route(span, chosen, self.fleet.last_routed)
         if chosen is None:
             return None
         instance, matched, queued = chosen
@@ -511,8 +498,6 @@ class Proxy:
             only = frozenset({on}) if allowed is None or on in allowed else frozenset()
         max_tokens = job.request.max_tokens
         left = max_tokens - done if isinstance(max_tokens, int) else None
-        if job.trace is None:
-            return await self._continue(job, continued, exclude, left, only, pull_from)
         with job.trace.span("kvherd.continuation", **{"kvherd.tokens_done": done}) as span:
             opened = await self._continue(
                 job, continued, exclude, left, only, pull_from, job.trace.headers(span)

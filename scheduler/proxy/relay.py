@@ -48,10 +48,10 @@ from scheduler.proxy.continuation import (
 from scheduler.proxy.http_front import Exchange
 from scheduler.proxy.routed_request import RoutedRequest
 from scheduler.proxy.stream_cuts import StreamCuts
+from scheduler.proxy.untraced import UNTRACED, Trace
 
 if TYPE_CHECKING:
     from scheduler.fleet import Fleet, FleetInstance
-    from scheduler.proxy.tracing import RequestTrace
 
 log = logging.getLogger("kvherd.proxy")
 
@@ -71,7 +71,7 @@ class Job:
     reply_headers: list[tuple[bytes, bytes]] = field(default_factory=list)  # sent to the client
     count_output: bool = False  # a rate-limited tenant's: count its output tokens
     output_tokens: int | None = None  # counted once relayed (None: not counted, or unknown)
-    trace: RequestTrace | None = None  # its trace, when tracing is on
+    trace: Trace = UNTRACED  # its trace (`scheduler.proxy.untraced`)
     slo_ttft_s: float | None = None  # the TTFT its client asked for (``X-Kvherd-Slo-Ttft-Ms``)
 
 
@@ -354,14 +354,11 @@ class Relay:
                         notice += chunk
                 if resumed is not None:
                     resumed.close()
-                if job.trace is None:
-                    resumed = await self._resume(notice, job.request_id, moved_to)
-                else:
-                    with job.trace.span("kvherd.migration") as span:
-                        resumed = await self._resume(
-                            notice, job.request_id, moved_to, job.trace.headers(span)
-                        )
-                        span.set_attribute("kvherd.migrated_to", moved_to[-1])
+                with job.trace.span("kvherd.migration") as span:
+                    resumed = await self._resume(
+                        notice, job.request_id, moved_to, job.trace.headers(span)
+                    )
+                    span.set_attribute("kvherd.migrated_to", moved_to[-1])
                 if self.fleet.migration is not None:
                     self.fleet.migration.metrics.reattached.inc()
                 first, chunks = b"", resumed.iter_body()

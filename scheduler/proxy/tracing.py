@@ -1,8 +1,8 @@
 """OpenTelemetry traces of the request path, off unless ``kvherd serve --otlp-endpoint URL``.
 
 Contract:
-- Off, the proxy holds no `Tracing`: each site is one ``is None`` check, no span is made, and a
-  client's W3C ``traceparent``/``tracestate`` go to the instances unchanged.
+- Off, the proxy holds no `Tracing` and each request `scheduler.proxy.untraced.UNTRACED` (no span
+  is made), and a client's W3C ``traceparent``/``tracestate`` go to the instances unchanged.
 - `Tracing(exporter, sample_ratio=R)` (`kvherd.otlp.exporter(url)`: OTLP/HTTP protobuf, batched
   off the event loop; a client's sampled flag is kept, other requests traced at ratio R) makes
   each request one trace: `request(...)` a ``kvherd.request`` server span, the child of the
