@@ -189,6 +189,7 @@ async def _move(
     """Plan `listed` (the prefixes of `source`) onto the instances of `room`, and pull."""
     model, block_size, plain = listed
     address = fleet.instances[source].spec.pull_address
+    agent = fleet.instances[source].spec.kvherd_agent
     assert address is not None  # (`_listing` lists block servers only)
     token = fleet.settings.fleet_token
     index = fleet.cluster.prefix_index
@@ -207,7 +208,6 @@ async def _move(
             "model": model, "prompt": [*tokens, tokens[-1]], "max_tokens": 1, "temperature": 0,
         }  # fmt: skip
         headers = auth_headers(token)
-        agent = fleet.instances[source].spec.kvherd_agent
         if agent:
             headers[PULL_HEADER] = PullAsk(address, num_blocks).header()
         else:  # vLLM: its kvherd connector pulls (`kvherd.vllm_connector`)
