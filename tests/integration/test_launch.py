@@ -14,15 +14,30 @@ import re
 import shlex
 import signal
 import sys
+from collections.abc import Callable
 
 import pytest
-from kvherd_up import running_up
+from kvherd_up import Up, running_up
 from step_load import StepLoad, until
 
 pytestmark = pytest.mark.timeout(300)
 
 TOKEN = "launch-admin-token"
 PROMPTS = [f"A launched engine, prompt {i}." for i in range(4)]
+
+
+def assert_replaced(up: Up, prompts: list[str], kill: Callable[[], None], timeout: float) -> None:
+    """engine-0 answers, `kill()` ends it, and engine-1, the autoscaler's replacement, answers."""
+    before = StepLoad(up.base, 1, prompts, 8)
+    until(lambda: len(before.answers) >= 4, 60, "answers from engine-0", up.log)
+    before.join()
+    assert {(a[1], a[3]) for a in before.answers} == {(200, "engine-0")}, before.answers[:3]
+    kill()
+    until(lambda: up.serving() == ["engine-1"], timeout, "engine-1 replacing engine-0", up.log)
+    after = StepLoad(up.base, 1, prompts, 8)
+    until(lambda: len(after.answers) >= 4, 60, "answers from engine-1", up.log)
+    after.join()
+    assert {(a[1], a[3]) for a in after.answers} == {(200, "engine-1")}, after.answers[:3]
 
 
 def test_a_launched_engine_that_dies_is_removed_and_replaced() -> None:
@@ -35,14 +50,5 @@ def test_a_launched_engine_that_dies_is_removed_and_replaced() -> None:
         banner = re.search(r"engine-0 \S+ \(pid (\d+)\)", up.wait_ready(120))
         assert banner and up.serving() == ["engine-0"], up.log()
         pid = int(banner.group(1))  # it leads its own process group
-        before = StepLoad(up.base, 1, PROMPTS, 8)
-        until(lambda: len(before.answers) >= 4, 60, "answers from engine-0", up.log)
-        before.join()
-        assert {a[1] for a in before.answers} == {200}, before.answers[:3]
-        os.killpg(pid, signal.SIGKILL)  # the engine and anything it started
-        until(lambda: up.serving() == ["engine-1"], 120, "engine-1 replacing engine-0", up.log)
-        after = StepLoad(up.base, 1, PROMPTS, 8)
-        until(lambda: len(after.answers) >= 4, 60, "answers from engine-1", up.log)
-        after.join()
-        assert {(a[1], a[3]) for a in after.answers} == {(200, "engine-1")}, after.answers[:3]
+        assert_replaced(up, PROMPTS, lambda: os.killpg(pid, signal.SIGKILL), 120)  # its group
         assert any("launched engine-0 exited" in line for line in up.output), up.log()

@@ -28,6 +28,7 @@ from agent_process import free_port
 from kvherd_up import running_up
 from step_load import StepLoad, assert_served, until
 from test_autoscale import PROMPTS
+from test_launch import assert_replaced
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.timeout(420)
@@ -138,14 +139,5 @@ def test_launched_engines_run_as_ray_actors_and_a_lost_one_is_replaced(
         banner = up.wait_ready(240)
         assert re.search(r"engine-0 http://127\.0\.0\.1:\d+ \(pid \d+ on ", banner), banner
         assert up.serving() == ["engine-0"]
-        before = StepLoad(up.base, 1, PROMPTS, 8)
-        until(lambda: len(before.answers) >= 4, 60, "answers from engine-0", up.log)
-        before.join()
-        assert {(a[1], a[3]) for a in before.answers} == {(200, "engine-0")}, before.answers[:3]
-        _kill_actor(address, env, "kvherd-engine-0")
-        until(lambda: up.serving() == ["engine-1"], 180, "engine-1 replacing engine-0", up.log)
-        after = StepLoad(up.base, 1, PROMPTS, 8)
-        until(lambda: len(after.answers) >= 4, 60, "answers from engine-1", up.log)
-        after.join()
-        assert {(a[1], a[3]) for a in after.answers} == {(200, "engine-1")}, after.answers[:3]
+        assert_replaced(up, PROMPTS, lambda: _kill_actor(address, env, "kvherd-engine-0"), 180)
         assert any("launched engine-0 exited" in line for line in up.output), up.log()
