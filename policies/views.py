@@ -137,16 +137,6 @@ class InstanceView:
         return self.role != "prefill"
 
 
-def ttft_inputs(
-    request: RequestView, inst: InstanceView, cached_tokens: int
-) -> tuple[int, int, int]:
-    """What a TTFT on `inst` is learned and predicted from: the request's uncached prompt tokens,
-    the prefill tokens queued ahead of it (reported or charged by the router, whichever is more)
-    and the requests running there."""
-    queued = max(inst.waiting_prefill_tokens, inst.pending_prefill_tokens)
-    return max(0, request.num_tokens - cached_tokens), queued, inst.num_running
-
-
 class NoInstanceError(RuntimeError):
     """No instance can take the request (none registered, or all unhealthy or draining)."""
 
@@ -160,8 +150,9 @@ TierMatcher = Callable[["RequestView", np.ndarray], np.ndarray]
 # without the ones only routed there (still being computed); None: the match is all it knows.
 ConfirmedMatcher = Callable[["RequestView", str], int | None]
 # Predicted TTFT in seconds of (instance id, uncached prompt tokens, queued prefill tokens, running
-# requests), learned from the engines (`scheduler.core.ttft_model`); None: nothing learned yet.
-TtftPredictor = Callable[[str, float, float, float], float | None]
+# requests, requests on its host's other instances), learned from the engines
+# (`scheduler.core.ttft_model`); None: nothing learned yet.
+TtftPredictor = Callable[[str, float, float, float, float], float | None]
 
 
 # InstanceView fields available as numpy columns (see `ClusterView.column`).
@@ -203,6 +194,8 @@ class ClusterView:
         "_columns",
         "_confirmed_matcher",
         "_dispatchable",
+        "_host_load",
+        "_hosts",
         "_index",
         "_indexed_blocks",
         "_match_cache",
@@ -226,8 +219,11 @@ class ClusterView:
         confirmed_matcher: ConfirmedMatcher | None = None,
         ttft_predictor: TtftPredictor | None = None,
         indexed_blocks: Callable[[str], int] | None = None,
+        hosts: Mapping[str, str] | None = None,
     ) -> None:
         self.instances: tuple[InstanceView, ...] = tuple(instances)
+        self._hosts = hosts or {}
+        self._host_load: dict[str, int] | None = None
         self._indexed_blocks = indexed_blocks
         self._ttft_predictor = ttft_predictor
         self._confirmed_matcher = confirmed_matcher
@@ -356,6 +352,32 @@ class ClusterView:
         the fleet's cached prefixes, and so of their future traffic, it already draws."""
         return 0 if self._indexed_blocks is None else self._indexed_blocks(instance_id)
 
+    def host_requests(self, instance_id: str) -> int:
+        """Requests running or waiting on the other instances of `instance_id`'s host (0 when
+        its host is unknown): they share its CPU."""
+        host = self._hosts.get(instance_id)
+        if host is None:
+            return 0
+        if self._host_load is None:
+            load: dict[str, int] = {}
+            for inst in self.instances:
+                h = self._hosts.get(inst.instance_id)
+                if h is not None:
+                    load[h] = load.get(h, 0) + inst.num_requests
+            self._host_load = load
+        return self._host_load.get(host, 0) - self[instance_id].num_requests
+
+    def ttft_inputs(
+        self, request: RequestView, inst: InstanceView, cached_tokens: int
+    ) -> tuple[int, int, int, int]:
+        """What a TTFT on `inst` is learned and predicted from: the request's uncached prompt
+        tokens, the prefill tokens queued ahead of it (reported or charged by the router,
+        whichever is more), the requests running there and those on its host's other
+        instances."""
+        queued = max(inst.waiting_prefill_tokens, inst.pending_prefill_tokens)
+        uncached = max(0, request.num_tokens - cached_tokens)
+        return uncached, queued, inst.num_running, self.host_requests(inst.instance_id)
+
     def predict_ttft(
         self, request: RequestView, inst: InstanceView, cached_tokens: int
     ) -> float | None:
@@ -363,7 +385,9 @@ class ClusterView:
         cached there, by the model learned from the engines' first tokens (None: none yet)."""
         if self._ttft_predictor is None:
             return None
-        return self._ttft_predictor(inst.instance_id, *ttft_inputs(request, inst, cached_tokens))
+        return self._ttft_predictor(
+            inst.instance_id, *self.ttft_inputs(request, inst, cached_tokens)
+        )
 
     def weighted_prefix_match(
         self, request: RequestView, weights: tuple[float, ...]

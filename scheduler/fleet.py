@@ -80,6 +80,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
+from urllib.parse import urlsplit
 
 import zmq
 
@@ -425,6 +426,7 @@ class Fleet:
             role=spec.role,
             batch_slots=spec.max_num_seqs or 0,
             block_size=self._hashed_block_size(spec),
+            host=urlsplit(spec.url).hostname,
         )
         if has_events:
             await self._subscribe(spec)

@@ -112,6 +112,7 @@ class ClusterState:
         self._phase_only: set[str] = set()  # instances whose role is not "mixed" (`_refresh`)
         self._slot_pos: np.ndarray | None = None
         self._subsets: dict[frozenset[str], tuple[np.ndarray, dict[str, int]]] = {}
+        self._hosts: dict[str, str] = {}  # instance -> the machine it runs on, where known
 
     # -- registry ----------------------------------------------------------------------------
     def add_instance(
@@ -126,12 +127,14 @@ class ClusterState:
         batch_slots: int = 0,
         tier_load_ratio: tuple[float, float] = (0.0, 0.0),
         block_size: int | None = None,
+        host: str | None = None,
     ) -> ResyncRequest | None:
         """Register (or re-register) an instance (`role`, `batch_slots`: the operator's P/D role
         and max_num_seqs, else the reported ones; `tier_load_ratio`: what a token loaded from its
         CPU and STORAGE tiers costs in prefill tokens, `InstanceView.cpu_load_ratio`;
-        `block_size`: its blocks' tokens, None: the cluster's). Returns a resync request when it
-        has events."""
+        `block_size`: its blocks' tokens, None: the cluster's; `host`: the machine it runs on,
+        whose other instances share its CPU, `ClusterView.host_requests`). Returns a resync
+        request when it has events."""
         if not instance_id:
             raise ValueError("instance_id must be non-empty")
         size = self.block_size if block_size is None else block_size
@@ -150,6 +153,10 @@ class ClusterState:
                 state.adopt(dispatch, now)
             state.incoming = previous.incoming
         self.instances[instance_id] = state
+        if host:
+            self._hosts[instance_id] = host
+        else:
+            self._hosts.pop(instance_id, None)
         ttl = None if not has_kv_events else self.pending_ttl_s
         self.approx_index.add_instance(instance_id, ttl)
         if previous is None:
@@ -194,6 +201,7 @@ class ClusterState:
         self._replay.pop(instance_id, None)
         self._untrusted.discard(instance_id)
         self.ttft.remove_instance(instance_id)
+        self._hosts.pop(instance_id, None)
         self._dirty.discard(instance_id)
         position = self._position.pop(instance_id)
         del self._order[position]
@@ -374,7 +382,7 @@ class ClusterState:
         tiers = tier_matcher if self.prefix_index.has_lower_tiers() else None
         return ClusterView(
             views, now, None, columns, self._position, array_matcher, tiers, self._confirmed,
-            self.ttft.predict, self._indexed_blocks,
+            self.ttft.predict, self._indexed_blocks, self._hosts,
         )  # fmt: skip
 
     def _subset_view(
@@ -412,7 +420,7 @@ class ClusterState:
         tiers = tier_matcher if self.prefix_index.has_lower_tiers() else None
         return ClusterView(
             views, now, None, columns, index, array_matcher, tiers, self._confirmed,
-            self.ttft.predict, self._indexed_blocks,
+            self.ttft.predict, self._indexed_blocks, self._hosts,
         )  # fmt: skip
 
     def _slot_position(self) -> np.ndarray:

@@ -67,7 +67,6 @@ from policies.views import (
     NoInstanceError,
     PDDecision,
     RequestView,
-    ttft_inputs,
 )
 from scheduler.core.cluster_state import ClusterState
 from scheduler.core.instance_state import Dispatch
@@ -189,7 +188,7 @@ class Router:
         if pull is not None and pull.action is PullAction.PULL:  # cached once the pull lands
             cached = pull.first_block + pull.num_blocks
         cached_tokens = min(num_tokens, cached * block_size)
-        faced = ttft_inputs(request, view[decision.instance_id], cached_tokens)
+        faced = view.ttft_inputs(request, view[decision.instance_id], cached_tokens)
         self.cluster.ttft.dispatched(request_id, decision.instance_id, *faced, now)
         state = self.cluster.get(decision.instance_id)
         state.dispatch(request_id, num_tokens, num_tokens - cached_tokens, now, adapter)

@@ -6,9 +6,11 @@ Contract:
   `first_token` at the request's first token observes its TTFT; `discard` drops a request that
   ended (or moved) before one. Each dispatch is observed at most once.
 - TTFT = w . (1, uncached k-tokens, queued k-tokens, running, (uncached + queued) k-tokens x
-  running): a step runs the prefill chunks beside the running decodes, so the prefill's steps
-  each cost more with more requests running. w >= 0 is the non-negative least-squares fit of the
-  instance's last `window` observations, refitted every `refit_every` observations.
+  running, host_requests): a step runs the prefill chunks beside the running decodes, so the
+  prefill's steps each cost more with more requests running; `host_requests` counts the requests
+  on the other instances of the instance's host, which share its CPU (frontends, tokenizers,
+  schedulers; all of it for CPU engines). w >= 0 is the non-negative least-squares
+  fit of the instance's last `window` observations, refitted every `refit_every` observations.
 - `predict(instance, ...)` uses the instance's fit once it has `min_samples`, else the fleet's
   (every instance's observations), else None (nothing learned yet).
 - `quality(instance)`: effective samples, R^2 of the fit and the mean relative error of the
@@ -23,16 +25,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-TERMS = ("base", "uncached", "queued", "running", "prefill_x_running")
+TERMS = ("base", "uncached", "queued", "running", "prefill_x_running", "host_requests")
 _N = len(TERMS)
 _RIDGE = 1e-9  # keeps the normal equations solvable when a term never varied
 
 
-def features(uncached_tokens: float, queued_tokens: float, running: float) -> tuple[float, ...]:
+def features(
+    uncached_tokens: float, queued_tokens: float, running: float, host_requests: float = 0.0
+) -> tuple[float, ...]:
     """The model's terms for one dispatch (see the module docstring)."""
     u = uncached_tokens / 1000.0
     q = queued_tokens / 1000.0
-    return (1.0, u, q, float(running), (u + q) * running)
+    return (1.0, u, q, float(running), (u + q) * running, float(host_requests))
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +129,10 @@ def nnls(gram: np.ndarray, xy: np.ndarray) -> np.ndarray:
 
 
 def _dot(coef: tuple[float, ...], x: tuple[float, ...]) -> float:
-    return coef[0] + coef[1] * x[1] + coef[2] * x[2] + coef[3] * x[3] + coef[4] * x[4]
+    return (
+        coef[0] + coef[1] * x[1] + coef[2] * x[2] + coef[3] * x[3] + coef[4] * x[4]
+        + coef[5] * x[5]
+    )  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -159,13 +166,18 @@ class TtftModel:
         return None if fit is None else fit.coef
 
     def predict(
-        self, instance_id: str, uncached_tokens: float, queued_tokens: float, running: float
+        self,
+        instance_id: str,
+        uncached_tokens: float,
+        queued_tokens: float,
+        running: float,
+        host_requests: float = 0.0,
     ) -> float | None:
         """Predicted TTFT in seconds on `instance_id` (None: nothing learned yet)."""
         coef = self.coefficients(instance_id)
         if coef is None:
             return None
-        return _dot(coef, features(uncached_tokens, queued_tokens, running))
+        return _dot(coef, features(uncached_tokens, queued_tokens, running, host_requests))
 
     def dispatched(
         self,
@@ -174,9 +186,10 @@ class TtftModel:
         uncached_tokens: int,
         queued_tokens: int,
         running: int,
+        host_requests: int,
         now: float,
     ) -> None:
-        x = features(uncached_tokens, queued_tokens, running)
+        x = features(uncached_tokens, queued_tokens, running, host_requests)
         coef = self.coefficients(instance_id)
         predicted = None if coef is None else _dot(coef, x)
         self._pending[request_id] = _Pending(instance_id, x, now, predicted)
