@@ -1,23 +1,16 @@
 """Engines started from a command template (vLLM, SGLang, any OpenAI server): ``kvherd up --launch``.
 
 Contract:
-- `CommandGroup(command, instance, engines, env)`: `command` is a shell-style command line and
-  `instance` an ``--instance`` value (`scheduler.serve_cli.parse_instance_spec`), both filled per
-  launch (`fields_for`) with ``{id}`` (``engine-N``), ``{host}``, ``{port}``, ``{port1}``..``{port3}``
-  (fresh ports: e.g. the engine's KV-event PUB, replay ROUTER and block server) and ``{cpu}``;
-  other braces stay (a JSON flag). `engines` runs them: `LocalEngines` (child processes, loopback)
-  or `scheduler.ray_launcher.RayLauncher` (Ray actors, filled on their node). `bind(fleet,
-  kv_events, fleet_token, tokenizer_named)` before the first launch.
-- `launch()` starts the engine in its own process group (it dies with its parent) and a task that
-  polls ``GET /health`` until 200, then describes it (`probe_instance`) and adds it to the fleet (no
-  heartbeats expected), warming up from its peers' caches first (`scheduler.handover.WarmUps`,
-  unless ``--no-handover``); one whose model no ``--tokenizer`` covers is stopped instead (logged).
-  One that later exits on its own is removed from the fleet (the autoscaler then replaces it).
-- `retire(id)`: it is drained (no new requests; the migration driver moves its streams: stream cuts
-  for vLLM), once nothing is in flight on it (at most ``stop_timeout_s``) survivors pull its hot
-  prefixes (`scheduler.handover`, unless ``--no-handover``), then it is removed from the fleet and
-  its process group gets SIGTERM (SIGKILL after ``stop_timeout_s``). `stop(timeout)`: all.
-- `alive(id)`, `dead()`, `ids`, `describe(id)`, `log_hint(id)`: its `engines`'.
+- `CommandGroup(command, instance, engines, env)`: the command line and ``--instance`` value are
+  filled per launch (`fields_for`: ``{id}``, ``{host}``, ``{port}``, ``{port1}``..``{port3}``,
+  ``{cpu}``; other braces stay) and run by `engines` (`LocalEngines`: child processes; or
+  `scheduler.ray_launcher.RayLauncher`: Ray actors). `bind(...)` before the first launch.
+- `launch()`: the engine in its own process group; once ``/health`` answers it is described,
+  warmed from its peers' caches (`scheduler.handover.WarmUps`) and added to the fleet; one that
+  exits on its own is removed. `retire(id)`: drained (its streams migrate), its hot prefixes
+  handed over once idle, removed, SIGTERM then SIGKILL. `stop(timeout)`: all.
+- `alive(id)`, `dead()`, `ids`, `describe(id)`, `log_hint(id)`: its `engines`'. The long story is
+  in docs/operations.md.
 """
 
 from __future__ import annotations
