@@ -18,7 +18,8 @@ Contract:
   deduplicated); ``fallback`` (the request decodes where it was prefilled) is counted as such; a
   stream that breaks or ends before any outcome counts ``failed`` (its continuation elsewhere is
   the proxy's usual one). A client that leaves counts nothing. Whenever the request will not move,
-  the decode instance stops counting it as incoming (`Fleet.handoff_failed`).
+  the decode instance stops counting it as incoming (`Fleet.handoff_failed`). `HandoffOutcome`
+  settles each handoff exactly once, for both drivers of it below.
 - `take_outcome(response, ...)` does the same for a non-streamed response from the
   ``X-Kvherd-Handoff`` response header, which it removes from the headers relayed.
 - Between two vLLM servers running kvherd's connector the proxy runs the handoff itself: the
@@ -51,25 +52,64 @@ def handoff_headers(dst_url: str, fleet_token: str | None) -> list[tuple[bytes, 
     return headers
 
 
-def _record(report: Any, fleet: Fleet, metrics: ProxyMetrics, key: str, decode_id: str) -> None:
-    if not isinstance(report, dict) or report.get("outcome") not in ("ok", "fallback"):
-        fleet.handoff_failed(key)
-        metrics.handoff("failed")
-        return
-    if report["outcome"] == "fallback":
-        fleet.handoff_failed(key)
-        metrics.handoff("fallback")
-        return
-    fleet.request_migrated(key, decode_id)
-    metrics.handoff(
-        "ok",
-        seconds=float(report.get("duration_s") or 0.0),
-        downtime_s=float(report.get("downtime_s") or 0.0),
-        bytes_sent=int(report.get("bytes_sent") or 0),
-        blocks_sent=int(report.get("blocks_sent") or 0),
-        blocks_skipped=int(report.get("blocks_skipped") or 0),
-        bytes_skipped=int(report.get("bytes_skipped") or 0),
-    )
+class HandoffOutcome:
+    """One request's handoff to `decode_id`, settled once: the first of `moved`, `fell_back` and
+    `failed` tells the fleet (the request's accounting moves to the decode instance, or the decode
+    instance stops counting it as incoming) and counts the outcome; any later call is a no-op."""
+
+    __slots__ = ("_fleet", "_metrics", "decode_id", "key", "settled")
+
+    def __init__(self, fleet: Fleet, metrics: ProxyMetrics, key: str, decode_id: str) -> None:
+        self._fleet = fleet
+        self._metrics = metrics
+        self.key = key
+        self.decode_id = decode_id
+        self.settled = False
+
+    def _settle(self) -> bool:
+        first = not self.settled
+        self.settled = True
+        return first
+
+    def moved(self, report: dict[str, Any] | None = None) -> None:
+        """Committed on the decode instance; `report` the agent's figures, when it sent them."""
+        if not self._settle():
+            return
+        self._fleet.request_migrated(self.key, self.decode_id)
+        if report is None:
+            self._metrics.handoff("ok")
+            return
+        self._metrics.handoff(
+            "ok",
+            seconds=float(report.get("duration_s") or 0.0),
+            downtime_s=float(report.get("downtime_s") or 0.0),
+            bytes_sent=int(report.get("bytes_sent") or 0),
+            blocks_sent=int(report.get("blocks_sent") or 0),
+            blocks_skipped=int(report.get("blocks_skipped") or 0),
+            bytes_skipped=int(report.get("bytes_skipped") or 0),
+        )
+
+    def fell_back(self) -> None:
+        """It decodes where it was prefilled."""
+        if self._settle():
+            self._fleet.handoff_failed(self.key)
+            self._metrics.handoff("fallback")
+
+    def failed(self, counted: bool = True) -> None:
+        """No outcome came (`counted`: False for an answer that was itself an error)."""
+        if self._settle():
+            self._fleet.handoff_failed(self.key)
+            if counted:
+                self._metrics.handoff("failed")
+
+    def reported(self, report: Any) -> None:
+        """The agent's handoff report (its ledger line or response header), whatever it holds."""
+        if not isinstance(report, dict) or report.get("outcome") not in ("ok", "fallback"):
+            self.failed()
+        elif report["outcome"] == "fallback":
+            self.fell_back()
+        else:
+            self.moved(report)
 
 
 def _partial_marker(data: bytes) -> int:
@@ -80,9 +120,7 @@ def _partial_marker(data: bytes) -> int:
     return 0
 
 
-async def watch(
-    chunks: AsyncIterator[bytes], fleet: Fleet, metrics: ProxyMetrics, key: str, decode_id: str
-) -> AsyncIterator[bytes]:
+async def watch(chunks: AsyncIterator[bytes], handoff: HandoffOutcome) -> AsyncIterator[bytes]:
     """The prefill instance's stream without its handoff line (see the module contract)."""
     held = b""
     resolved = False
@@ -108,38 +146,30 @@ async def watch(
                         report = report["handoff"]
                     except (orjson.JSONDecodeError, KeyError, TypeError):
                         report = None
-                    _record(report, fleet, metrics, key, decode_id)
+                    handoff.reported(report)
                     out = data[:at] + data[end + 1 :]
             if out:
                 yield out
         if held:
             yield held
-        if not resolved:
-            fleet.handoff_failed(key)
-            metrics.handoff("failed")
+        handoff.failed()  # a no-op once resolved
     except UpstreamError:
-        if not resolved:
-            fleet.handoff_failed(key)
-            metrics.handoff("failed")
+        handoff.failed()
         raise
 
 
-def take_outcome(
-    response: UpstreamResponse, fleet: Fleet, metrics: ProxyMetrics, key: str, decode_id: str
-) -> None:
+def take_outcome(response: UpstreamResponse, handoff: HandoffOutcome) -> None:
     """Record a non-streamed response's handoff and drop its header from what is relayed."""
     value = response.header(HANDOFF_HEADER)
     if value is None:
-        fleet.handoff_failed(key)
-        if response.status < 400:
-            metrics.handoff("failed")
+        handoff.failed(counted=response.status < 400)
         return
     response.headers = [h for h in response.headers if h[0] != HANDOFF_HEADER]
     try:
         report = orjson.loads(value)
     except orjson.JSONDecodeError:
         report = None
-    _record(report, fleet, metrics, key, decode_id)
+    handoff.reported(report)
 
 
 def prefill_only(body: dict[str, Any]) -> bytes:

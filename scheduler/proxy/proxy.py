@@ -21,6 +21,7 @@ Contract (the whole story, with every failure path: `scheduler/proxy/README.md`)
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import os
@@ -330,15 +331,14 @@ class Proxy:
             decode = self._handoff_target(key, request.max_tokens)
             sent = headers
             watch = None
+            handoff = None  # an agent's handoff of this attempt to `decode`
             vllm_decode = None  # a vLLM decode instance this vLLM prefill hands the request to
             if decode is not None and not instance.spec.kvherd_agent:
                 vllm_decode, decode = decode, None
             elif decode is not None:
                 sent = [*headers, *pd.handoff_headers(decode.url, self.config.fleet_token)]
-                decode_id = decode.instance_id
-
-                def watch(chunks: Any, decode_id: str = decode_id) -> Any:
-                    return pd.watch(chunks, self.fleet, self.metrics, key, decode_id)
+                handoff = pd.HandoffOutcome(self.fleet, self.metrics, key, decode.instance_id)
+                watch = functools.partial(pd.watch, handoff=handoff)
 
             payload = request.raw
             if request.streamed and not instance.spec.kvherd_agent:
@@ -362,7 +362,7 @@ class Proxy:
                     span.add_event("kvherd.handoff", {"kvherd.decode": decode.instance_id})
                 sent = [*sent, *trace.headers(span)]
                 outcome = await self._attempt(
-                    exchange, job, attempt, sent, payload, first_byte, watch, pull, decode,
+                    exchange, job, attempt, sent, payload, first_byte, watch, pull, handoff,
                     vllm_decode,
                 )  # fmt: skip
                 trace.outcome(span, outcome)
@@ -398,7 +398,7 @@ class Proxy:
         first_byte: float | None,
         watch: Any,
         pull: tuple[str, int] | None,
-        decode: FleetInstance | None,
+        handoff: pd.HandoffOutcome | None,
         vllm_decode: FleetInstance | None,
     ) -> int | str | UpstreamError:
         """One attempt opened and, when it answers, relayed: the status relayed, or the error
@@ -406,9 +406,9 @@ class Proxy:
         first and the request then goes to that vLLM decode instance (`_prefill_on_vllm`)."""
         try:
             if vllm_decode is not None:
-                handoff = await self._prefill_on_vllm(job, attempt, vllm_decode)
-                if handoff is not None:
-                    payload = _with_vllm_pull(payload, handoff, None)
+                source = await self._prefill_on_vllm(job, attempt, vllm_decode)
+                if source is not None:
+                    payload = _with_vllm_pull(payload, source, None)
                     if job.request.streamed:
                         first_byte = self._first_byte_deadline(attempt.instance)
             upstream = await attempt.open(
@@ -420,10 +420,8 @@ class Proxy:
             self._note_pull(upstream.response.headers)
         if upstream.chunks is not None and upstream.response.status == 200:
             return await self.relay.stream(exchange, job, attempt, upstream)
-        if decode is not None and upstream.chunks is None:
-            pd.take_outcome(
-                upstream.response, self.fleet, self.metrics, job.key, decode.instance_id
-            )
+        if handoff is not None and upstream.chunks is None:
+            pd.take_outcome(upstream.response, handoff)
         return await self.relay.plain(exchange, job, attempt, upstream)
 
     async def _dispatch(
@@ -562,22 +560,20 @@ class Proxy:
         refused). Raises `UpstreamError` when the prefill instance failed (the caller retries)."""
         prefill = attempt.instance
         address = prefill.spec.pull_address
+        handoff = pd.HandoffOutcome(self.fleet, self.metrics, job.key, decode.instance_id)
         if address is None or decode.spec.kvherd_agent:
-            self.fleet.handoff_failed(job.key)
-            self.metrics.handoff("fallback")
+            handoff.fell_back()
             return None
         started = time.perf_counter()
         body = pd.prefill_only(job.request.body)
         upstream = await attempt.open(self.pool, job.request.path, job.headers, body)
         upstream.response.close()
         if upstream.response.status != 200:  # the request itself is refused: say so from here
-            self.fleet.handoff_failed(job.key)
-            self.metrics.handoff("fallback")
+            handoff.fell_back()
             return None
-        self.fleet.request_migrated(job.key, decode.instance_id)
+        handoff.moved()
         attempt.follow(decode)
         job.tried.add(decode.instance_id)
-        self.metrics.handoff("ok")
         log.debug("request %s prefilled on %s in %.3fs", job.key, prefill.instance_id,
                   time.perf_counter() - started)  # fmt: skip
         return address

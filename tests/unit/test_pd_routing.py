@@ -115,6 +115,10 @@ def _fleet() -> tuple[Fleet, ProxyMetrics]:
     return Fleet("kvherd", FleetSettings(block_size=BS), metrics), metrics
 
 
+def _outcome(fleet: Fleet, metrics: ProxyMetrics) -> pd.HandoffOutcome:
+    return pd.HandoffOutcome(fleet, metrics, "k", "d")
+
+
 def _count(metrics: ProxyMetrics, outcome: str) -> float:
     value = metrics.registry.get_sample_value("kvherd_pd_handoffs_total", {"outcome": outcome})
     return value or 0.0
@@ -128,7 +132,7 @@ async def test_watch_strips_the_handoff_line_split_across_chunks() -> None:
     )
     data = b"data: {}\n\n" + line + b'data: {"kvherd":{"migrated_to":"x"}}\n\n'
     for cut in (5, len(b"data: {}\n\n") + 3, len(b"data: {}\n\n") + 30, len(data) - 3):
-        out = [c async for c in pd.watch(_chunks(data[:cut], data[cut:]), fleet, metrics, "k", "d")]
+        out = [c async for c in pd.watch(_chunks(data[:cut], data[cut:]), _outcome(fleet, metrics))]
         assert b"".join(out) == data.replace(line, b"")
     assert _count(metrics, "ok") == 4
     blocks = metrics.registry.get_sample_value(
@@ -142,11 +146,31 @@ async def test_watch_counts_fallback_and_failed() -> None:
     fleet, metrics = _fleet()
     fallback = b': kvherd {"handoff":{"outcome":"fallback","reason":"dst_failed"}}\n'
     body = b"data: {}\n\ndata: [DONE]\n\n"
-    out = [c async for c in pd.watch(_chunks(fallback + body), fleet, metrics, "k", "d")]
+    out = [c async for c in pd.watch(_chunks(fallback + body), _outcome(fleet, metrics))]
     assert b"".join(out) == body
     assert _count(metrics, "fallback") == 1
     with pytest.raises(UpstreamError):
-        async for _ in pd.watch(_chunks(b"data: {}\n\n", error=True), fleet, metrics, "k", "d"):
+        async for _ in pd.watch(_chunks(b"data: {}\n\n", error=True), _outcome(fleet, metrics)):
             pass
     assert _count(metrics, "failed") == 1
     assert _count(metrics, "ok") == 0
+
+
+def test_a_handoff_is_settled_once_whatever_reports_it_later() -> None:
+    fleet, metrics = _fleet()
+    handoff = _outcome(fleet, metrics)
+    handoff.reported({"outcome": "fallback"})
+    handoff.moved()
+    handoff.failed()
+    handoff.reported({"outcome": "ok", "duration_s": 0.1})
+    assert (_count(metrics, "fallback"), _count(metrics, "ok"), _count(metrics, "failed")) == (
+        1, 0, 0,
+    )  # fmt: skip
+    unread = _outcome(fleet, metrics)
+    unread.reported("not a report")
+    unread.fell_back()
+    assert (_count(metrics, "fallback"), _count(metrics, "failed")) == (1, 1)
+    silent = _outcome(fleet, metrics)
+    silent.failed(counted=False)  # an error answer: not a failed handoff
+    silent.failed()
+    assert _count(metrics, "failed") == 1
