@@ -101,6 +101,7 @@ from scheduler.core.outliers import Health
 from scheduler.core.prefix_pull import PullAction, PullPeer, PullSettings, pull_peer
 from scheduler.core.prompt_book import PromptBook
 from scheduler.core.router import Routed, Router
+from scheduler.core.slow_start import SlowStart, SlowStartSettings
 from scheduler.core.ttft_model import TERMS
 from scheduler.fleet_health import FleetHealth
 from scheduler.kv_subscriber import KVEventSubscriber
@@ -199,6 +200,7 @@ class FleetSettings:
     prefix_pull: PullSettings | None = None  # pull long prefixes between agents (None: off)
     models_interval_s: float = 2.0  # how often each instance's /v1/models is read again
     handover: bool = True  # a leaving agent's prefixes are pulled by survivors (`handover`)
+    slow_start_s: float = 0.0  # a launched instance's traffic ramps over this long (0: at once)
 
 
 class Fleet:
@@ -232,8 +234,9 @@ class Fleet:
             raise FleetError(400, str(exc), "policy") from exc
         self.pd_policy_spec = pd_policy_spec
         self.router = Router(
-            self.cluster, policy, pd_policy, pull=settings.prefix_pull, peers=self._pull_peer
-        )
+            self.cluster, policy, pd_policy, pull=settings.prefix_pull, peers=self._pull_peer,
+            slow_start=SlowStart(SlowStartSettings(window_s=settings.slow_start_s)),
+        )  # fmt: skip
         self._handoffs: dict[str, str] = {}  # routing key -> its decode instance (P/D)
         self.truth = CacheTruth()  # engines' reported hits against the event index's claims
         self.prompts = PromptBook()  # tokens behind what vLLM servers cache (`scheduler.handover`)
@@ -816,6 +819,12 @@ class Fleet:
         """The decode instance `key` is handed to after its first token (P/D), if any."""
         decode_id = self._handoffs.get(key)
         return None if decode_id is None else self.instances.get(decode_id)
+
+    def ramp(self, instance_id: str) -> None:
+        """`instance_id` joined a serving fleet: its traffic ramps up (`scheduler.core.slow_start`,
+        with ``--slow-start``); a fleet's first instance does not ramp."""
+        if any(other != instance_id for other in self.instances):
+            self.router.slow_start.joined(instance_id, self.clock())
 
     def handoff_failed(self, key: str) -> None:
         """`key`'s P/D handoff fell back: it decodes where it was prefilled."""

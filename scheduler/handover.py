@@ -7,7 +7,8 @@ Contract:
   client)` (scale-out), before a new engine takes traffic: it pulls every peer's hottest prefixes,
   each peer's within an equal part of `share` of its own free blocks. `WarmUps.start(id)` holds a
   new engine out of routing (drained), when some peer caches anything, until its first load
-  report and its warm-up are done (or `timeout_s`), then lets it in unless it is leaving meanwhile.
+  report and its warm-up are done (or `timeout_s`), then lets it in unless it is leaving meanwhile,
+  its traffic ramped (`Fleet.ramp`, with ``--slow-start``).
 - A kvherd agent lists its prefixes hottest first (``GET /kvherd/v1/prefixes``; keyed chains, salt
   or adapter, are left); a vLLM server cannot, so its are the prompts the proxy routed to vLLM
   (`Fleet.prompts`, most recent first) as far as its KV events say it holds them. The prefix index
@@ -270,6 +271,7 @@ class WarmUps:
         index = fleet.cluster.prefix_index
         peers = _peers(fleet, instance_id, None, fleet.cluster.get(instance_id).block_size)
         if not any(index.num_blocks(p) for p in peers if p in index):
+            fleet.ramp(instance_id)
             return
         fleet.set_draining(instance_id, True)
         task = asyncio.create_task(self._warm(instance_id), name=f"kvherd-warm-up-{instance_id}")
@@ -292,3 +294,4 @@ class WarmUps:
             inst = fleet.instances.get(instance_id)
             if inst is not None and not inst.leaving:
                 fleet.set_draining(instance_id, False)
+                fleet.ramp(instance_id)

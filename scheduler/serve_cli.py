@@ -121,6 +121,14 @@ def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
         help="scale-in: do not have survivors pull a leaving agent's prefixes (they are lost)",
     )
     policy.add_argument(
+        "--slow-start",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="scale-out: ramp a launched instance's share of its batch slots from a quarter to "
+        "all over S seconds (0: at once, the default)",
+    )
+    policy.add_argument(
         "--pd-policy",
         default="kvherd",
         help="P/D pairing policy, used while some instance has role prefill or decode: "
@@ -695,6 +703,7 @@ async def serve_fleet(
         prefix_pull=prefix_pull,
         models_interval_s=args.models_interval,
         handover=not args.no_handover,
+        slow_start_s=args.slow_start,
     )
     lag = LoopLag()  # the proxy's loop lag: no deadline or probe blames an instance for it
     try:

@@ -140,6 +140,7 @@ from scheduler.core.model_index import UnknownModelError
 from scheduler.core.prefix_pull import PullAction, PullChoice
 from scheduler.core.rate_limit import RateLimits
 from scheduler.core.router import Router
+from scheduler.core.slow_start import SlowStart, SlowStartSettings
 from simulator.admission import SimAdmission
 from simulator.autoscale import SimAutoscaler
 from simulator.host_model import HostModel
@@ -201,6 +202,7 @@ class ClusterConfig:
     autoscale: AutoscaleSettings | None = None
     autoscale_interval_s: float = 1.0
     instance_start_s: float = 30.0
+    slow_start_s: float = 0.0  # an added instance's traffic ramps (`scheduler.core.slow_start`)
     routers: int = 1  # router replicas in front of the fleet (`simulator.routers`)
     peer_interval_s: float | None = None  # replicas exchange their charges this often (None: not)
 
@@ -312,10 +314,15 @@ class SimCluster:
             ClusterState(block_size=config.instance.block_size, approx_shards=1)
             for _ in range(config.routers)
         ]
+        ramp = SlowStartSettings(window_s=config.slow_start_s)
         routers = [
-            Router(state, copy.deepcopy(dispatch) if i else dispatch, copy.deepcopy(pd) if i else pd, pulls)
+            Router(
+                state, copy.deepcopy(dispatch) if i else dispatch, copy.deepcopy(pd) if i else pd,
+                pulls, slow_start=SlowStart(ramp),
+            )
             for i, state in enumerate(states)
-        ]
+        ]  # fmt: skip
+        self._routers = routers
         self.state = states[0]  # the fleet's view for what one process decides
         self.router: Router | RouterReplicas = routers[0]
         self.states: ClusterState | StateFanout = self.state  # membership and observations
@@ -477,6 +484,8 @@ class SimCluster:
         )
         for series in (self.load_samples, self.waiting_samples, self.kv_use_samples):
             series[instance_id] = [0] * len(self.load_times)
+        for router in self._routers:
+            router.slow_start.joined(instance_id, self.loop.now)
 
     def idle_instance(self, instance_id: str) -> bool:
         """Nothing runs, waits, migrates or pulls on it, and nothing is routed to it."""
@@ -492,6 +501,8 @@ class SimCluster:
     def remove_instance(self, instance_id: str) -> None:
         """Take an idle instance out of the fleet (its cache goes with it)."""
         self.states.remove_instance(instance_id)
+        for router in self._routers:
+            router.slow_start.left(instance_id)
         self.retired[instance_id] = self.instances.pop(instance_id)
 
     def has_requests_left(self) -> bool:

@@ -75,6 +75,7 @@ class SimSettings:
     models: FleetModels | None = None  # base models, adapter slots (a trace naming models)
     autoscale: AutoscaleSettings | None = None  # the autoscaler; None: a fixed fleet
     instance_start_s: float = 30.0  # an autoscaled instance's cold start
+    slow_start_s: float = 0.0  # an autoscaled instance's traffic ramps over this long (0: at once)
     routers: int = 1  # router replicas in front of the fleet, each with its own view
     peer_interval_s: float | None = None  # how often they exchange charges (None: never)
 
@@ -98,6 +99,7 @@ class SimSettings:
             models=self.models,
             autoscale=self.autoscale,
             instance_start_s=self.instance_start_s,
+            slow_start_s=self.slow_start_s,
             routers=self.routers,
             peer_interval_s=self.peer_interval_s,
         )

@@ -126,6 +126,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     scaling.add_argument(
         "--instance-start", type=float, default=30.0, help="an added instance's cold start (s)"
     )
+    scaling.add_argument(
+        "--slow-start",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="ramp an added instance's share of its batch slots from a quarter to all over S "
+        "seconds (0: at once, the default)",
+    )
     fleet = parser.add_argument_group("router and migration")
     fleet.add_argument(
         "--routers",
@@ -531,6 +539,9 @@ def run(args: argparse.Namespace) -> int:
         if not args.instance_start >= 0:
             return _fail("--instance-start must be a non-negative number")
         settings.instance_start_s = args.instance_start
+        if not args.slow_start >= 0:
+            return _fail("--slow-start must be a non-negative number")
+        settings.slow_start_s = args.slow_start
     if args.admission:
         (
             settings.admission,

@@ -32,6 +32,9 @@ Contract:
   (`RequestView.adapter`, counted on the chosen instance while in flight); `block_size` the
   model's (its chain's blocks; None: the cluster's); `slo_ttft_s` the TTFT the client asked for
   (`RequestView.slo_ttft_s`, for policies that route by predicted TTFT).
+- Slow start (`slow_start`, `scheduler.core.slow_start`; off by default): an instance ramping in
+  (`SlowStart.joined`) is left out of a request's candidates while its requests in flight reach
+  its ramped share of its batch slots, unless no other candidate has a free batch slot.
 - `choose(request, now, only)` asks the dispatch policy without routing (no charge, no record).
 - `NoInstanceError` when nothing is dispatchable. Pure: times are arguments, no I/O or threads;
   the proxy and the simulator drive the same object.
@@ -71,6 +74,7 @@ from policies.views import (
 from scheduler.core.cluster_state import ClusterState
 from scheduler.core.instance_state import Dispatch
 from scheduler.core.prefix_pull import PullAction, PullChoice, PullPeer, PullSettings, choose_pull
+from scheduler.core.slow_start import SlowStart
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,12 +100,14 @@ class Router:
         pd_policy: PDPolicy | None = None,
         pull: PullSettings | None = None,
         peers: Callable[[str], PullPeer] | None = None,
+        slow_start: SlowStart | None = None,
     ) -> None:
         self.cluster = cluster
         self.policy = policy
         self.pd_policy = pd_policy
         self.pull = pull
         self.peers = peers
+        self.slow_start = SlowStart() if slow_start is None else slow_start
         self._where: dict[str, str] = {}  # request id -> instance id
         self._decode_of: dict[str, str] = {}  # request id -> its decode instance, until handed
 
@@ -155,6 +161,8 @@ class Router:
             adapter,
             slo_ttft_s,
         )
+        if self.slow_start.ramping:
+            exclude = self._ramped(now, exclude, only)
         view = self.cluster.view(now, exclude, only)
         pair = self._pair(request, view, exclude)
         pull = None
@@ -249,6 +257,32 @@ class Router:
             self.cluster.touch(dst)
             self._where[request_id] = dst
 
+    def _ramped(
+        self, now: float, exclude: Collection[str], only: frozenset[str] | None
+    ) -> Collection[str]:
+        """`exclude` and the ramping instances at their share, while some other candidate has a
+        free batch slot (a ramp never queues a request behind full instances)."""
+        cluster = self.cluster
+        default_slots = self.slow_start.settings.default_slots
+
+        def requests(instance_id: str) -> int:
+            return cluster.get(instance_id).view().inflight if instance_id in cluster else 0
+
+        def slots(instance_id: str) -> int:
+            return cluster.get(instance_id).view().batch_slots if instance_id in cluster else 0
+
+        held = self.slow_start.held(now, requests, slots).difference(exclude)
+        if not held:
+            return exclude
+        wider = {*exclude, *held}
+        for instance_id, state in cluster.instances.items():
+            if instance_id in wider or (only is not None and instance_id not in only):
+                continue
+            view = state.view()
+            if view.dispatchable and view.inflight < (view.batch_slots or default_slots):
+                return wider
+        return exclude
+
     def on_handoff_failed(self, request_id: str) -> None:
         """The request's P/D handoff is off (it decodes where it was prefilled), or done."""
         decode_id = self._decode_of.pop(request_id, None)
@@ -259,6 +293,7 @@ class Router:
     def forget_instance(self, instance_id: str) -> list[str]:
         """Remove an instance; returns the requests that were in flight there."""
         orphans = self.cluster.remove_instance(instance_id)
+        self.slow_start.left(instance_id)
         for request_id in orphans:
             self._where.pop(request_id, None)
         return orphans

@@ -261,7 +261,9 @@ def build_admin_app(
         spec = _spec_from_body(await _json_body(request), allow)
         created = await fleet.add_instance(spec)
         if created and fleet.settings.handover and spec.kvherd_agent and spec.pull_address:
-            warm_ups.start(spec.instance_id)
+            warm_ups.start(spec.instance_id)  # ramped once warm
+        elif created:
+            fleet.ramp(spec.instance_id)
         return _json(fleet.describe_one(spec.instance_id), status=201 if created else 200)
 
     @app.post("/admin/v1/instances/{instance_id}/heartbeat")

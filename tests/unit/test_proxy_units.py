@@ -455,6 +455,87 @@ async def test_stream_dying_before_first_chunk_is_retried_elsewhere() -> None:
     assert retries >= 1  # round robin sent at least one request to the dying instance first
 
 
+async def test_slow_start_holds_a_ramping_instance_to_its_share_through_the_proxy() -> None:
+    """``--slow-start``: an instance that joined a serving fleet (`Fleet.ramp`) takes a quarter of
+    its 8 batch slots at first; round robin would give it half of 8 concurrent streams."""
+    import argparse
+
+    import httpx
+    from agent_process import free_port
+
+    from scheduler.fleet import Fleet
+    from scheduler.serve_cli import add_arguments, serve_fleet
+
+    release = asyncio.Event()
+    got: dict[str, int] = {"old": 0, "new": 0}
+    sse = b'data: {"choices":[{"index":0,"text":"ok"}]}\n\n'
+
+    def backend(name: str) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+                while True:
+                    body = await _read_request(reader)
+                    if b"prompt" not in body:  # a probe (models, health): not served here
+                        writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+                        await writer.drain()
+                        continue
+                    got[name] += 1
+                    writer.write(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                        b"transfer-encoding: chunked\r\n\r\n"
+                    )
+                    await writer.drain()
+                    await release.wait()  # in flight until the test lets it end
+                    for piece in (sse, b"data: [DONE]\n\n"):
+                        writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                    writer.write(b"0\r\n\r\n")
+                    await writer.drain()
+
+        return handle
+
+    async with tcp_server(backend("old")) as old, tcp_server(backend("new")) as new:
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        port = free_port()
+        args = parser.parse_args(
+            ["--port", str(port), "--admin-port", str(free_port()), "--admin-token", "t",
+             "--policy", "round_robin", "--slow-start", "600",
+             "--instance", f"{old},id=old,max_num_seqs=8",
+             "--instance", f"{new},id=new,max_num_seqs=8", "--log-level", "error",
+             "--health-interval", "60"]
+        )  # fmt: skip
+        stop = asyncio.Event()
+        ready = asyncio.Event()
+
+        async def on_ready(fleet: Fleet) -> None:
+            fleet.ramp("new")
+            ready.set()
+
+        task = asyncio.create_task(
+            serve_fleet(args, on_ready=on_ready, stop=stop, handle_signals=False)
+        )
+        await asyncio.wait_for(ready.wait(), 30)
+        async with httpx.AsyncClient(timeout=30) as client:
+
+            async def one(i: int) -> httpx.Response:
+                return await client.post(
+                    f"http://127.0.0.1:{port}/v1/completions",
+                    json={"prompt": f"p{i}", "stream": True},
+                )
+
+            sent = []
+            for i in range(8):
+                sent.append(asyncio.create_task(one(i)))
+                while sum(got.values()) <= i:  # one at a time: each routed on the last's charge
+                    await asyncio.sleep(0.01)
+            assert got == {"old": 6, "new": 2}
+            release.set()
+            responses = await asyncio.gather(*sent)
+        stop.set()
+        assert await task == 0
+    assert [r.status_code for r in responses] == [200] * 8
+
+
 # -- live migration driver ---------------------------------------------------------------------------
 async def test_migration_driver_sends_orders_and_moves_charges() -> None:
     """The source agent's documented ``POST /kvherd/v1/migrate`` contract, served over a real
