@@ -527,6 +527,8 @@ def run(args: argparse.Namespace) -> int:
         if not args.peer_interval_ms > 0:
             return _fail("--peer-interval-ms must be positive")
         settings.peer_interval_s = args.peer_interval_ms / 1000.0
+    if scale_range is None and args.slow_start:
+        return _fail("--slow-start ramps instances the autoscaler adds: it needs --autoscale")
     if scale_range is not None:
         from scheduler.core.autoscale import AutoscaleSettings
 
