@@ -262,25 +262,21 @@ class Router:
     ) -> Collection[str]:
         """`exclude` and the ramping instances at their share, while some other candidate has a
         free batch slot (a ramp never queues a request behind full instances)."""
-        cluster = self.cluster
-        default_slots = self.slow_start.settings.default_slots
+        view = self.cluster.view(now, exclude, only)
 
         def requests(instance_id: str) -> int:
-            return cluster.get(instance_id).view().inflight if instance_id in cluster else 0
+            return view[instance_id].inflight if instance_id in view else 0
 
         def slots(instance_id: str) -> int:
-            return cluster.get(instance_id).view().batch_slots if instance_id in cluster else 0
+            return view[instance_id].batch_slots if instance_id in view else 0
 
         held = self.slow_start.held(now, requests, slots).difference(exclude)
         if not held:
             return exclude
-        wider = {*exclude, *held}
-        for instance_id, state in cluster.instances.items():
-            if instance_id in wider or (only is not None and instance_id not in only):
-                continue
-            view = state.view()
-            if view.dispatchable and view.inflight < (view.batch_slots or default_slots):
-                return wider
+        default_slots = self.slow_start.settings.default_slots
+        for inst in view.dispatchable:  # excluded ones and those of other models are not
+            if inst.instance_id not in held and inst.inflight < (inst.batch_slots or default_slots):
+                return {*exclude, *held}
         return exclude
 
     def on_handoff_failed(self, request_id: str) -> None:

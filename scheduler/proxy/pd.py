@@ -123,10 +123,9 @@ def _partial_marker(data: bytes) -> int:
 async def watch(chunks: AsyncIterator[bytes], handoff: HandoffOutcome) -> AsyncIterator[bytes]:
     """The prefill instance's stream without its handoff line (see the module contract)."""
     held = b""
-    resolved = False
     try:
         async for chunk in chunks:
-            if resolved:
+            if handoff.settled:  # the line was read: the rest passes through
                 yield chunk
                 continue
             data = held + chunk if held else chunk
@@ -140,7 +139,7 @@ async def watch(chunks: AsyncIterator[bytes], handoff: HandoffOutcome) -> AsyncI
                 if end < 0:  # the line goes on in the next chunk
                     held, out = data[at:], data[:at]
                 else:
-                    held, resolved = b"", True
+                    held = b""
                     try:
                         report = orjson.loads(data[at + len(wire.LEDGER_PREFIX) : end])
                         report = report["handoff"]
@@ -152,7 +151,7 @@ async def watch(chunks: AsyncIterator[bytes], handoff: HandoffOutcome) -> AsyncI
                 yield out
         if held:
             yield held
-        handoff.failed()  # a no-op once resolved
+        handoff.failed()  # a no-op once the line was read
     except UpstreamError:
         handoff.failed()
         raise
